@@ -1,0 +1,212 @@
+"""Typed packed-sequence metadata for neat sequence packing (the seed API).
+
+Neat packing encodes document boundaries in an indexed map ``[B, S]`` where each position holds the 1-based
+document index it belongs to (0 = padding), e.g. ``[1, 1, 2, 2, 2, 0]``. This module turns that map into typed
+metadata that drives HuggingFace's varlen FlashAttention path via
+``transformers.modeling_flash_attention_utils.FlashAttentionKwargs``
+(``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
+
+Why ``cu_seqlens`` spans padding: HF's varlen path reshapes ``[B, S, ...]`` to ``[B * S, ...]`` *without* unpadding
+(the ``is_fa_with_varlen_kwargs`` branch of ``_flash_attention_forward``). ``cu_seqlens`` therefore covers the whole
+flattened batch, padding runs included (each padding run is a segment of its own, so padding attends only to
+padding, which is harmless because padding labels are ignored).
+
+Why a boundary at every row start: once the batch is flattened, a document that fills the end of one row and the
+first document of the next row would otherwise merge into one segment when they share an index (ids restart at 1 in
+every row, so this is the common case).
+
+Runs, not ids, make segments: an index that comes back later in a row after another document (``[1, 1, 2, 1]``)
+gives a new segment; it is not an error. Empty maps (``B == 0`` or ``S == 0``) are allowed and give
+``cu_seqlens == [0]`` and ``max_seqlen == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PackedSeqParams", "packed_seq_params_from_doc_ids", "to_flash_attention_kwargs"]
+
+_INT32_MAX = 2**31 - 1
+
+_INTEGER_DTYPES = {
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _INTEGER_DTYPES.add(getattr(torch, _name))
+
+
+@dataclass(frozen=True)
+class PackedSeqParams:
+    """Packed-sequence metadata derived from a neat-packing document map.
+
+    Attributes:
+        cu_seqlens: int32 ``[num_segments + 1]``. Cumulative token counts over the flattened ``[B * S]`` axis,
+            padding runs included, so ``cu_seqlens[-1] == B * S``. Segment k spans flat positions
+            ``[cu_seqlens[k], cu_seqlens[k + 1])``. Same device as ``doc_ids``.
+        max_seqlen: length of the longest segment (padding runs count), sized for the varlen kernel.
+        doc_ids: ``[B, S]`` integer tensor, the 1-based document index per token (0 = padding), preserved unchanged
+            for loss functions and context-parallel consumers.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    doc_ids: torch.Tensor
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def total_tokens(self) -> int:
+        """``T = B * S``, the length of the flattened stream."""
+        return int(self.doc_ids.numel())
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """int32 ``[num_segments]``: the length of every segment."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+
+def _check_doc_ids(doc_ids: Any) -> None:
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(
+            f"doc_ids must be a torch.Tensor of shape [batch, sequence], got {type(doc_ids).__name__}; "
+            "wrap it with torch.as_tensor(...)"
+        )
+    if doc_ids.dim() != 2:
+        raise ValueError(
+            f"doc_ids must be 2-D [batch, sequence], got shape {tuple(doc_ids.shape)}; "
+            "add a batch dimension with doc_ids.unsqueeze(0) for a single row"
+        )
+    if doc_ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(
+            f"doc_ids must have an integer dtype (1-based document index, 0 = padding), got {doc_ids.dtype}; "
+            "convert with doc_ids.to(torch.int32)"
+        )
+    if doc_ids.numel() > _INT32_MAX:
+        raise ValueError(
+            f"doc_ids has {doc_ids.numel()} tokens, more than int32 cu_seqlens can index ({_INT32_MAX}); "
+            "split the batch"
+        )
+
+
+def _raise_negative(min_value: int) -> None:
+    raise ValueError(
+        f"doc_ids holds a negative document index ({min_value}); indices are 1-based with 0 for padding"
+    )
+
+
+def _from_doc_ids_numpy(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """CPU path: zero-copy NumPy view; ``not_equal`` + ``flatnonzero`` run near memory bandwidth."""
+    B, S = doc_ids.shape
+    flat = doc_ids.contiguous().view(-1).numpy()
+    if flat.dtype.kind == "i":
+        lo = int(flat.min())
+        if lo < 0:
+            _raise_negative(lo)
+    change = np.not_equal(flat[1:], flat[:-1])  # [T-1]; change[i] marks a boundary at i + 1
+    change[S - 1 :: S] = True  # a boundary at every row start (flat positions S, 2S, ...)
+    starts = np.flatnonzero(change)
+    cu = np.empty(starts.size + 2, dtype=np.int32)
+    cu[0] = 0
+    np.add(starts, 1, out=cu[1:-1], casting="unsafe")
+    cu[-1] = B * S
+    max_seqlen = int(np.diff(cu).max())
+    return torch.from_numpy(cu), max_seqlen
+
+
+def _from_doc_ids_torch(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Device path (CUDA and others): sync-free up to a single host sync.
+
+    ``max_seqlen`` (an int the kernel needs), the segment count (the size of ``cu_seqlens``) and the sign check
+    are read back together in ONE ``.tolist()``; ``nonzero_static`` then builds ``cu_seqlens`` without a second sync.
+    """
+    B, S = doc_ids.shape
+    T = B * S
+    device = doc_ids.device
+    flat = doc_ids.reshape(-1)
+    is_start = torch.empty(T, dtype=torch.bool, device=device)
+    is_start[0] = True
+    torch.ne(flat[1:], flat[:-1], out=is_start[1:])
+    is_start[::S] = True
+    pos = torch.arange(T, device=device, dtype=torch.int64)
+    # Start of the run that holds each token, then the run length so far: its max is the longest segment.
+    run_start = torch.where(is_start, pos, torch.zeros_like(pos)).cummax(0).values
+    longest = (pos - run_start).max() + 1
+    lo = flat.min().to(torch.int64) if flat.dtype.is_signed else torch.zeros((), dtype=torch.int64, device=device)
+    num_segments, max_seqlen, min_value = torch.stack([is_start.sum(), longest, lo]).tolist()  # the one host sync
+    if min_value < 0:
+        _raise_negative(min_value)
+    starts = torch.nonzero_static(is_start, size=num_segments).view(-1)
+    cu = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
+    cu[:-1] = starts
+    cu[-1] = T
+    return cu, int(max_seqlen)
+
+
+def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
+    """Build packed-sequence metadata from a neat-packing document map.
+
+    Segments are maximal runs of an identical document index within a row, plus a forced boundary at every row
+    start. Padding runs (index 0) become their own segments so ``cu_seqlens`` covers the full flattened
+    ``[B * S]`` axis that the varlen flash-attention path consumes without unpadding.
+
+    Args:
+        doc_ids: integer tensor ``[B, S]`` (any integer dtype, CPU or CUDA): the 1-based document index per token,
+            0 for padding.
+
+    Returns:
+        ``PackedSeqParams`` with int32 ``cu_seqlens`` ``[num_segments + 1]`` on ``doc_ids.device``, the int
+        ``max_seqlen``, and ``doc_ids`` itself (unchanged, not copied).
+
+    Raises:
+        TypeError: ``doc_ids`` is not a tensor, or has a float / bool dtype.
+        ValueError: not 2-D, a negative index, or more than ``2**31 - 1`` tokens.
+
+    Cost: one pass over the map on CPU (NumPy view). On CUDA exactly one host sync (``max_seqlen`` and the
+    segment count are read back together).
+    """
+    _check_doc_ids(doc_ids)
+    B, S = doc_ids.shape
+    if B == 0 or S == 0:
+        return PackedSeqParams(torch.zeros(1, dtype=torch.int32, device=doc_ids.device), 0, doc_ids)
+    if doc_ids.device.type == "cpu":
+        cu, max_seqlen = _from_doc_ids_numpy(doc_ids)
+    else:
+        cu, max_seqlen = _from_doc_ids_torch(doc_ids)
+    return PackedSeqParams(cu_seqlens=cu, max_seqlen=max_seqlen, doc_ids=doc_ids)
+
+
+def to_flash_attention_kwargs(params: Any) -> dict[str, torch.Tensor | int]:
+    """Convert packed-sequence params to HuggingFace ``FlashAttentionKwargs``.
+
+    For ``PackedSeqParams`` (the whole batch, no context parallelism) query and key share one layout
+    (self-attention), so the q and k entries are equal: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` are the same int32
+    ``cu_seqlens`` tensor and ``max_length_q`` / ``max_length_k`` the same int.
+
+    A context-parallel shard (``cp_packing.ShardedPackedSeqParams``) is accepted too: it returns the kwargs of its
+    local tokens (query side) and, where its layout gathers keys, the key-side metadata.
+    """
+    if isinstance(params, PackedSeqParams):
+        return {
+            "cu_seq_lens_q": params.cu_seqlens,
+            "cu_seq_lens_k": params.cu_seqlens,
+            "max_length_q": params.max_seqlen,
+            "max_length_k": params.max_seqlen,
+        }
+    method = getattr(params, "flash_attention_kwargs", None)
+    if callable(method):
+        return method()
+    raise TypeError(
+        f"to_flash_attention_kwargs expects PackedSeqParams or ShardedPackedSeqParams, got {type(params).__name__}; "
+        "build one with packed_seq_params_from_doc_ids(doc_ids)"
+    )
