@@ -1,0 +1,66 @@
+"""Random neat-packing doc maps for tests: hypothesis strategies and a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+
+@st.composite
+def doc_maps(draw, max_b: int = 3, max_s: int = 48, multiple: int = 1, max_doc_len: int = 12, pad_p: float = 0.2):
+    """A ``[B, S]`` int64 doc map: runs of random length, ids counting up per row (sometimes reused), padding (0)
+    anywhere. With ``multiple > 1`` every run (padding too) has a length that is a multiple of it."""
+    B = draw(st.integers(1, max_b))
+    n_units = draw(st.integers(1, max(1, max_s // multiple)))
+    S = n_units * multiple
+    rows = []
+    for _ in range(B):
+        row: list[int] = []
+        doc = 1
+        while len(row) < S:
+            units = draw(st.integers(1, max(1, max_doc_len // multiple)))
+            length = min(units * multiple, S - len(row))
+            kind = draw(st.sampled_from(["doc", "doc", "doc", "pad", "reuse"]))
+            if kind == "pad" or (kind == "reuse" and doc == 1):
+                value = 0
+            elif kind == "reuse":
+                value = draw(st.integers(1, doc))
+            else:
+                value = doc
+                doc += 1
+            # a run must differ from its left neighbour, or it would merge into it
+            if row and row[-1] == value:
+                value = doc
+                doc += 1
+            row += [value] * length
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def random_doc_map(B: int, S: int, *, seed: int = 0, mean_len: float = 8.0, pad_tail: float = 0.1) -> torch.Tensor:
+    """Seeded ``[B, S]`` int64 map with lognormal document lengths and a padded row tail."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        limit = S - int(S * pad_tail * torch.rand((), generator=g))
+        pos, doc = 0, 1
+        while pos < limit:
+            length = int(torch.empty(()).log_normal_(float(torch.log(torch.tensor(mean_len))), 1.0, generator=g)) + 1
+            out[b, pos : min(limit, pos + length)] = doc
+            pos += length
+            doc += 1
+    return out
+
+
+def segments_of(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """Plain-Python reference segmentation: ``(start, end)`` flat ranges, runs within a row."""
+    B, S = doc_ids.shape
+    out = []
+    rows = doc_ids.tolist()
+    for b in range(B):
+        start = 0
+        for s in range(1, S + 1):
+            if s == S or rows[b][s] != rows[b][s - 1]:
+                out.append((b * S + start, b * S + s))
+                start = s
+    return out

@@ -1,0 +1,267 @@
+"""Sharding: every token on exactly one rank, exact shard/unshard, metadata in the consumers' conventions, and
+causal attention from each rank's local metadata equal to full per-segment attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
+from cp_packing.sharding import (
+    ShardedPackedSeqParams,
+    ring_flash_attn_kwargs,
+    shard_packed_seq_params,
+    transformer_engine_kwargs,
+)
+from tests.maps import doc_maps, segments_of
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CP_SIZES = [1, 2, 3, 4, 8]
+
+
+def _maps_for(layout: str):
+    """(doc map, cp) pairs valid for the layout."""
+
+    @st.composite
+    def strat(draw):
+        cp = draw(st.sampled_from(CP_SIZES))
+        if layout == "zigzag":
+            return draw(doc_maps(multiple=2 * cp, max_s=8 * 2 * cp)), cp
+        doc_ids = draw(doc_maps(max_s=40))
+        B, S = doc_ids.shape
+        S2 = math.ceil(S / cp) * cp  # make B*S a multiple of cp by padding rows
+        out = torch.zeros(B, S2, dtype=doc_ids.dtype)
+        out[:, :S] = doc_ids
+        return out, cp
+
+    return strat()
+
+
+def _shards(doc_ids, cp, layout):
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    return params, [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout=layout) for r in range(cp)]
+
+
+def _reference_positions(doc_ids):
+    pos = torch.zeros(doc_ids.numel(), dtype=torch.int64)
+    for start, end in segments_of(doc_ids):
+        pos[start:end] = torch.arange(end - start)
+    return pos
+
+
+def _reference_zigzag_index(doc_ids, cp, rank):
+    out = []
+    for start, end in segments_of(doc_ids):
+        c = (end - start) // (2 * cp)
+        for chunk in (rank, 2 * cp - 1 - rank):
+            out += range(start + chunk * c, start + (chunk + 1) * c)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_partition_and_roundtrip(layout):
+    @SETTINGS
+    @given(_maps_for(layout))
+    def check(case):
+        doc_ids, cp = case
+        params, shards = _shards(doc_ids, cp, layout)
+        T = doc_ids.numel()
+        # every global token on exactly one rank, the same count everywhere
+        assert all(s.num_local_tokens == T // cp for s in shards)
+        allidx = torch.cat([s.token_index for s in shards])
+        assert torch.equal(allidx.sort().values, torch.arange(T))
+        # local doc ids and positions are the global ones at token_index
+        ref_pos = _reference_positions(doc_ids)
+        for s in shards:
+            assert torch.equal(s.doc_ids, doc_ids.reshape(-1)[s.token_index])
+            assert torch.equal(s.position_ids, ref_pos[s.token_index])
+        # shard -> unshard is the identity, for [B, S] and [B, S, ...] and flat inputs
+        x = torch.randn(*doc_ids.shape, 3)
+        assert torch.equal(shards[0].unshard([s.shard(x) for s in shards]), x)
+        assert torch.equal(shards[0].unshard([s.shard(doc_ids.reshape(-1)) for s in shards]), doc_ids)
+
+    check()
+
+
+@SETTINGS
+@given(_maps_for("zigzag"))
+def test_zigzag_placement_and_metadata(case):
+    doc_ids, cp = case
+    params, shards = _shards(doc_ids, cp, "zigzag")
+    for r, s in enumerate(shards):
+        assert torch.equal(s.token_index, _reference_zigzag_index(doc_ids, cp, r))
+        # ring-flash-attn zigzag varlen / TE THD convention
+        assert s.cu_seqlens.dtype == torch.int32
+        assert torch.equal(s.cu_seqlens, params.cu_seqlens // cp)
+        assert s.max_seqlen == params.max_seqlen // cp
+        kw = ring_flash_attn_kwargs(s)
+        assert set(kw) == {"cu_seqlens", "max_seqlen"}
+        fa = to_flash_attention_kwargs(s)
+        assert fa["cu_seq_lens_q"] is s.cu_seqlens and fa["max_length_k"] == s.max_seqlen
+        te = transformer_engine_kwargs(s)
+        assert te["cu_seqlens_q"] is params.cu_seqlens
+
+
+@SETTINGS
+@given(_maps_for("contiguous"))
+def test_contiguous_placement_and_metadata(case):
+    doc_ids, cp = case
+    params, shards = _shards(doc_ids, cp, "contiguous")
+    T_local = doc_ids.numel() // cp
+    for r, s in enumerate(shards):
+        assert torch.equal(s.token_index, torch.arange(r * T_local, (r + 1) * T_local))
+        assert s.cu_seqlens.dtype == torch.int32 and s.cu_seqlens_k.dtype == torch.int32
+        assert int(s.cu_seqlens[-1]) == T_local
+        assert s.local_k_slice.stop == (r + 1) * T_local
+        assert int(s.cu_seqlens_k[-1]) == s.local_k_slice.stop - s.local_k_slice.start
+        fa = to_flash_attention_kwargs(s)
+        assert fa["cu_seq_lens_k"] is s.cu_seqlens_k and fa["max_length_k"] == s.max_seqlen_k
+
+
+def test_contiguous_matches_llama3_worked_example():
+    """DESIGN.md: llama3_flash_attn_prepare_cu_seqlens([0,7,14,16], True, rank=1, world_size=4)."""
+    doc_ids = torch.tensor([[1] * 7 + [2] * 7 + [3] * 2])
+    s = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc_ids), cp_size=4, cp_rank=1, layout="contiguous")
+    kw = ring_flash_attn_kwargs(s)
+    assert kw["cu_seqlens_q"].tolist() == [0, 3, 4]
+    assert kw["cu_seqlens_k"].tolist() == [0, 7, 8]
+    assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (3, 7)
+    assert kw["local_k_slice"] == slice(0, 8)
+
+
+def test_contiguous_equals_real_llama3_prepare(ring_flash_attn):
+    """The metadata equals what ring-flash-attn's own llama3_flash_attn_prepare_cu_seqlens returns."""
+    prepare = ring_flash_attn.llama3_flash_attn_prepare_cu_seqlens
+
+    @SETTINGS
+    @given(_maps_for("contiguous"))
+    def check(case):
+        doc_ids, cp = case
+        params, shards = _shards(doc_ids, cp, "contiguous")
+        for r, s in enumerate(shards):
+            cu_q, cu_k, max_q, max_k, k_slice = prepare(params.cu_seqlens.clone(), True, r, cp)
+            kw = ring_flash_attn_kwargs(s)
+            assert kw["cu_seqlens_q"].tolist() == cu_q.tolist()
+            assert kw["cu_seqlens_k"].tolist() == cu_k.tolist()
+            assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (max_q, max_k)
+            assert kw["local_k_slice"] == k_slice
+
+    check()
+
+
+def _causal_attention(q, k, v):
+    """q [m, H, D], k/v [n, H, D], causal aligned bottom-right (query i sees keys j <= i + n - m)."""
+    m, n = q.shape[0], k.shape[0]
+    scores = torch.einsum("mhd,nhd->hmn", q, k) / math.sqrt(q.shape[-1])
+    mask = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
+
+
+def _full_attention(q, k, v, doc_ids):
+    out = torch.empty_like(q)
+    for start, end in segments_of(doc_ids):
+        out[start:end] = _causal_attention(q[start:end], k[start:end], v[start:end])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_local_metadata_attention_equals_full_attention(layout):
+    """Each rank runs causal attention from ITS metadata only (runs + key starts; keys gathered from all ranks):
+    the result equals full attention per segment, so no token attends across a document or a shard edge."""
+
+    @SETTINGS
+    @given(_maps_for(layout))
+    def check(case):
+        doc_ids, cp = case
+        T = doc_ids.numel()
+        g = torch.Generator().manual_seed(T)
+        q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        ref = _full_attention(q, k, v, doc_ids)
+        params, shards = _shards(doc_ids, cp, layout)
+        # the all-gather: every rank's k/v in rank order, put back in global order
+        k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
+        v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
+        for s in shards:
+            q_loc = s.shard(q)
+            out = torch.empty_like(q_loc)
+            cu = s.run_cu_seqlens.tolist()
+            for i, key_start in enumerate(s.run_key_start.tolist()):
+                run_end = int(s.token_index[cu[i + 1] - 1]) + 1
+                out[cu[i] : cu[i + 1]] = _causal_attention(
+                    q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
+                )
+            torch.testing.assert_close(out, ref[s.token_index])
+            if layout == "contiguous":  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
+                k_sl, v_sl = k_glob[s.local_k_slice], v_glob[s.local_k_slice]
+                cq, ck = s.cu_seqlens.tolist(), s.cu_seqlens_k.tolist()
+                out2 = torch.cat(
+                    [
+                        _causal_attention(q_loc[cq[i] : cq[i + 1]], k_sl[ck[i] : ck[i + 1]], v_sl[ck[i] : ck[i + 1]])
+                        for i in range(len(cq) - 1)
+                    ]
+                )
+                torch.testing.assert_close(out2, ref[s.token_index])
+
+    check()
+
+
+def test_zigzag_rejects_indivisible_segment_with_named_segment():
+    doc_ids = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 0]])  # segment 1: positions 4..6, length 3
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    with pytest.raises(ValueError, match=r"segment 1 \(positions 4\.\.6\) has length 3.*2\*cp_size=4.*pad_segments"):
+        shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="zigzag")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, pattern",
+    [
+        ({"cp_size": 0, "cp_rank": 0}, ValueError, "cp_size must be >= 1"),
+        ({"cp_size": 2.0, "cp_rank": 0}, TypeError, "cp_size must be an int"),
+        ({"cp_size": 2, "cp_rank": 2}, ValueError, r"cp_rank must be in \[0, cp_size=2\)"),
+        ({"cp_size": 2, "cp_rank": -1}, ValueError, "cp_rank must be in"),
+        ({"cp_size": 2, "cp_rank": True}, TypeError, "cp_rank must be an int"),
+        ({"cp_size": 2, "cp_rank": 0, "layout": "stripe"}, ValueError, "unknown layout 'stripe'"),
+        ({"cp_size": 3, "cp_rank": 0, "layout": "contiguous"}, ValueError, "T = B\\*S = 8 tokens, not a multiple of cp_size=3"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, pattern):
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]))
+    with pytest.raises(exc, match=pattern):
+        shard_packed_seq_params(params, **kwargs)
+
+
+def test_bad_params_and_tensors():
+    with pytest.raises(TypeError, match="PackedSeqParams"):
+        shard_packed_seq_params(torch.ones(2, 4), cp_size=2, cp_rank=0)
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]))
+    s = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    with pytest.raises(ValueError, match=r"shape \(3, 4\).*\[2, 4, \.\.\.\]"):
+        s.shard(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="cp_size=2 tensors"):
+        s.unshard([torch.zeros(4)])
+    with pytest.raises(ValueError, match=r"part 1 has shape \(3,\)"):
+        s.unshard([torch.zeros(4), torch.zeros(3)])
+    with pytest.raises(ValueError, match="no kernel for layout"):
+        ring_flash_attn_kwargs(_fake_layout(s, "balanced"))
+    with pytest.raises(ValueError, match="needs layout='zigzag'"):
+        transformer_engine_kwargs(s)
+
+
+def _fake_layout(s: ShardedPackedSeqParams, layout: str) -> ShardedPackedSeqParams:
+    import dataclasses
+
+    return dataclasses.replace(s, layout=layout)
+
+
+def test_sharded_is_frozen_and_deterministic():
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]))
+    a = shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="zigzag")
+    b = shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="zigzag")
+    assert torch.equal(a.token_index, b.token_index) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    with pytest.raises(Exception):
+        a.cp_rank = 0  # frozen
