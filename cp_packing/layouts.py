@@ -18,7 +18,7 @@ Layouts:
 * ``zigzag``: every segment (padding segments too) is cut into ``2*cp`` equal chunks; rank r holds chunks ``r``
   and ``2*cp-1-r`` of every segment, segment after segment (ring-flash-attn's zigzag varlen, TransformerEngine THD
   context parallelism). Needs every segment length to be a multiple of ``2*cp`` (see ``cp_packing.pad_segments``).
-* ``balanced``: see ``cp_packing.balance``; any placement with equal token counts that evens out causal cost.
+* ``balanced``: see ``cp_packing.planner``; any placement with equal token counts that evens out causal cost.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout:
         return _contiguous_runs(cu, total, cp_size, cp_rank)
     if layout == "zigzag":
         return _zigzag_runs(cu, cp_size, cp_rank)
-    from cp_packing.balance import balanced_runs  # pure index math, kept beside its cost model
+    from cp_packing.planner import balanced_runs  # pure index math; imported lazily (it is the larger module)
 
     return balanced_runs(cu, cp_size=cp_size, cp_rank=cp_rank)
 

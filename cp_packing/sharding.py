@@ -144,7 +144,8 @@ def shard_packed_seq_params(
         cp_size: context-parallel group size; ``B*S`` must be a multiple of it.
         cp_rank: this rank, in ``[0, cp_size)``.
         layout: ``"zigzag"`` (default; every segment a multiple of ``2*cp_size``, see ``pad_segments``),
-            ``"contiguous"`` or ``"balanced"``.
+            ``"contiguous"``, ``"balanced"``, or ``"auto"`` (per batch, the valid layout with the lowest busiest-rank
+            cost; the chosen name is in the result's ``layout``).
 
     Raises:
         TypeError: ``params`` is not ``PackedSeqParams``, or a non-int cp_size / cp_rank.
@@ -157,6 +158,10 @@ def shard_packed_seq_params(
             "packed_seq_params_from_doc_ids(doc_ids)"
         )
     check_cp(cp_size, cp_rank)
+    if layout == "auto":
+        from cp_packing.planner import choose_layout  # the cost model picks per batch
+
+        layout = choose_layout(params, cp_size=cp_size)
     check_layout(layout)
     cu = params.cu_seqlens.to(torch.int64)
     total = params.total_tokens
