@@ -1,0 +1,86 @@
+"""Time to build one rank's ShardedPackedSeqParams and to shard one [B, S] tensor, against a clone of the map.
+
+    python benchmarks/bench_sharding.py            # [8, 131072], cp in {2, 8, 16}, 1 thread
+    python benchmarks/bench_sharding.py --quick    # small smoke run
+
+The map has lognormal document lengths rounded up to a multiple of 32 (so zigzag is valid up to cp=16) and a padded
+row tail. Ratios are medians over repeats, measured in the same process as the clone baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+
+
+def make_map(B: int, S: int, *, seed: int = 0, multiple: int = 32, median: float = 600.0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    out = np.zeros((B, S), dtype=np.int32)
+    for b in range(B):
+        limit = S - multiple * int(rng.integers(0, max(1, S // (8 * multiple))))
+        pos, doc = 0, 1
+        while pos < limit:
+            length = int(np.ceil(rng.lognormal(np.log(median), 1.2) / multiple)) * multiple
+            length = min(length, limit - pos)
+            out[b, pos : pos + length] = doc
+            pos += length
+            doc += 1
+    return torch.from_numpy(out)
+
+
+def timeit(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 8, 16])
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "balanced"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="small map, few repeats (smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.seqlen, args.repeats, args.cp = 2, 4096, 3, [2, 4]
+    torch.set_num_threads(args.threads)
+
+    doc_ids = make_map(args.batch, args.seqlen)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    x = torch.randint(0, 32000, doc_ids.shape, dtype=torch.int64)  # e.g. input_ids
+    t_clone = timeit(lambda: doc_ids.clone(), args.repeats)
+    t_clone_x = timeit(lambda: x.clone(), args.repeats)
+    print(f"map [{args.batch}, {args.seqlen}] int32, {params.num_segments} segments, threads={args.threads}")
+    print(f"clone of the map: {t_clone * 1e3:.3f} ms; clone of an int64 [B,S] tensor: {t_clone_x * 1e3:.3f} ms")
+    print(f"{'layout':<11} {'cp':>3} {'build ms':>9} {'build/clone':>12} {'shard ms':>9} {'shard/clone':>12}")
+    for layout in args.layouts:
+        for cp in args.cp:
+            try:
+                shard_packed_seq_params(params, cp_size=cp, cp_rank=0, layout=layout)
+            except (ValueError, ImportError) as err:
+                print(f"{layout:<11} {cp:>3} skipped: {str(err)[:60]}")
+                continue
+            rank = cp // 2  # a middle rank
+            t_build = timeit(lambda: shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout),
+                             args.repeats)
+            sharded = shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout)
+            t_shard = timeit(lambda: sharded.shard(x), args.repeats)
+            print(f"{layout:<11} {cp:>3} {t_build * 1e3:>9.3f} {t_build / t_clone:>11.2f}x "
+                  f"{t_shard * 1e3:>9.3f} {t_shard / t_clone_x:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
