@@ -247,8 +247,10 @@ def transformer_engine_kwargs(sharded: ShardedPackedSeqParams) -> dict:
     """Keyword arguments for TransformerEngine ``DotProductAttention(qkv_format="thd")`` with context parallelism.
 
     TE's THD context parallelism uses the zigzag placement (chunks r and 2cp-1-r of every sequence) and takes the
-    GLOBAL ``cu_seqlens`` (it divides by the CP size itself) and asserts every sequence is a multiple of ``2*cp``.
-    Only ``layout="zigzag"`` matches it.
+    GLOBAL ``cu_seqlens`` (its THD path computes ``cu_seqlens_q // cp_size`` per step itself) and asserts every
+    sequence is a multiple of ``2*cp``. Only ``layout="zigzag"`` matches it. Padding lives inside segments here
+    (``pad_segments``), so the ``*_padded`` offsets equal the unpadded ones. q/k/v are this rank's
+    ``sharded.shard(...)`` tensors ``[T_local, H, D]``.
     """
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"expected ShardedPackedSeqParams, got {type(sharded).__name__}")
@@ -262,6 +264,8 @@ def transformer_engine_kwargs(sharded: ShardedPackedSeqParams) -> dict:
         "attn_mask_type": "padding_causal",
         "cu_seqlens_q": cu,
         "cu_seqlens_kv": cu,
+        "cu_seqlens_q_padded": cu,
+        "cu_seqlens_kv_padded": cu,
         "max_seqlen_q": sharded.global_params.max_seqlen,
         "max_seqlen_kv": sharded.global_params.max_seqlen,
     }
