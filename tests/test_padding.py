@@ -1,0 +1,381 @@
+"""Tests for cp_packing.padding: every segment becomes a multiple of m, real tokens compute the same thing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.padding import PaddedBatch, pad_segments
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+# ---------------------------------------------------------------- strategies and plain-Python references
+
+
+@st.composite
+def doc_maps(draw, max_b: int = 4, max_s: int = 14):
+    """``[B, S]`` maps built from runs of ids 0..3: padding anywhere, ids reused, B and S down to 1."""
+    B = draw(st.integers(1, max_b))
+    S = draw(st.integers(1, max_s))
+    rows = []
+    for _ in range(B):
+        row: list[int] = []
+        while len(row) < S:
+            value = draw(st.integers(0, 3))
+            row += [value] * draw(st.integers(1, 6))
+        rows.append(row[:S])
+    dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8]))
+    return torch.tensor(rows, dtype=dtype)
+
+
+def runs_of_row(row: list[int]) -> list[tuple[int, int, int]]:
+    """``(value, start, end)`` maximal runs of a row."""
+    out, start = [], 0
+    for s in range(1, len(row) + 1):
+        if s == len(row) or row[s] != row[s - 1]:
+            out.append((row[start], start, s))
+            start = s
+    return out
+
+
+def reference_layout(doc_ids: torch.Tensor, m: int):
+    """Independent per-row loop: the documented layout. Returns (rows of new doc ids, index rows, added, sep)."""
+    new_rows, index_rows, added, sep = [], [], 0, 0
+    for row in doc_ids.tolist():
+        runs = runs_of_row(row)
+        new, idx = [], [-1] * len(row)
+        for k, (value, start, end) in enumerate(runs):
+            if value != 0:
+                for s in range(start, end):
+                    idx[s] = len(new)
+                    new.append(value)
+                pad = math.ceil((end - start) / m) * m - (end - start)
+                new += [value] * pad
+                added += pad
+            elif 0 < k < len(runs) - 1 and runs[k - 1][0] == runs[k + 1][0]:
+                new += [0] * m
+                sep += m
+        new_rows.append(new)
+        index_rows.append(idx)
+    return new_rows, index_rows, added, sep
+
+
+def seglens(doc_ids: torch.Tensor) -> list[int]:
+    return packed_seq_params_from_doc_ids(doc_ids).seqlens.tolist()
+
+
+def causal_attention_per_segment(q, k, v, cu):
+    """Reference: causal softmax attention inside each ``[cu[i], cu[i+1])`` segment. q/k/v ``[T, H, D]``."""
+    out = torch.zeros_like(q)
+    cu = cu.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / math.sqrt(q.shape[-1])
+        mask = torch.ones(b - a, b - a, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", probs, v[a:b])
+    return out
+
+
+def relay_with_random_pads(batch: PaddedBatch, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Re-lay ``x`` ``[B, S, ...]`` with RANDOM values on every added token (pads must not matter)."""
+    Sp = batch.padded_length
+    B = x.shape[0]
+    noise = torch.randn(B, Sp, *x.shape[2:], generator=gen, dtype=x.dtype)
+    return torch.where(batch.is_pad.view(B, Sp, *([1] * (x.dim() - 2))), noise, batch.pad_tensor(x))
+
+
+def row_length_choice(draw, doc_ids, m):
+    """None, or a legal exact row length (the minimum or more)."""
+    new_rows, *_ = reference_layout(doc_ids, m)
+    need = max(len(r) for r in new_rows)
+    extra = draw(st.sampled_from([None, 0, 1, 2]))
+    return need, None if extra is None else need + extra * m
+
+
+# ---------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(doc_maps(), st.integers(1, 6), st.data())
+def test_every_segment_is_a_multiple_and_layout_matches_reference(doc_ids, m, data):
+    need, row_length = row_length_choice(data.draw, doc_ids, m)
+    out = pad_segments(doc_ids, m, row_length=row_length)
+    B, S = doc_ids.shape
+    Sp = out.padded_length
+    assert Sp % m == 0
+    assert Sp == (need if row_length is None else row_length)
+    assert all(L % m == 0 for L in seglens(out.doc_ids)), out.doc_ids
+    assert out.doc_ids.dtype == doc_ids.dtype and out.doc_ids.shape == (B, Sp)
+    # exactly the documented layout (independent loop), row-end padding up to S'
+    new_rows, index_rows, added, sep = reference_layout(doc_ids, m)
+    expected = torch.tensor([r + [0] * (Sp - len(r)) for r in new_rows], dtype=doc_ids.dtype).view(B, Sp)
+    assert torch.equal(out.doc_ids, expected)
+    expected_index = torch.tensor(
+        [[-1 if i < 0 else b * Sp + i for i in row] for b, row in enumerate(index_rows)], dtype=torch.int64
+    ).view(B, S)
+    assert torch.equal(out.index, expected_index)
+    # counts
+    real = int((doc_ids != 0).sum())
+    assert out.num_real_tokens == real
+    assert out.num_added_tokens == added
+    assert out.num_separator_tokens == sep
+    assert out.num_dropped_tokens == B * S - real
+    assert int((~out.is_pad).sum()) == real
+    assert out.overhead == (added / real if real else 0.0)
+    # segments of real tokens: no real token shares a segment with a token of another original segment
+    orig_seg = torch.repeat_interleave(
+        torch.arange(len(seglens(doc_ids))), torch.tensor(seglens(doc_ids), dtype=torch.int64)
+    )
+    new_seg = torch.repeat_interleave(
+        torch.arange(len(seglens(out.doc_ids))), torch.tensor(seglens(out.doc_ids), dtype=torch.int64)
+    )
+    real_mask = out.index.view(-1) >= 0
+    pairs = set(zip(orig_seg[real_mask].tolist(), new_seg[out.index.view(-1)[real_mask]].tolist()))
+    assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == len(pairs)  # a bijection of segments
+
+
+@SETTINGS
+@given(doc_maps(), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_real_tokens_keep_order_and_content(doc_ids, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, S = doc_ids.shape
+    pad = doc_ids == 0
+    tensors = {
+        "input_ids": torch.randint(1, 1000, (B, S), generator=g),
+        "labels": torch.randint(0, 1000, (B, S), generator=g).masked_fill(pad, -100),
+        "features": torch.randn(B, S, 2, 3, generator=g),
+        "mask": torch.rand(B, S, generator=g) > 0.5,
+    }
+    out = pad_segments(doc_ids, m, tensors)
+    real = ~pad
+    for name, x in tensors.items():
+        y = out.tensors[name]
+        assert y.shape == (B, out.padded_length, *x.shape[2:]) and y.dtype == x.dtype
+        back = out.unpad(y)
+        assert torch.equal(back[real], x[real]), name
+        assert not back[pad].any(), name  # original padding comes back as fill_value (0)
+        # added tokens: labels ignore_index, others 0
+        added = y[out.is_pad]
+        assert torch.equal(added, torch.full_like(added, -100 if name == "labels" else 0)), name
+    # doc map restricted to real tokens equals the original's real tokens, row by row, in order
+    for b in range(B):
+        assert torch.equal(out.doc_ids[b][~out.is_pad[b]], doc_ids[b][real[b]])
+        idx = out.index[b][real[b]]
+        assert torch.all(idx[1:] > idx[:-1])
+        assert torch.all(idx // out.padded_length == b)
+    # the flat [B*S'] and [1, B*S'] forms unpad the same way
+    ids = out.tensors["input_ids"]
+    assert torch.equal(out.unpad(ids.reshape(-1)), out.unpad(ids))
+    assert torch.equal(out.unpad(ids.reshape(1, -1), fill_value=-1)[real], tensors["input_ids"][real])
+
+
+@settings(max_examples=40, deadline=None)
+@given(doc_maps(max_b=3, max_s=12), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_causal_attention_of_real_tokens_unchanged(doc_ids, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, S = doc_ids.shape
+    H, D = 2, 4
+    q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    out = pad_segments(doc_ids, m)
+    qp, kp, vp = (relay_with_random_pads(out, x, g) for x in (q, k, v))
+    Sp = out.padded_length
+    ref = causal_attention_per_segment(
+        q.view(B * S, H, D), k.view(B * S, H, D), v.view(B * S, H, D), packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+    )
+    got = causal_attention_per_segment(
+        qp.view(B * Sp, H, D),
+        kp.view(B * Sp, H, D),
+        vp.view(B * Sp, H, D),
+        packed_seq_params_from_doc_ids(out.doc_ids).cu_seqlens,
+    )
+    real = (doc_ids != 0).view(-1)
+    back = out.unpad(got.view(B, Sp, H, D)).view(B * S, H, D)
+    torch.testing.assert_close(back[real], ref[real], atol=1e-5, rtol=0)
+
+
+@SETTINGS
+@given(doc_maps(), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_loss_unchanged(doc_ids, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, S = doc_ids.shape
+    V = 7
+    pad = doc_ids == 0
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels = labels.masked_fill(pad | (torch.rand(B, S, generator=g) < 0.2), -100)
+    logits = torch.randn(B, S, V, generator=g, dtype=torch.float64)
+    out = pad_segments(doc_ids, m, {"labels": labels})
+    logits_p = relay_with_random_pads(out, logits, g)
+    labels_p = out.tensors["labels"]
+    assert int((labels_p != -100).sum()) == int((labels != -100).sum())
+    if int((labels != -100).sum()) == 0:
+        return
+    before = torch.nn.functional.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)
+    after = torch.nn.functional.cross_entropy(logits_p.view(-1, V), labels_p.view(-1), ignore_index=-100)
+    torch.testing.assert_close(after, before, atol=1e-12, rtol=0)
+
+
+@SETTINGS
+@given(doc_maps(), st.integers(1, 5), st.integers(0, 50))
+def test_position_ids_continue_inside_documents(doc_ids, m, offset):
+    B, S = doc_ids.shape
+    # 0-based position inside each run, plus an offset (a document continued from an earlier row, say)
+    pos = torch.zeros(B, S, dtype=torch.int64)
+    for b, row in enumerate(doc_ids.tolist()):
+        for _, start, end in runs_of_row(row):
+            pos[b, start:end] = torch.arange(end - start) + offset
+    out = pad_segments(doc_ids, m, {"position_ids": pos.to(torch.int32)})
+    got = out.tensors["position_ids"]
+    assert got.dtype == torch.int32
+    assert torch.equal(out.unpad(got)[doc_ids != 0], pos.to(torch.int32)[doc_ids != 0])
+    # every output segment: a document counts on without a gap through its pads, padding counts from 0
+    for b, row in enumerate(out.doc_ids.tolist()):
+        for value, start, end in runs_of_row(row):
+            seg = got[b, start:end].to(torch.int64)
+            first = offset if value != 0 else 0
+            assert torch.equal(seg, torch.arange(end - start) + first), (row, got[b])
+
+
+def test_worked_example_by_hand():
+    # row 0: doc 1 (3 tokens), doc 2 (2 tokens), 3 padding; row 1: doc 1 (2), padding (1), doc 1 again (1), doc 2 (4)
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
+    labels = torch.tensor([[11, 12, -100, 21, -100, -100, -100, -100], [13, -100, -100, -100, 22, 23, 24, -100]])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 0, 0, 0, 1, 2, 3]])
+    out = pad_segments(doc_ids, 4, {"labels": labels, "position_ids": position_ids})
+    # m = 4: 3 -> 4 (+1), 2 -> 4 (+2); 2 -> 4 (+2), the 0 between two runs of doc 1 -> 4 separator tokens,
+    # 1 -> 4 (+3), 4 -> 4 (+0). Row contents 8 and 16, so S' = 16.
+    assert out.doc_ids.tolist() == [
+        [1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2],
+    ]
+    assert out.tensors["labels"].tolist() == [
+        [11, 12, -100, -100, 21, -100, -100, -100] + [-100] * 8,
+        [13, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, 22, 23, 24, -100],
+    ]
+    assert out.tensors["position_ids"].tolist() == [
+        [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3],
+    ]
+    assert out.index.tolist() == [[0, 1, 2, 4, 5, -1, -1, -1], [16, 17, -1, 24, 28, 29, 30, 31]]
+    assert out.num_real_tokens == 12  # 5 + 7
+    assert out.num_added_tokens == 1 + 2 + 2 + 3 + 0 == 8
+    assert out.num_separator_tokens == 4
+    assert out.num_dropped_tokens == 4
+    assert out.overhead == 8 / 12
+    assert int(out.is_pad.sum()) == 2 * 16 - 12
+    # with row_length the shape is fixed
+    assert pad_segments(doc_ids, 4, row_length=24).doc_ids.shape == (2, 24)
+
+
+def test_full_row_has_no_trailing_padding_and_all_padding_rows():
+    doc_ids = torch.tensor([[1, 1, 2, 2], [0, 0, 0, 0]])
+    out = pad_segments(doc_ids, 2)
+    assert out.doc_ids.tolist() == [[1, 1, 2, 2], [0, 0, 0, 0]]
+    assert seglens(out.doc_ids) == [2, 2, 4]
+    # all padding: nothing to keep, S' = 0 unless row_length says otherwise
+    empty = pad_segments(torch.zeros(2, 5, dtype=torch.int64), 4, {"labels": torch.full((2, 5), -100)})
+    assert empty.doc_ids.shape == (2, 0) and empty.tensors["labels"].shape == (2, 0)
+    assert empty.overhead == 0.0 and empty.num_dropped_tokens == 10
+    assert torch.equal(empty.unpad(empty.tensors["labels"], fill_value=-100), torch.full((2, 5), -100))
+    fixed = pad_segments(torch.zeros(2, 5, dtype=torch.int64), 4, {"position_ids": torch.zeros(2, 5)}, row_length=8)
+    assert fixed.doc_ids.tolist() == [[0] * 8] * 2
+    assert fixed.tensors["position_ids"].tolist() == [list(map(float, range(8)))] * 2
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_maps(shape):
+    doc_ids = torch.zeros(shape, dtype=torch.int64)
+    x = torch.zeros(*shape, 2)
+    out = pad_segments(doc_ids, 4, {"x": x, "labels": torch.zeros(shape, dtype=torch.int64) - 100})
+    assert out.doc_ids.shape == (shape[0], 0)
+    assert out.index.shape == shape
+    assert out.unpad(out.tensors["x"]).shape == (*shape, 2)
+    assert pad_segments(doc_ids, 4, row_length=4).doc_ids.shape == (shape[0], 4)
+
+
+def test_pad_values_and_pad_tensor_and_gradients():
+    doc_ids = torch.tensor([[1, 1, 1, 0]])
+    ids = torch.tensor([[5, 6, 7, 0]])
+    out = pad_segments(doc_ids, 2, {"input_ids": ids}, pad_values={"input_ids": 99})
+    assert out.tensors["input_ids"].tolist() == [[5, 6, 7, 99]]
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    laid = out.pad_tensor(w, fill_value=-1.0)
+    assert laid.tolist() == [[1.0, 2.0, 3.0, -1.0]]
+    back = out.unpad(laid * 2)
+    back.sum().backward()
+    assert w.grad.tolist() == [[2.0, 2.0, 2.0, 0.0]]  # gradients flow to real tokens only
+
+
+def test_output_works_with_zigzag_sharding():
+    sharding = pytest.importorskip("cp_packing.sharding")
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 3, 0, 0], [1] * 5 + [0] * 6])
+    cp = 2
+    out = pad_segments(doc_ids, 2 * cp)
+    params = packed_seq_params_from_doc_ids(out.doc_ids)
+    parts = [
+        sharding.shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="zigzag").token_index
+        for r in range(cp)
+    ]
+    assert sorted(torch.cat(parts).tolist()) == list(range(out.doc_ids.numel()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
+    tensors = {"labels": doc_ids.masked_fill(doc_ids == 0, -100), "position_ids": torch.arange(8).repeat(2, 1)}
+    cpu = pad_segments(doc_ids, 4, tensors)
+    gpu = pad_segments(doc_ids.cuda(), 4, {k: v.cuda() for k, v in tensors.items()})
+    assert torch.equal(gpu.doc_ids.cpu(), cpu.doc_ids) and torch.equal(gpu.index.cpu(), cpu.index)
+    for k in tensors:
+        assert torch.equal(gpu.tensors[k].cpu(), cpu.tensors[k])
+    assert gpu.num_added_tokens == cpu.num_added_tokens
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("multiple", [2.0, "4", None, True])
+def test_multiple_type_error(multiple):
+    with pytest.raises(TypeError, match="multiple must be a positive int"):
+        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple)
+
+
+@pytest.mark.parametrize("multiple", [0, -2])
+def test_multiple_value_error(multiple):
+    with pytest.raises(ValueError, match=f"multiple must be a positive int.*got {multiple}"):
+        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple)
+
+
+def test_bad_inputs():
+    doc_ids = torch.tensor([[1, 1, 2, 0]])
+    with pytest.raises(ValueError, match=r"tensors\['labels'\] has shape \(1, 3\).*\[1, 4, \.\.\.\]"):
+        pad_segments(doc_ids, 2, {"labels": torch.zeros(1, 3, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"tensors\['x'\] has shape \(4,\)"):
+        pad_segments(doc_ids, 2, {"x": torch.zeros(4)})
+    with pytest.raises(TypeError, match=r"tensors\['x'\] must be a torch.Tensor"):
+        pad_segments(doc_ids, 2, {"x": [[1, 2, 3, 4]]})
+    with pytest.raises(ValueError, match=r"tensors\['x'\] is on meta"):
+        pad_segments(doc_ids, 2, {"x": torch.zeros(1, 4, device="meta")})
+    with pytest.raises(ValueError, match=r"row_length=2 is too small.*needs 4"):
+        pad_segments(doc_ids, 2, row_length=2)
+    with pytest.raises(ValueError, match=r"row_length=6 is not a non-negative multiple of multiple=4; pass 8"):
+        pad_segments(doc_ids, 4, row_length=6)
+    with pytest.raises(ValueError, match=r"pad_values names \['lables'\]"):
+        pad_segments(doc_ids, 2, {"labels": torch.zeros(1, 4)}, pad_values={"lables": -100})
+    with pytest.raises(ValueError, match=r"tensors\['labels'\] has 1 label\(s\) other than ignore_index=-100"):
+        pad_segments(doc_ids, 2, {"labels": torch.tensor([[1, 2, 3, 4]])})
+    with pytest.raises(TypeError, match="label_keys must be a sequence of tensor names"):
+        pad_segments(doc_ids, 2, label_keys="labels")
+    with pytest.raises(ValueError, match="both label_keys and position_keys"):
+        pad_segments(doc_ids, 2, label_keys=("x",), position_keys=("x",))
+    with pytest.raises(TypeError, match="doc_ids must have an integer dtype"):  # the seed's check
+        pad_segments(doc_ids.float(), 2)
+    with pytest.raises(ValueError, match="negative document index"):
+        pad_segments(torch.tensor([[1, -1]]), 2)
+    with pytest.raises(ValueError, match=r"unpad expects a tensor of shape \[B, S', \.\.\.\] = \[1, 4"):
+        pad_segments(doc_ids, 2).unpad(torch.zeros(1, 3))
