@@ -106,20 +106,26 @@ def _raise_negative(min_value: int) -> None:
 
 
 def _from_doc_ids_numpy(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """CPU path: zero-copy NumPy view; ``not_equal`` + ``flatnonzero`` run near memory bandwidth."""
+    """CPU path: zero-copy NumPy view (a copy only for a non-contiguous map); two passes over the map.
+
+    ``not_equal`` of neighbours and ``flatnonzero`` run near memory bandwidth. The sign check costs no extra pass:
+    every segment is a run of one value, so the smallest index in the map is the smallest index found at a segment
+    start.
+    """
     B, S = doc_ids.shape
-    flat = doc_ids.contiguous().view(-1).numpy()
+    T = B * S
+    flat = doc_ids.contiguous().view(-1).numpy()  # [T]
+    change = np.not_equal(flat[1:], flat[:-1])  # [T-1] bool; change[i] marks a boundary at flat position i + 1
+    change[S - 1 :: S] = True  # a boundary at every row start (flat positions S, 2S, ...)
+    starts = np.flatnonzero(change)  # int64 [num_segments - 1]
+    cu = np.empty(starts.size + 2, dtype=np.int32)  # [num_segments + 1]
+    cu[0] = 0
+    np.add(starts, 1, out=cu[1:-1], casting="unsafe")  # exact: every value <= T <= 2**31 - 1
+    cu[-1] = T
     if flat.dtype.kind == "i":
-        lo = int(flat.min())
+        lo = int(flat[cu[:-1]].min())  # the value at every segment start (= every value in the map)
         if lo < 0:
             _raise_negative(lo)
-    change = np.not_equal(flat[1:], flat[:-1])  # [T-1]; change[i] marks a boundary at i + 1
-    change[S - 1 :: S] = True  # a boundary at every row start (flat positions S, 2S, ...)
-    starts = np.flatnonzero(change)
-    cu = np.empty(starts.size + 2, dtype=np.int32)
-    cu[0] = 0
-    np.add(starts, 1, out=cu[1:-1], casting="unsafe")
-    cu[-1] = B * S
     max_seqlen = int(np.diff(cu).max())
     return torch.from_numpy(cu), max_seqlen
 
@@ -172,8 +178,9 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         TypeError: ``doc_ids`` is not a tensor, or has a float / bool dtype.
         ValueError: not 2-D, a negative index, or more than ``2**31 - 1`` tokens.
 
-    Cost: one pass over the map on CPU (NumPy view). On CUDA exactly one host sync (``max_seqlen`` and the
-    segment count are read back together).
+    Cost: on CPU one pass over the map (NumPy view, a copy first only if it is not contiguous) and one over a
+    ``[B * S]`` bool mask of boundaries; the sign check reads only segment starts. On CUDA exactly one host sync
+    (``max_seqlen``, the segment count and the smallest index are read back together).
     """
     _check_doc_ids(doc_ids)
     B, S = doc_ids.shape
