@@ -1,0 +1,200 @@
+"""ring-flash-attn adapter: a robust import, and one call that routes a CP shard to the kernel of its layout.
+
+``import_ring_flash_attn()`` imports ring-flash-attn 0.1.8, whose package ``__init__`` also imports its
+HuggingFace adapter, and that adapter does ``from transformers.modeling_flash_attention_utils import
+is_flash_attn_greater_or_equal_2_10`` -- a name transformers >= 5.4 no longer exports there, so the whole package
+fails to import. Two workarounds were possible:
+
+* import the varlen submodules without running the package ``__init__`` (a hand-made, hollow ``ring_flash_attn``
+  package in ``sys.modules``): every later ``import ring_flash_attn`` in the process, the user's included, would
+  then see a package without its public names;
+* add the missing name back where the adapter looks for it (CHOSEN). It is one additive attribute, set only when
+  missing, holding ``transformers.utils``' own function of that name where it still exists (what transformers
+  < 5.4 re-exported), else ``True`` (the flag's value whenever ring-flash-attn can run at all, flash-attn >= 2.1).
+  The adapter only tests its truth, to decide whether to honour ``FLASH_ATTENTION_DETERMINISTIC``.
+  Nothing existing in transformers changes, and ring-flash-attn imports completely, HF adapter included.
+
+ring-flash-attn also needs ``flash_attn`` (GPU; tests use the pure-torch stand-in in ``tests/flash_attn_stub``)
+and ``transformers`` at import time; a missing one gives an ImportError that says what to install.
+
+``ring_attention(q, k, v, sharded, group=...)`` calls ``zigzag_ring_flash_attn_varlen_func`` for the zigzag layout
+and ``llama3_flash_attn_varlen_func`` for the contiguous layout, with ``ring_flash_attn_kwargs(sharded)``.
+Upstream bug it guards against: ring-flash-attn 0.1.8's zigzag (and ring) BACKWARD is wrong in float32. It starts
+its float32 accumulators with ``dq = dq_buffer.to(torch.float32)``, which for a float32 buffer returns the buffer
+itself, so the next block's kernel call overwrites the running sum (same for dk/dv). In bf16/fp16 ``.to`` copies
+and the result is right. So float32 + zigzag is refused. The llama3 (all-gather) backward writes each head group's
+gradients straight into fresh tensors and reduce-scatters them, without that aliasing; it is right in float32
+(checked against full attention in ``tests/test_ring_flash_attn.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["import_ring_flash_attn", "ring_attention"]
+
+_SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
+
+
+def _find_spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent that fails to import; a module set to None in sys.modules
+        return None
+
+
+def _restore_transformers_flag() -> None:
+    """Give ``transformers.modeling_flash_attention_utils`` back the flag that ring-flash-attn's adapter imports
+    (removed from there in transformers 5.4). Additive and idempotent: only set when missing."""
+    fa_utils = importlib.import_module("transformers.modeling_flash_attention_utils")
+    if not hasattr(fa_utils, _SHIM_NAME):
+        # transformers.utils still has the (deprecated) function in some 5.x releases: re-export it, as < 5.4 did.
+        setattr(fa_utils, _SHIM_NAME, getattr(importlib.import_module("transformers.utils"), _SHIM_NAME, True))
+
+
+def import_ring_flash_attn() -> ModuleType:
+    """Import and return the ``ring_flash_attn`` package (0.1.8 API), working around its transformers >= 5.4 import
+    failure (see module docstring).
+
+    Raises:
+        ImportError: ring-flash-attn, flash_attn or transformers is not installed; the message says what to install.
+    """
+    module = _loaded_ring_flash_attn()
+    if module is not None:
+        return module
+    if _find_spec("ring_flash_attn") is None:
+        raise ImportError(
+            "ring-flash-attn is not installed: pip install cp-packing[ring] (ring-flash-attn==0.1.8, which also "
+            "needs flash-attn on a CUDA machine and transformers); or use cp-packing's built-in all-gather attention"
+        )
+    if _find_spec("flash_attn") is None:
+        raise ImportError(
+            "ring-flash-attn imports flash_attn, which is not installed: pip install cp-packing[flash] (flash-attn, "
+            "CUDA only); on CPU use cp-packing's built-in all-gather attention"
+        )
+    if _find_spec("transformers") is None:
+        raise ImportError(
+            "ring-flash-attn imports transformers in its package __init__ (HF adapter), which is not installed: "
+            "pip install cp-packing[hf]"
+        )
+    _restore_transformers_flag()
+    return importlib.import_module("ring_flash_attn")
+
+
+def _loaded_ring_flash_attn() -> ModuleType | None:
+    module = sys.modules.get("ring_flash_attn")
+    if module is not None and hasattr(module, "zigzag_ring_flash_attn_varlen_func"):
+        return module
+    return None
+
+
+def _check_tensors(q: Any, k: Any, v: Any, sharded: Any) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T_local, heads, head_dim], got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must be [T_local, heads, head_dim], got shape {tuple(x.shape)}; squeeze the batch dim of "
+                "a [1, T_local, H, D] tensor with x[0]"
+            )
+        if x.shape[0] != sharded.num_local_tokens:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens but this CP shard holds T_local={sharded.num_local_tokens}; "
+                "shard it with sharded.shard(x)"
+            )
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: k and v must match and "
+            "share q's head_dim, and q's heads must be a multiple of k's (GQA)"
+        )
+
+
+def _check_group(group: Any, sharded: Any) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "ring_attention needs an initialised torch.distributed process group (the CP group); call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (size, rank) != (sharded.cp_size, sharded.cp_rank):
+        raise ValueError(
+            f"group has size {size} and this process is its rank {rank}, but the shard was built for "
+            f"cp_size={sharded.cp_size}, cp_rank={sharded.cp_rank}; pass the CP group (not the world group when "
+            "they differ) and shard with cp_rank=dist.get_rank(group)"
+        )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: Any,
+    *,
+    group: Any,
+    softmax_scale: float | None = None,
+    heads_k_stride: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of this rank's tokens over the whole packed batch, with ring-flash-attn.
+
+    Args:
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` (``H % H_kv == 0``), this rank's tokens in the order
+            of ``sharded.shard(...)``; fp16/bf16 (float32 only with the contiguous layout).
+        sharded: this rank's ``ShardedPackedSeqParams``; ``layout="zigzag"`` runs
+            ``zigzag_ring_flash_attn_varlen_func`` (KV passed around the ring), ``"contiguous"`` runs
+            ``llama3_flash_attn_varlen_func`` (KV all-gathered). Other layouts have no ring-flash-attn kernel.
+        group: the CP process group (``None`` = the default group); its size and this process's rank in it must
+            be the shard's ``cp_size`` / ``cp_rank``.
+        softmax_scale: default ``1 / sqrt(D)``.
+        heads_k_stride: llama3 only: key/value heads all-gathered per step (default all of them: one all-gather;
+            smaller values save memory). Must divide ``H_kv``.
+
+    Returns:
+        ``out [T_local, H, D]``, differentiable (ring-flash-attn's autograd functions).
+
+    Raises:
+        TypeError: float32 (or another unsupported dtype) with the zigzag layout; see the module docstring.
+        ValueError: shapes that do not match the shard, an unknown layout, a group that is not the shard's.
+        ImportError: ring-flash-attn / flash_attn / transformers missing (see ``import_ring_flash_attn``).
+    """
+    from cp_packing.sharding import ShardedPackedSeqParams, ring_flash_attn_kwargs
+
+    if not isinstance(sharded, ShardedPackedSeqParams):
+        raise TypeError(
+            f"sharded must be a ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
+            "shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
+        )
+    _check_tensors(q, k, v, sharded)
+    if sharded.layout not in ("zigzag", "contiguous"):
+        raise ValueError(
+            f"ring-flash-attn has no kernel for layout {sharded.layout!r}; shard with layout='zigzag' or "
+            "'contiguous', or use cp-packing's built-in all-gather attention for this layout"
+        )
+    if sharded.layout == "zigzag" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(
+            f"zigzag ring attention got {q.dtype}; ring-flash-attn 0.1.8's zigzag backward returns WRONG gradients "
+            "in float32 (its float32 accumulator aliases the kernel's output buffer, which the next step "
+            "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
+            "in float32) or cp-packing's built-in all-gather attention"
+        )
+    _check_group(group, sharded)
+    kwargs = ring_flash_attn_kwargs(sharded)
+    rfa = import_ring_flash_attn()
+    if sharded.layout == "zigzag":
+        return rfa.zigzag_ring_flash_attn_varlen_func(
+            q, k, v, softmax_scale=softmax_scale, causal=True, group=group, **kwargs
+        )
+    H_kv = k.shape[1]
+    stride = H_kv if heads_k_stride is None else heads_k_stride
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1 or H_kv % stride:
+        raise ValueError(f"heads_k_stride={heads_k_stride!r} must be a positive int dividing the {H_kv} k/v heads")
+    return rfa.llama3_flash_attn_varlen_func(
+        q, k, v, heads_k_stride=stride, softmax_scale=softmax_scale, causal=True, group=group, **kwargs
+    )
