@@ -283,7 +283,8 @@ def _prepare_batch(batch: Any, params: Any) -> tuple[PackedSeqParams, dict[str, 
     """Validate a batch dict (and build params from ``batch[DOC_IDS_KEY]`` when None). Local, no communication."""
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"batch must be a dict of per-token tensors [B, S, ...] (input_ids, labels, ...), got {type(batch).__name__}"
+            f"batch must be a dict of per-token tensors [B, S, ...] (input_ids, labels, ...), got "
+            f"{type(batch).__name__}"
         )
     for key, value in batch.items():
         if not isinstance(key, str):
@@ -333,8 +334,9 @@ def _encode_src(
         for i in _pack_order(specs):
             x = batch[specs[i][0]]
             n_features = _num_features(tuple(x.shape[2:]))
-            flat = x.reshape(B * S, n_features)  # [T, F]
-            per_rank = flat.index_select(0, order.to(x.device)).reshape(cp_size, T_local * n_features)  # [cp, T_local*F]
+            flat = x.reshape(B * S) if n_features == 1 else x.reshape(B * S, n_features)  # [T] or [T, F]
+            picked = flat.index_select(0, order.to(x.device))  # 1-D index_select is the fast kernel
+            per_rank = picked.reshape(cp_size, T_local * n_features)  # [cp, T_local * F]
             pieces.append(per_rank.contiguous().view(torch.uint8).to(device))  # [cp, T_local * F * itemsize]
         tokens = torch.cat(pieces, 1) if pieces else torch.zeros(cp_size, 0, dtype=torch.uint8, device=device)
         token_bytes = tokens.shape[1]
