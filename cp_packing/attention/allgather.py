@@ -1,0 +1,360 @@
+"""Built-in all-gather context-parallel attention (the Llama 3 idea), for every layout.
+
+Each CP rank holds ``T_local`` query tokens and the keys/values of the same tokens. The keys a local query needs
+are the global tokens of its segment up to itself (causal), and they may live on any rank. This backend
+
+1. all-gathers K and V over the CP group: ``[cp * T_local, H_kv, D]`` each, in rank-major order (rank r's local
+   tokens at ``[r * T_local, (r+1) * T_local)``, i.e. the order of ``sharded.global_token_order()``);
+2. picks, for every local *run* (``sharded.run_cu_seqlens``: a maximal piece of consecutive global tokens of one
+   segment), the run's keys: global tokens ``[run_key_start, run_last + 1)`` (the whole segment when
+   ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
+   cached in ``sharded._cache``: it is a per-step constant reused by every layer). When that index is one range
+   (the ``contiguous`` layout, and any layout with ``cp_size == 1``) the keys are a slice of the gathered buffer:
+   a view, no copy;
+3. runs varlen attention of each run's queries against its keys, causal aligned bottom-right
+   (``cp_packing.attention.kernels.varlen_attention_forward``), so query ``i`` of a run sees exactly the keys of
+   its segment up to its own global position.
+
+Backward re-gathers K and V (only the local ``q, k, v, out, lse`` are saved, as ring-flash-attn's llama3 does:
+saved memory per layer is O(T_local), not O(T)), runs the kernel's backward, index-adds the packed keys' dK/dV
+back into a zero ``[cp * T_local, H_kv, D]`` buffer (a key that two runs share, as in zigzag, gets both
+contributions) and reduce-scatters it (SUM) so each rank receives the gradient of the keys it owns. NCCL (and any
+backend other than gloo) uses ``reduce_scatter``; gloo uses ``all_to_all`` + a local sum (the same traffic as a
+reduce-scatter; gloo's own reduce-scatter was no faster when measured, and old gloo builds lack it), and a
+list all-gather (supported by every gloo build since torch 2.4).
+
+With ``cp_size == 1`` nothing is communicated (no process group is needed). An all-padding rank runs the same
+collectives as every other rank (padding segments are segments), so no rank can hang the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cp_packing.attention import kernels
+from cp_packing.layouts import expand_runs
+from cp_packing.sharding import ShardedPackedSeqParams
+
+__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_cp_group",
+           "resolve_kernel"]
+
+
+# -------------------------------------------------------------------------------------------------- key index
+
+
+@dataclass(frozen=True)
+class AllGatherKeys:
+    """Where each local run's keys are in the all-gathered ``[cp * T_local, ...]`` K/V buffer.
+
+    Attributes:
+        key_index: int64 ``[N_k]``, gathered-buffer row of every key, runs laid end to end; ``None`` when the
+            keys are one range (then ``key_slice`` is set and the keys are a view of the buffer).
+        key_slice: ``slice`` of the gathered buffer holding all keys in order, or ``None``.
+        cu_seqlens_q: int32 ``[R + 1]``, the local runs (``sharded.run_cu_seqlens``) on the tensors' device.
+        cu_seqlens_k: int32 ``[R + 1]``, run ``i``'s keys are rows ``[cu_seqlens_k[i], cu_seqlens_k[i+1])`` of the
+            selected keys.
+        max_seqlen_q, max_seqlen_k: ints, the longest run / key range.
+        num_keys: ``N_k``, the number of selected keys (for zigzag about ``(1 + 1/(2*cp))`` of the segment tokens,
+            since the two chunks of a rank both reach back to the segment start).
+    """
+
+    key_index: torch.Tensor | None
+    key_slice: slice | None
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_keys: int
+
+    def select(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``[cp * T_local, ...]`` -> ``[N_k, ...]``: a view when the keys are one range, else an index_select."""
+        if self.key_slice is not None:
+            return gathered[self.key_slice]
+        return gathered.index_select(0, self.key_index)
+
+    def scatter_add(self, grad_keys: torch.Tensor, total: int) -> torch.Tensor:
+        """Adjoint of ``select``: ``[N_k, ...]`` -> zero ``[total, ...]`` buffer with the key gradients added in."""
+        if self.key_slice is not None and self.key_slice.start == 0 and self.key_slice.stop == total:
+            return grad_keys.contiguous()
+        out = grad_keys.new_zeros((total, *grad_keys.shape[1:]))
+        if self.key_slice is not None:
+            out[self.key_slice] = grad_keys
+        else:
+            out.index_add_(0, self.key_index, grad_keys)
+        return out
+
+
+def allgather_keys(
+    sharded: ShardedPackedSeqParams, *, causal: bool = True, device: torch.device | str | None = None
+) -> AllGatherKeys:
+    """The all-gather backend's key index for this rank (computed once per ``sharded`` and device, then cached).
+
+    Args:
+        sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
+        causal: ``True``: run ``i``'s keys are global tokens ``[run_key_start[i], last token of run i]``;
+            ``False``: the run's whole segment.
+        device: where the index tensors go (default: ``sharded.token_index.device``).
+
+    Returns:
+        ``AllGatherKeys``. Costs two host syncs (the key count and the range test) the first time, none after.
+    """
+    if not isinstance(sharded, ShardedPackedSeqParams):
+        raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}")
+    device = torch.device(device) if device is not None else sharded.token_index.device
+    cache_key = ("allgather_keys", bool(causal), str(device))
+    cached = sharded._cache.get(cache_key)
+    if cached is not None:
+        return cached
+
+    token_index = sharded.token_index.to(device)  # [T_local] int64
+    run_cu = sharded.run_cu_seqlens.to(device=device, dtype=torch.int64)  # [R + 1]
+    key_start = sharded.run_key_start.to(device=device, dtype=torch.int64)  # [R]
+    run_len = run_cu[1:] - run_cu[:-1]  # [R]
+    if run_len.numel() == 0:  # an empty batch: no runs, no keys
+        empty_cu = torch.zeros(1, dtype=torch.int32, device=device)
+        keys = AllGatherKeys(None, slice(0, 0), empty_cu, empty_cu, 0, 0, 0)
+        sharded._cache[cache_key] = keys
+        return keys
+    if causal:
+        key_end = token_index[run_cu[1:] - 1] + 1  # [R] one past each run's last global token
+    else:
+        cu = sharded.global_params.cu_seqlens.to(device=device, dtype=torch.int64)  # [S + 1]
+        seg = torch.searchsorted(cu, key_start, right=True)  # index of each run's segment end in cu
+        key_end = cu[seg]
+    key_len = key_end - key_start  # [R] > 0
+    num_keys, max_k, max_q = torch.stack([key_len.sum(), key_len.max(), run_len.max()]).tolist()  # host sync
+
+    key_pos = expand_runs(key_start, key_len, num_keys)  # [N_k] global positions of the keys
+    order = sharded.global_token_order().reshape(-1).to(device)  # [T] gathered row -> global position
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), dtype=order.dtype, device=device)  # global position -> row
+    key_index = inverse[key_pos]  # [N_k]
+    first = int(key_index[0])
+    is_range = bool(torch.equal(key_index, torch.arange(first, first + num_keys, device=device)))  # host sync
+
+    cu_k = torch.zeros(key_len.numel() + 1, dtype=torch.int32, device=device)
+    cu_k[1:] = torch.cumsum(key_len, 0)
+    keys = AllGatherKeys(
+        key_index=None if is_range else key_index,
+        key_slice=slice(first, first + num_keys) if is_range else None,
+        cu_seqlens_q=run_cu.to(torch.int32),
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int(max_q),
+        max_seqlen_k=int(max_k),
+        num_keys=int(num_keys),
+    )
+    sharded._cache[cache_key] = keys
+    return keys
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
+    """Raise a clear TypeError / ValueError unless q ``[T_local, H, D]``, k/v ``[T_local, H_kv, D]`` (H % H_kv == 0)
+    share one floating dtype and device and ``T_local`` is ``sharded``'s."""
+    if not isinstance(sharded, ShardedPackedSeqParams):
+        raise TypeError(
+            f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
+            "cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
+        )
+    T_local = sharded.num_local_tokens
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T_local, heads, head_dim], got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D [T_local, heads, head_dim] (this rank's tokens, batch flattened), got shape "
+                f"{tuple(x.shape)}; for a [1, T_local, H, D] tensor pass x[0], for [B, H, S, D] transpose first"
+            )
+        if x.shape[0] != T_local:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens (shape {tuple(x.shape)}) but this rank holds T_local={T_local} "
+                f"tokens (sharded.num_local_tokens); shard the projections' inputs with sharded.shard(...)"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [T_local, H_kv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    H, H_kv = q.shape[1], k.shape[1]
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(
+            f"q has {H} heads and k/v have {H_kv}: the query heads must be a multiple of the key/value heads (GQA)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def resolve_cp_group(group: Any, sharded: ShardedPackedSeqParams, device: torch.device):
+    """The process group to communicate over, checked against ``sharded`` (``None`` when ``cp_size == 1``: no
+    communication; the default group object when ``group`` is ``None`` and ``cp_size > 1``).
+
+    ``group=None`` means the default (world) group. The group's size must equal ``sharded.cp_size`` and this
+    process's rank in it must equal ``sharded.cp_rank``; NCCL needs CUDA tensors.
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if sharded.cp_size == 1:
+        if group is not None and initialized and dist.get_world_size(group) != 1:
+            raise ValueError(
+                f"sharded.cp_size=1 but the given group has {dist.get_world_size(group)} ranks; shard with "
+                f"cp_size={dist.get_world_size(group)}, or pass the context-parallel group (or group=None)"
+            )
+        return None
+    if not initialized:
+        raise ValueError(
+            f"sharded.cp_size={sharded.cp_size} needs a torch.distributed process group, but none is initialised; "
+            "call torch.distributed.init_process_group(...) (torchrun) and pass the CP group as group="
+        )
+    size = dist.get_world_size(group)
+    if size != sharded.cp_size:
+        which = "the default (world) group" if group is None else "the given group"
+        raise ValueError(
+            f"sharded.cp_size={sharded.cp_size} but {which} has {size} ranks; pass the context-parallel group as "
+            f"group= (e.g. mesh['cp'].get_group()) or shard with cp_size={size}"
+        )
+    rank = dist.get_rank(group)
+    if rank != sharded.cp_rank:
+        raise ValueError(
+            f"sharded.cp_rank={sharded.cp_rank} but this process is rank {rank} of the CP group; shard with "
+            f"cp_rank=torch.distributed.get_rank(group)"
+        )
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and device.type != "cuda":
+        raise ValueError(f"the CP group uses NCCL, which needs CUDA tensors, but q is on {device}; move q/k/v to CUDA")
+    return dist.group.WORLD if group is None else group
+
+
+def resolve_kernel(kernel: Any, q: torch.Tensor) -> str:
+    """The concrete kernel name for ``kernel`` (``"auto"`` -> ``kernels.select_kernel(q.device, q.dtype)``); an
+    unknown name fails here, before any communication."""
+    if kernel == "auto":
+        return kernels.select_kernel(q.device, q.dtype)
+    if kernel not in kernels.KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of 'auto', {', '.join(map(repr, kernels.KERNELS))}")
+    return kernel  # whether it can run here is checked by the kernel call itself, identically on every rank
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+
+
+def _is_gloo(group) -> bool:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)).lower() == "gloo"
+
+
+def _all_gather(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
+    """``[T_local, ...]`` on every rank -> ``[cp * T_local, ...]``, rank-major."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty((cp_size * x.shape[0], *x.shape[1:]))
+    if _is_gloo(group):
+        dist.all_gather(list(out.chunk(cp_size)), x, group=group)
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x, group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
+    """``[cp * T_local, ...]`` on every rank -> ``[T_local, ...]``: rank r gets the SUM over ranks of chunk r."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    T_local = x.shape[0] // cp_size
+    if _is_gloo(group):
+        received = torch.empty_like(x)
+        dist.all_to_all_single(received, x, group=group)
+        return received.view(cp_size, T_local, *x.shape[1:]).sum(0)
+    out = x.new_empty((T_local, *x.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x, group=group)
+    return out
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if group is None:
+        return k, v
+    return _all_gather(k, group, cp_size), _all_gather(v, group, cp_size)
+
+
+# --------------------------------------------------------------------------------------------------- autograd
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool, kernel: str):
+        k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
+        out, lse = kernels.varlen_attention_forward(
+            q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+        )  # out [T_local, H, D], lse [H, T_local]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (keys, group, cp_size, scale, causal, kernel)  # scale: None = 1/sqrt(D)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        keys, group, cp_size, scale, causal, kernel = ctx.meta
+        k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
+        dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
+            dout, q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+        )
+        total = k_all.shape[0]
+        dk_all = keys.scatter_add(dk_keys, total)  # [cp * T_local, H_kv, D]
+        dv_all = keys.scatter_add(dv_keys, total)
+        if group is not None:
+            dk_all = _reduce_scatter(dk_all, group, cp_size)  # [T_local, H_kv, D]
+            dv_all = _reduce_scatter(dv_all, group, cp_size)
+        return dq, dk_all, dv_all, None, None, None, None, None, None
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: ShardedPackedSeqParams,
+    *,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """All-gather context-parallel attention for any layout (see module docstring). Differentiable.
+
+    Args:
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` with ``H % H_kv == 0`` (GQA); this rank's tokens in
+            ``sharded``'s local order, one floating dtype, one device.
+        sharded: this rank's ``ShardedPackedSeqParams`` (``contiguous``, ``zigzag``, ``balanced``, ...).
+        group: the CP ``ProcessGroup`` (``None``: the default group); its size must be ``sharded.cp_size``.
+            Not used (and no process group needed) when ``cp_size == 1``.
+        causal: causal within each segment (default); ``False``: every token attends its whole segment.
+        softmax_scale: default ``1 / sqrt(D)``.
+        kernel: the varlen kernel (``"auto"``, ``"torch"``, ``"flash_attn"``, ``"torch_varlen"``; see
+            ``cp_packing.attention.kernels``).
+
+    Returns:
+        ``[T_local, H, D]`` in q's dtype: for each local token, attention over its segment's keys (causal: up to
+        itself), equal to full attention on the global stream, sharded.
+    """
+    check_attention_inputs(q, k, v, sharded)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
+    name = resolve_kernel(kernel, q)
+    group = resolve_cp_group(group, sharded, q.device)
+    keys = allgather_keys(sharded, causal=causal, device=q.device)
+    return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name)

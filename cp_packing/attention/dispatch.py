@@ -1,0 +1,168 @@
+"""One entry point for context-parallel attention over a packed batch: ``context_parallel_attention``.
+
+It takes this rank's ``q [T_local, H, D]``, ``k``/``v [T_local, H_kv, D]`` and its ``ShardedPackedSeqParams`` and
+returns ``[T_local, H, D]``: for every local token, attention over the keys of its segment (causal: up to itself),
+equal to full attention on the global stream, sharded. Backends:
+
+* ``"allgather"`` (built in, ``cp_packing.attention.allgather``): all-gather K/V, one key index per step, varlen
+  attention per local run. Every layout (contiguous, zigzag, balanced, ...), every kernel, every dtype, causal or
+  not, CPU or CUDA.
+* ``"ring_flash_attn"`` (``cp_packing.attention.ring``): ring-flash-attn 0.1.8's zigzag ring (``zigzag``) or llama3
+  all-gather (``contiguous``) varlen functions; causal only; needs ring-flash-attn and flash_attn (CUDA; on CPU the
+  test stand-in). float32 zigzag is refused (ring-flash-attn's float32 backward is wrong).
+* ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
+  contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
+  ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
+  once per (backend, kernel) on the ``cp_packing`` logger (INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_kernel
+
+__all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
+
+BACKENDS = ("auto", "allgather", "ring_flash_attn")
+
+logger = logging.getLogger("cp_packing")
+_LOGGED: set[tuple[str, str]] = set()
+_RING_LAYOUTS = ("zigzag", "contiguous")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _ring_importable() -> bool:
+    """Whether ring-flash-attn (and the flash_attn it imports) can be imported here. Never raises."""
+    try:
+        from cp_packing.attention.ring import import_ring_flash_attn
+
+        import_ring_flash_attn()
+    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA build
+        return False
+    return True
+
+
+def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size: int, causal: bool, kernel: str) -> bool:
+    """``backend="auto"``'s rule, before the import check: ring-flash-attn only where it is fast AND right
+    (CUDA fp16/bf16: its float32 zigzag backward is wrong), where it has a kernel (zigzag/contiguous, causal), where
+    there is something to communicate (cp_size > 1) and where the caller did not ask for another kernel."""
+    return (
+        causal
+        and kernel in ("auto", "flash_attn")
+        and layout in _RING_LAYOUTS
+        and cp_size > 1
+        and device_type == "cuda"
+        and dtype in _HALF
+    )
+
+
+def select_backend(
+    q: torch.Tensor, sharded: Any, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
+) -> tuple[str, str]:
+    """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
+
+    ``backend="auto"`` resolves as described in the module docstring; an explicit backend is checked
+    (``ring_flash_attn``: causal, zigzag/contiguous layout, kernel ``"auto"``/``"flash_attn"``, CUDA tensors or an
+    importable ``flash_attn`` on CPU). The kernel of ``ring_flash_attn`` is always ``"flash_attn"``.
+
+    Raises:
+        ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
+        NotImplementedError: ``ring_flash_attn`` with ``causal=False``.
+        ImportError: explicit ``ring_flash_attn`` that cannot be imported.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "auto":
+        if _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel) and _ring_importable():
+            return "ring_flash_attn", "flash_attn"
+        return "allgather", resolve_kernel(kernel, q)
+    if backend == "allgather":
+        return "allgather", resolve_kernel(kernel, q)
+    # explicit ring_flash_attn
+    if not causal:
+        raise NotImplementedError(
+            "backend='ring_flash_attn' is causal only (ring-flash-attn's zigzag varlen asserts causal); use "
+            "backend='allgather' for causal=False"
+        )
+    if sharded.layout not in _RING_LAYOUTS:
+        raise ValueError(
+            f"backend='ring_flash_attn' has no kernel for layout {sharded.layout!r}; use backend='allgather' (any "
+            "layout) or shard with layout='zigzag' / 'contiguous'"
+        )
+    if kernel not in ("auto", "flash_attn"):
+        raise ValueError(
+            f"backend='ring_flash_attn' runs flash-attn kernels only, got kernel={kernel!r}; use kernel='auto' or "
+            "backend='allgather' to choose a kernel"
+        )
+    from cp_packing.attention.ring import import_ring_flash_attn
+
+    import_ring_flash_attn()  # ImportError that says what to install
+    return "ring_flash_attn", "flash_attn"
+
+
+def _log_choice(backend: str, kernel: str, sharded: Any, q: torch.Tensor) -> None:
+    if (backend, kernel) in _LOGGED:
+        return
+    _LOGGED.add((backend, kernel))
+    logger.info(
+        "context_parallel_attention: backend=%s kernel=%s (layout=%s, cp_size=%d, %s on %s)",
+        backend, kernel, sharded.layout, sharded.cp_size, str(q.dtype).replace("torch.", ""), q.device.type,
+    )
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: Any,
+    *,
+    group: Any = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
+
+    Args:
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` with ``H % H_kv == 0`` (GQA): this rank's tokens in
+            ``sharded``'s local order (``sharded.shard(x)``), one floating dtype, one device.
+        sharded: this rank's ``ShardedPackedSeqParams`` (``shard_packed_seq_params``).
+        group: the CP ``ProcessGroup`` (``None`` = the default group); size ``sharded.cp_size``, this process's
+            rank ``sharded.cp_rank``. With ``cp_size == 1`` (and the allgather backend) nothing is communicated
+            and no process group is needed.
+        causal: causal within each segment (default). ``False``: every token attends its whole segment
+            (allgather backend only).
+        softmax_scale: default ``1 / sqrt(D)``.
+        backend: ``"auto"`` (default), ``"allgather"`` or ``"ring_flash_attn"`` (see module docstring).
+        kernel: the varlen kernel of the allgather backend: ``"auto"``, ``"torch"``, ``"flash_attn"``,
+            ``"torch_varlen"`` (``cp_packing.attention.kernels``).
+
+    Returns:
+        ``[T_local, H, D]`` in q's dtype.
+
+    Raises:
+        TypeError / ValueError: malformed inputs (the message names the value and the fix), a group that does
+            not match ``sharded``, an unknown backend or kernel.
+        NotImplementedError: ``backend="ring_flash_attn"`` with ``causal=False``.
+        ImportError: ``backend="ring_flash_attn"`` without ring-flash-attn / flash_attn installed.
+
+    Every rank must call it with the same backend, kernel and flags (they decide which collectives run); an
+    all-padding rank joins them like any other.
+    """
+    check_attention_inputs(q, k, v, sharded)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+    _log_choice(chosen, kernel_name, sharded, q)
+    if chosen == "allgather":
+        return allgather_attention(
+            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+        )
+    from cp_packing.attention.ring import ring_attention
+
+    return ring_attention(q, k, v, sharded, group=group, softmax_scale=softmax_scale)

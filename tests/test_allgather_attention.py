@@ -1,0 +1,378 @@
+"""Context-parallel attention (``context_parallel_attention``) equals full causal attention per segment.
+
+The reference is dense masked attention on the GLOBAL stream, written here in plain torch (independent of the
+varlen kernels): token i attends token j iff both lie in the same segment and ``j <= i`` (or any j of the segment
+when ``causal=False``). Every rank builds the same seeded global q/k/v/dout, computes the reference and its
+gradients with autograd, shards them, and compares with its CP output and the gradients that flowed back through
+the all-gather / reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+from tests.dist_utils import run_distributed
+from tests.maps import random_doc_map
+
+D = 8
+
+
+# ------------------------------------------------------------------------------------------------- reference
+
+
+def dense_reference(q, k, v, cu_seqlens, causal=True, scale=None):
+    """``[T, H, D]`` attention with an explicit ``[T, T]`` segment (and causal) mask, GQA by head repetition."""
+    T, H, Dh = q.shape
+    cu = cu_seqlens.to(torch.int64)
+    pos = torch.arange(T)
+    seg = torch.searchsorted(cu, pos, right=True) - 1  # [T]
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= pos[None, :] <= pos[:, None]
+    kk = k.repeat_interleave(H // k.shape[1], dim=1)
+    vv = v.repeat_interleave(H // v.shape[1], dim=1)
+    scale = Dh**-0.5 if scale is None else scale
+    s = torch.einsum("ihd,jhd->hij", q.double(), kk.double()) * scale  # [H, T, T]
+    s = s.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv.double())
+    return out.to(q.dtype)
+
+
+def seeded_qkv(T, H, H_kv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(T, H_kv, D, generator=g)
+    v = torch.randn(T, H_kv, D, generator=g)
+    dout = torch.randn(T, H, D, generator=g)
+    return [x.to(dtype) for x in (q, k, v, dout)]
+
+
+def unit_map(B, S, unit, seed):
+    """Seeded ``[B, S]`` doc map whose runs (padding too) all have lengths that are multiples of ``unit``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        row, doc = [], 1
+        while len(row) < S:
+            n = unit * int(torch.randint(1, 4, (), generator=g))
+            value = 0 if torch.rand((), generator=g) < 0.2 and (not row or row[-1] != 0) else doc
+            if value:
+                doc += 1
+            row += [value] * min(n, S - len(row))
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float32, seed=0, causal=True,
+            backend="allgather", kernel="auto", group=None):
+    """Max abs errors of this rank's CP out / dq / dk / dv against the sharded dense reference."""
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    T = doc_ids.numel()
+    q, k, v, dout = seeded_qkv(T, H, H_kv, dtype, seed)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = dense_reference(*ref_in, params.cu_seqlens, causal=causal)
+    # (out * dout).sum().backward() rather than out.backward(dout): the latter imports sympy (2 s) on first use
+    (ref * dout.double()).sum().backward()
+
+    local = [sharded.shard(x).detach().requires_grad_() for x in (q, k, v)]
+    out = context_parallel_attention(*local, sharded, group=group, causal=causal, backend=backend, kernel=kernel)
+    (out * sharded.shard(dout)).sum().backward()
+    pairs = [(out, ref)] + [(x.grad, r.grad) for x, r in zip(local, ref_in)]
+    names = ("out", "dq", "dk", "dv")
+    errs = {}
+    for name, (got, want) in zip(names, pairs):
+        assert got.shape == sharded.shard(want).shape, (name, got.shape)
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        diff = got.detach().double() - sharded.shard(want.detach())
+        errs[name] = float(diff.abs().max()) if diff.numel() else 0.0
+    return errs
+
+
+def _cases(cp_size):
+    """(name, doc map, layout) cases for one CP size (T <= 96): shard-crossing documents, padding ranks."""
+    m = 2 * cp_size
+    S = 12 * cp_size if cp_size < 4 else 24
+    return [
+        ("contiguous random", random_doc_map(2, S, seed=cp_size), "contiguous"),
+        # one document spans every shard edge of its row
+        ("contiguous long doc", torch.tensor([[1] * (8 * cp_size - 3) + [2] * 3, [0] * 2 + [1] * (8 * cp_size - 2)]),
+         "contiguous"),
+        # the last rank(s) hold nothing but padding
+        ("contiguous padding rank", torch.tensor([[1] * 5 + [2] * 3 + [0] * (8 * cp_size - 8)]), "contiguous"),
+        ("zigzag", unit_map(2, m * (48 // m // 2), m, seed=cp_size), "zigzag"),
+        ("zigzag one doc", torch.tensor([[1] * (4 * m)]), "zigzag"),
+        # every rank holds only padding: it still joins every collective, and padding attends padding
+        ("zigzag all padding", torch.zeros(1, 2 * m, dtype=torch.int64), "zigzag"),
+    ]
+
+
+def _dist_allgather(rank, world_size):
+    return {name: compare(doc_ids, layout, world_size, rank, seed=i)
+            for i, (name, doc_ids, layout) in enumerate(_cases(world_size))}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_allgather_matches_full_attention(cp_size):
+    """Forward and backward (dq, dk, dv) equal full causal attention per segment: contiguous and zigzag layouts,
+    GQA (H=4, H_kv=2), float32, documents across shard edges, all-padding ranks."""
+    per_rank = run_distributed(_dist_allgather, cp_size)
+    for rank, errs in enumerate(per_rank):
+        assert set(errs) == {name for name, _, _ in _cases(cp_size)}
+        for name, e in errs.items():
+            assert max(e.values()) < 2e-5, f"cp={cp_size} rank {rank} {name}: {e}"
+
+
+def _dist_balanced(rank, world_size):
+    return [compare(random_doc_map(2, 24, seed=seed, mean_len=mean), "balanced", world_size, rank, seed=seed)
+            for seed, mean in ((0, 6.0), (1, 20.0))]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_allgather_balanced_layout(cp_size):
+    try:
+        import cp_packing.planner  # noqa: F401
+    except ImportError:
+        pytest.skip("layout 'balanced' needs cp_packing/planner.py, which is not in this tree yet")
+    for rank, errs in enumerate(run_distributed(_dist_balanced, cp_size)):
+        for e in errs:
+            assert max(e.values()) < 2e-5, f"cp={cp_size} rank {rank}: {e}"
+
+
+def test_the_checks_can_fail():
+    """The comparison detects a cross-document leak: a reference without the segment mask differs."""
+    doc_ids = torch.tensor([[1] * 6 + [2] * 6])
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    q, k, v, _ = seeded_qkv(12, 4, 2, torch.float64, 0)
+    masked = dense_reference(q, k, v, params.cu_seqlens)
+    leaky = dense_reference(q, k, v, torch.tensor([0, 12], dtype=torch.int32))
+    assert (masked - leaky)[6:].abs().max() > 1e-2
+    assert torch.equal(masked[:6], leaky[:6])
+
+
+# ------------------------------------------------------------------------------------------------ cp_size == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cp1_needs_no_process_group(layout, causal):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    doc_ids = unit_map(2, 24, 2, seed=3)
+    errs = compare(doc_ids, layout, 1, 0, causal=causal)
+    assert max(errs.values()) < 2e-5, errs
+    assert not dist.is_initialized()
+
+
+def test_cp1_float64_and_mha():
+    errs = compare(random_doc_map(2, 20, seed=1), "contiguous", 1, 0, H=2, H_kv=2, dtype=torch.float64)
+    assert max(errs.values()) < 1e-10, errs
+
+
+# --------------------------------------------------------------------------------------------- causal=False, cp>1
+
+
+def _dist_noncausal(rank, world_size):
+    return {
+        "contiguous": compare(random_doc_map(2, 24, seed=5), "contiguous", world_size, rank, causal=False),
+        "zigzag": compare(unit_map(2, 24, 2 * world_size, seed=5), "zigzag", world_size, rank, causal=False),
+    }
+
+
+@pytest.mark.distributed
+def test_allgather_non_causal_attends_the_whole_segment():
+    for rank, errs in enumerate(run_distributed(_dist_noncausal, 2)):
+        for name, e in errs.items():
+            assert max(e.values()) < 2e-5, f"rank {rank} {name}: {e}"
+
+
+# --------------------------------------------------------------------------------------------------- key index
+
+
+def test_key_index_contiguous_is_a_view_of_the_gathered_buffer():
+    from cp_packing.attention.allgather import allgather_keys
+
+    doc_ids = random_doc_map(2, 24, seed=7)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    for rank in range(3):
+        sharded = shard_packed_seq_params(params, cp_size=3, cp_rank=rank, layout="contiguous")
+        keys = allgather_keys(sharded)
+        assert keys.key_index is None and keys.key_slice == sharded.local_k_slice
+        assert torch.equal(keys.cu_seqlens_k, sharded.cu_seqlens_k)
+        assert keys.max_seqlen_k == sharded.max_seqlen_k
+        assert allgather_keys(sharded) is keys  # cached per step: every layer reuses it
+        gathered = torch.randn(48, 2, D)
+        assert keys.select(gathered).data_ptr() == gathered[sharded.local_k_slice].data_ptr()
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_key_index_zigzag_reaches_back_to_the_segment_start(cp_size):
+    """Run i's keys are the global tokens from its segment start to its last token; in total (1 + 1/2cp) * T."""
+    from cp_packing.attention.allgather import allgather_keys
+
+    m = 2 * cp_size
+    doc_ids = unit_map(3, 4 * m, m, seed=cp_size)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    T = doc_ids.numel()
+    for rank in range(cp_size):
+        sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=rank, layout="zigzag")
+        keys = allgather_keys(sharded)
+        assert keys.num_keys * 2 * cp_size == T * (2 * cp_size + 1)
+        order = sharded.global_token_order().reshape(-1)  # gathered row -> global position
+        global_keys = order[keys.key_index]
+        run_cu = sharded.run_cu_seqlens.tolist()
+        cu_k = keys.cu_seqlens_k.tolist()
+        for i, start in enumerate(sharded.run_key_start.tolist()):
+            last = int(sharded.token_index[run_cu[i + 1] - 1])
+            assert global_keys[cu_k[i] : cu_k[i + 1]].tolist() == list(range(start, last + 1))
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def _small_shard(cp_size=1, cp_rank=0, layout="contiguous"):
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
+    return shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+
+
+def test_bad_inputs_raise_clear_errors():
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    s = _small_shard()
+    q, k, v = torch.randn(16, 4, D), torch.randn(16, 2, D), torch.randn(16, 2, D)
+    with pytest.raises(ValueError, match="T_local=16"):
+        context_parallel_attention(q[:15], k, v, s)
+    with pytest.raises(ValueError, match="3-D"):
+        context_parallel_attention(q[None], k, v, s)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        context_parallel_attention(torch.randn(16, 3, D), k, v, s)
+    with pytest.raises(ValueError, match="same shape"):
+        context_parallel_attention(q, k, v[:, :1], s)
+    with pytest.raises(TypeError, match="one dtype"):
+        context_parallel_attention(q, k.double(), v, s)
+    with pytest.raises(TypeError, match="ShardedPackedSeqParams"):
+        context_parallel_attention(q, k, v, s.global_params)
+    with pytest.raises(ValueError, match="unknown attention backend 'ring'.*'allgather'"):
+        context_parallel_attention(q, k, v, s, backend="ring")
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        context_parallel_attention(q, k, v, s, kernel="fast")
+    with pytest.raises(TypeError, match="causal"):
+        context_parallel_attention(q, k, v, s, causal=None)
+    with pytest.raises(NotImplementedError, match="allgather"):
+        context_parallel_attention(q, k, v, s, backend="ring_flash_attn", causal=False)
+
+
+def test_cp_size_without_process_group_raises():
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    s = _small_shard(cp_size=2, cp_rank=0)
+    with pytest.raises(ValueError, match="init_process_group"):
+        context_parallel_attention(torch.randn(8, 2, D), torch.randn(8, 2, D), torch.randn(8, 2, D), s)
+
+
+def _dist_wrong_group(rank, world_size):
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    messages = []
+    for cp_size, cp_rank in ((4, rank), (2, 1 - rank)):
+        s = _small_shard(cp_size=cp_size, cp_rank=cp_rank)
+        x = torch.randn(16 // cp_size, 2, D)
+        try:
+            context_parallel_attention(x, x, x, s, backend="allgather")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.distributed
+def test_group_that_does_not_match_the_shard_raises():
+    for messages in run_distributed(_dist_wrong_group, 2):
+        assert len(messages) == 2
+        assert "cp_size=4" in messages[0] and "2 ranks" in messages[0]
+        assert "cp_rank" in messages[1]
+
+
+def test_auto_never_routes_float32_or_other_layouts_to_ring():
+    from cp_packing.attention.dispatch import _auto_wants_ring
+
+    assert _auto_wants_ring("cuda", torch.bfloat16, "zigzag", 2, True, "auto")
+    assert _auto_wants_ring("cuda", torch.float16, "contiguous", 8, True, "flash_attn")
+    assert not _auto_wants_ring("cuda", torch.float32, "zigzag", 2, True, "auto")
+    assert not _auto_wants_ring("cuda", torch.bfloat16, "balanced", 2, True, "auto")
+    assert not _auto_wants_ring("cuda", torch.bfloat16, "zigzag", 2, False, "auto")
+    assert not _auto_wants_ring("cuda", torch.bfloat16, "zigzag", 1, True, "auto")
+    assert not _auto_wants_ring("cuda", torch.bfloat16, "zigzag", 2, True, "torch")
+    assert not _auto_wants_ring("cpu", torch.bfloat16, "zigzag", 2, True, "auto")
+
+
+def test_auto_logs_its_choice_once(caplog):
+    from cp_packing.attention import dispatch
+
+    dispatch._LOGGED.clear()
+    s = _small_shard()
+    q = torch.randn(16, 2, D)
+    with caplog.at_level(logging.INFO, logger="cp_packing"):
+        for _ in range(3):
+            dispatch.context_parallel_attention(q, q, q, s)
+    lines = [r.getMessage() for r in caplog.records if "context_parallel_attention" in r.getMessage()]
+    assert len(lines) == 1 and "backend=allgather kernel=torch" in lines[0]
+
+
+# ------------------------------------------------------------------------------------------- ring via stand-in
+
+
+def _dist_ring(rank, world_size):
+    from tests.conftest import use_flash_attn_stub
+
+    use_flash_attn_stub()
+    from cp_packing.attention.dispatch import select_backend
+
+    m = 2 * world_size
+    out = {
+        "zigzag bf16": compare(unit_map(2, 4 * m, m, seed=2), "zigzag", world_size, rank, dtype=torch.bfloat16,
+                               backend="ring_flash_attn"),
+        "contiguous bf16": compare(random_doc_map(2, 24, seed=2), "contiguous", world_size, rank,
+                                   dtype=torch.bfloat16, backend="ring_flash_attn"),
+        "contiguous fp32": compare(random_doc_map(2, 24, seed=4), "contiguous", world_size, rank,
+                                   backend="ring_flash_attn"),
+    }
+    # auto on CPU keeps to the built-in backend even though ring-flash-attn imports here
+    s = shard_packed_seq_params(packed_seq_params_from_doc_ids(unit_map(1, m * 2, m, 0)), cp_size=world_size,
+                                cp_rank=rank, layout="zigzag")
+    out["auto"] = select_backend(torch.zeros(s.num_local_tokens, 2, D, dtype=torch.bfloat16), s)
+    try:
+        compare(unit_map(2, 4 * m, m, seed=2), "zigzag", world_size, rank, backend="ring_flash_attn")
+        out["fp32 zigzag"] = "accepted"
+    except TypeError as e:
+        out["fp32 zigzag"] = str(e)
+    return out
+
+
+@pytest.mark.distributed
+def test_ring_backend_through_the_stand_in(ring_flash_attn):
+    for rank, res in enumerate(run_distributed(_dist_ring, 2)):
+        for name in ("zigzag bf16", "contiguous bf16"):
+            e = res[name]
+            assert e["out"] < 3e-2 and max(e["dq"], e["dk"], e["dv"]) < 6e-2, f"rank {rank} {name}: {e}"
+        assert max(res["contiguous fp32"].values()) < 2e-5, res["contiguous fp32"]
+        assert res["auto"] == ("allgather", "torch")
+        assert "float32" in res["fp32 zigzag"]
+
+
+def _dist_allgather_bf16(rank, world_size):
+    return compare(unit_map(2, 16, 4, seed=9), "zigzag", world_size, rank, dtype=torch.bfloat16)
+
+
+@pytest.mark.distributed
+def test_allgather_bf16():
+    for rank, e in enumerate(run_distributed(_dist_allgather_bf16, 2)):
+        assert e["out"] < 3e-2 and max(e["dq"], e["dk"], e["dv"]) < 6e-2, f"rank {rank}: {e}"
