@@ -1,0 +1,341 @@
+"""HuggingFace transformers integration: context-parallel attention as a registered attention implementation.
+
+How it plugs in (transformers 5.x, no monkey-patching):
+
+* :func:`register_cp_attention` registers :func:`cp_attention_forward` under a name (``"cp_packing"``) with
+  ``transformers.AttentionInterface``, the supported extension point. A model built with
+  ``attn_implementation="cp_packing"`` (``from_config``/``from_pretrained``, or ``model.set_attn_implementation``)
+  then calls it in every attention layer as ``fn(module, query [B, H, S, D], key [B, H_kv, S, D], value,
+  attention_mask, dropout=..., scaling=..., **kwargs) -> (out [B, S, H, D], None)``.
+* Per-step metadata travels as extra keyword arguments of ``model(...)``, which HF forwards untouched to the
+  attention function: ``cp_sharded`` (this rank's :class:`~cp_packing.ShardedPackedSeqParams`), ``cp_group`` (the CP
+  ``ProcessGroup``, ``None`` without CP) and optionally ``cp_backend`` / ``cp_kernel``. :func:`cp_model_inputs`
+  builds the whole call: ``input_ids [1, T_local]``, ``position_ids [1, T_local]`` (restarting at 0 in every
+  document, for RoPE), ``use_cache=False`` and the ``cp_*`` kwargs, and NO ``attention_mask``.
+
+Why no mask: the document boundaries live in ``cp_sharded`` (varlen metadata), and a mask would be a second,
+conflicting description of them. The name is deliberately NOT registered with ``AttentionMaskInterface``: since
+transformers 4.53, ``masking_utils`` builds no mask at all for an attention implementation without a mask function
+(``_preprocess_mask_arguments`` exits early and hands ``attention_mask=None`` to every layer), which also skips HF's
+packed-sequence detection from ``position_ids`` (a host sync per forward). A 2-D ``attention_mask`` passed to the
+model is therefore dropped by HF; a 4-D one is passed through by HF and refused here with a clear error. (In HF's own
+flash-attention path a non-None mask makes it unpad and IGNORE passed ``cu_seq_lens``: never hand both.)
+
+Decisions:
+
+* ``cp_sharded`` is required, also without CP: without it nothing says where documents start, and silently running
+  plain causal attention over the packed stream is the classic cross-document leak. For one process use
+  ``cp_model_inputs(input_ids, packed_params)`` (a ``PackedSeqParams`` is sharded with ``cp_size=1``) and no group.
+* Attention dropout is refused (``dropout > 0`` raises): the CP kernels have no dropout. Set
+  ``config.attention_dropout = 0.0`` (the default of Llama/Qwen configs).
+* Sliding-window layers, logit soft-capping and attention sinks (``sliding_window``/``softcap``/``s_aux`` not None)
+  are refused: the CP kernels compute plain causal attention within a segment.
+* ``scaling`` (the module's softmax scale) is honoured; ``module.is_causal`` selects causal attention.
+
+Supported transformers: ``>=5.0,<6`` (:data:`SUPPORTED_TRANSFORMERS`), tested with 5.24. It relies on
+``AttentionInterface`` (4.48+), ``AttentionMaskInterface`` and the mask early exit for unregistered implementations
+(4.53+), and kwargs forwarding through ``TransformersKwargs`` (5.x models). Neither ``import cp_packing`` nor
+``import cp_packing.hf`` imports transformers: it is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from cp_packing.packed_seq import PackedSeqParams
+from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
+
+__all__ = [
+    "CP_ATTENTION_NAME",
+    "SUPPORTED_TRANSFORMERS",
+    "check_transformers_version",
+    "cp_attention_forward",
+    "cp_model_inputs",
+    "register_cp_attention",
+]
+
+CP_ATTENTION_NAME = "cp_packing"
+"""The default name under which :func:`register_cp_attention` registers the CP attention function."""
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+"""The transformers versions this module supports (tested: 5.24)."""
+
+_MIN_MAJOR, _MAX_MAJOR_EXCLUSIVE = 5, 6
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - the test environment has it
+        raise ImportError(
+            "cp_packing.hf needs HuggingFace transformers " + SUPPORTED_TRANSFORMERS
+            + "; install it with pip install 'cp-packing[hf]'"
+        ) from e
+    return transformers
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """Return the installed (or given) transformers version; raise if it is outside :data:`SUPPORTED_TRANSFORMERS`.
+
+    Raises:
+        ImportError: transformers is not installed, or its major version is not 5.
+    """
+    if version is None:
+        version = _import_transformers().__version__
+    try:
+        major = int(str(version).split(".")[0])
+    except ValueError:
+        raise ImportError(f"cannot parse the transformers version {version!r}") from None
+    if not _MIN_MAJOR <= major < _MAX_MAJOR_EXCLUSIVE:
+        raise ImportError(
+            f"cp_packing.hf supports transformers {SUPPORTED_TRANSFORMERS}, found {version}; install a supported "
+            f"version with pip install 'transformers{SUPPORTED_TRANSFORMERS}'"
+        )
+    return str(version)
+
+
+def register_cp_attention(name: str = CP_ATTENTION_NAME) -> str:
+    """Register :func:`cp_attention_forward` with ``transformers.AttentionInterface`` under ``name``; return ``name``.
+
+    Idempotent (registering again re-binds the same function). Afterwards
+    ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` or ``model.set_attn_implementation(name)``
+    runs context-parallel attention in every attention layer. No mask function is registered on purpose (see the
+    module docstring): HF then builds no attention mask for this implementation.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty str.
+        ValueError: ``name`` is one of HF's built-in implementations (``"sdpa"``, ``"eager"``, ...) or already has a
+            mask function registered (HF would build a mask and hand it to the attention function).
+        ImportError: transformers missing or outside :data:`SUPPORTED_TRANSFORMERS`.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    check_transformers_version()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    builtin = AttentionInterface._global_mapping.get(name)
+    if name == "eager" or (builtin is not None and builtin is not cp_attention_forward):
+        raise ValueError(
+            f"attention implementation {name!r} is already registered with transformers "
+            f"({getattr(builtin, '__qualname__', 'eager')}); pick another name, e.g. {CP_ATTENTION_NAME!r}"
+        )
+    if name in AttentionMaskInterface._global_mapping:
+        raise ValueError(
+            f"{name!r} has a mask function registered with transformers.AttentionMaskInterface, so HF would build "
+            "an attention mask for it; CP attention takes its document boundaries from cp_sharded only. Pick a "
+            f"name without a mask function, e.g. {CP_ATTENTION_NAME!r}"
+        )
+    AttentionInterface.register(name, cp_attention_forward)
+    return name
+
+
+def _refuse(name: str, value: Any, fix: str) -> None:
+    raise ValueError(f"cp_packing attention does not support {name}={value!r}; {fix}")
+
+
+def cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    cp_sharded: ShardedPackedSeqParams | None = None,
+    cp_group: Any = None,
+    cp_backend: str = "auto",
+    cp_kernel: str = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered with HF: context-parallel varlen attention over this rank's tokens.
+
+    Args:
+        module: the HF attention module (``module.is_causal`` selects causal attention, default True).
+        query: ``[1, H, T_local, D]``; key / value ``[1, H_kv, T_local, D]`` (RoPE already applied by the model).
+        attention_mask: must be ``None`` (HF builds none for this implementation; see the module docstring).
+        dropout: must be 0 (set ``config.attention_dropout = 0.0``).
+        scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
+        cp_sharded: this rank's ``ShardedPackedSeqParams`` of the batch (passed to ``model(...)``).
+        cp_group: the CP ``ProcessGroup`` (``None`` only when ``cp_sharded.cp_size == 1``).
+        cp_backend, cp_kernel: forwarded to ``context_parallel_attention`` as ``backend`` / ``kernel``.
+        **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
+
+    Returns:
+        ``(out [1, T_local, H, D], None)``: no attention weights.
+
+    Raises:
+        ValueError: missing ``cp_sharded``, batch size != 1, a token count that does not match ``cp_sharded``, a
+            non-None ``attention_mask``, ``dropout > 0``, sliding window / softcap / sinks, or a missing group with
+            ``cp_size > 1``.
+        TypeError: ``cp_sharded`` of the wrong type.
+    """
+    if cp_sharded is None:
+        raise ValueError(
+            "cp_packing attention needs the batch's varlen metadata: call the model with cp_sharded=<this rank's "
+            "ShardedPackedSeqParams> and cp_group=<the CP group>, e.g. model(**cp_packing.hf.cp_model_inputs("
+            "local_batch, sharded, group)); without context parallelism use cp_model_inputs(input_ids, "
+            "packed_seq_params)"
+        )
+    if not isinstance(cp_sharded, ShardedPackedSeqParams):
+        raise TypeError(
+            f"cp_sharded must be a cp_packing.ShardedPackedSeqParams, got {type(cp_sharded).__name__}; build it "
+            "with cp_packing.shard_packed_seq_params(...) or cp_packing.distribute_batch(...)"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"expected HF attention inputs query [B, H, S, D], key/value [B, H_kv, S, D]; got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"cp_packing attention needs batch size 1 (the packed [B, S] batch is one flattened stream, sharded "
+            f"to [1, T_local]); got query of shape {tuple(query.shape)}. Pass input_ids of shape [1, T_local] "
+            "(cp_model_inputs does)"
+        )
+    T_local = cp_sharded.num_local_tokens
+    if query.shape[2] != T_local or key.shape[2] != T_local:
+        raise ValueError(
+            f"query has {query.shape[2]} tokens and key {key.shape[2]}, but cp_sharded describes T_local={T_local} "
+            f"local tokens (cp_rank={cp_sharded.cp_rank}); pass this rank's shard of this batch (and no KV cache: "
+            "use_cache=False)"
+        )
+    if attention_mask is not None:
+        _refuse(
+            "attention_mask",
+            f"<{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}>",
+            "document boundaries come from cp_sharded; call the model without attention_mask",
+        )
+    if dropout:
+        _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
+    if sliding_window is not None:
+        _refuse("sliding_window", sliding_window, "use a config without sliding-window layers")
+    if softcap is not None:
+        _refuse("softcap", softcap, "use a model without attention logit soft-capping")
+    if s_aux is not None:
+        _refuse("s_aux", "<attention sinks>", "use a model without attention sinks")
+    if cp_sharded.cp_size > 1 and cp_group is None:
+        raise ValueError(
+            f"cp_sharded is one of cp_size={cp_sharded.cp_size} shards but cp_group is None; pass the CP process "
+            "group as cp_group=... (the world is never assumed to be the CP group)"
+        )
+
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    q = query[0].transpose(0, 1)  # [T_local, H, D]
+    k = key[0].transpose(0, 1)  # [T_local, H_kv, D]
+    v = value[0].transpose(0, 1)  # [T_local, H_kv, D]
+    out = context_parallel_attention(
+        q,
+        k,
+        v,
+        cp_sharded,
+        group=cp_group,
+        causal=bool(getattr(module, "is_causal", True)),
+        softmax_scale=scaling,
+        backend=cp_backend,
+        kernel=cp_kernel,
+    )  # [T_local, H, D]
+    return out.unsqueeze(0), None  # [1, T_local, H, D]
+
+
+def _resolve_group(group: Any) -> Any:
+    """A 1-D DeviceMesh (or a mesh dimension) -> its ProcessGroup; a ProcessGroup or None unchanged."""
+    get_group = getattr(group, "get_group", None)
+    if group is not None and callable(get_group):
+        if getattr(group, "ndim", 1) != 1:
+            raise ValueError(
+                f"cp_group is a {group.ndim}-D DeviceMesh; pass its CP dimension, e.g. mesh['cp']"
+            )
+        return get_group()
+    return group
+
+
+def cp_model_inputs(
+    local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
+    sharded: ShardedPackedSeqParams | PackedSeqParams,
+    group: Any = None,
+    *,
+    backend: str = "auto",
+    kernel: str = "auto",
+    input_key: str = "input_ids",
+) -> dict[str, Any]:
+    """The keyword arguments of ``model(**kwargs)`` for one CP rank's step.
+
+    Args:
+        local_batch: this rank's batch as returned by ``cp_packing.distribute_batch`` (a dict of ``[1, T_local, ...]``
+            or ``[T_local, ...]`` tensors; only ``local_batch[input_key]`` is used), or the input tensor itself.
+            With a ``PackedSeqParams`` (no CP), the global ``[B, S]`` input ids.
+        sharded: this rank's ``ShardedPackedSeqParams``; or, without CP, the batch's ``PackedSeqParams`` (sharded
+            here with ``cp_size=1``).
+        group: the CP ProcessGroup (or a 1-D DeviceMesh); ``None`` only when ``sharded.cp_size == 1``.
+        backend, kernel: passed to ``context_parallel_attention`` through the model.
+        input_key: ``"input_ids"`` (default) or ``"inputs_embeds"`` (``[..., T_local, hidden]``).
+
+    Returns:
+        ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
+        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``. No
+        ``attention_mask`` (never pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard,
+        which is wrong under CP; compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
+        from ``cp_packing.next_token_labels`` (shifted on the global stream).
+
+    Raises:
+        TypeError: wrong types. ValueError: a missing key, a token count that does not match ``sharded``, a missing
+        group with ``cp_size > 1``.
+    """
+    if isinstance(sharded, PackedSeqParams):
+        sharded = shard_packed_seq_params(sharded, cp_size=1, cp_rank=0, layout="contiguous")
+    elif not isinstance(sharded, ShardedPackedSeqParams):
+        raise TypeError(
+            f"sharded must be ShardedPackedSeqParams (or the PackedSeqParams of an unsharded batch), got "
+            f"{type(sharded).__name__}"
+        )
+    if input_key not in ("input_ids", "inputs_embeds"):
+        raise ValueError(f"input_key must be 'input_ids' or 'inputs_embeds', got {input_key!r}")
+    if isinstance(local_batch, Mapping):
+        if input_key not in local_batch:
+            raise ValueError(
+                f"local_batch has no {input_key!r} (keys: {sorted(local_batch)}); pass input_key= the name of the "
+                "model input"
+            )
+        x = local_batch[input_key]
+    else:
+        x = local_batch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{input_key} must be a torch.Tensor, got {type(x).__name__}")
+    T_local = sharded.num_local_tokens
+    given_shape = tuple(x.shape)
+    n_tail = 0 if input_key == "input_ids" else 1  # inputs_embeds carry a hidden dim
+    if sharded.cp_size == 1 and x.dim() == 2 + n_tail and tuple(x.shape[:2]) == tuple(sharded.batch_shape):
+        x = sharded.shard(x)  # without CP: the whole [B, S, ...] batch -> the flat stream [T, ...]
+    if x.dim() == 2 + n_tail and x.shape[0] == 1:
+        x = x[0]
+    if x.dim() != 1 + n_tail or x.shape[0] != T_local:
+        want = f"{T_local}, hidden" if n_tail else f"{T_local}"
+        raise ValueError(
+            f"{input_key} has shape {given_shape}, "
+            f"but this rank holds T_local={T_local} tokens (cp_rank={sharded.cp_rank} of {sharded.cp_size}); "
+            f"expected [1, {want}] or [{want}] (this rank's shard)"
+        )
+    group = _resolve_group(group)
+    if sharded.cp_size > 1 and group is None:
+        raise ValueError(
+            f"sharded is one of cp_size={sharded.cp_size} shards but group is None; pass the CP process group"
+        )
+    x = x.unsqueeze(0)  # [1, T_local(, hidden)]
+    position_ids = sharded.position_ids.to(device=x.device, dtype=torch.int64).reshape(1, T_local)
+    return {
+        input_key: x,
+        "position_ids": position_ids,
+        "use_cache": False,
+        "cp_sharded": sharded,
+        "cp_group": group,
+        "cp_backend": backend,
+        "cp_kernel": kernel,
+    }
