@@ -1,0 +1,406 @@
+"""Tests for cp_packing.loss: labels shifted on the global stream, and a CP/DP-exact cross-entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from tests.dist_utils import run_distributed
+
+IGNORE = -100
+V, H = 13, 8  # tiny vocabulary and hidden size
+RTOL, ATOL = 1e-5, 1e-7
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain-Python references and fixtures
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ref_labels(input_ids: list[list[int]], doc_ids: list[list[int]]) -> list[list[int]]:
+    out = []
+    for ids, docs in zip(input_ids, doc_ids):
+        row = []
+        for s in range(len(ids)):
+            ok = s + 1 < len(ids) and docs[s] != 0 and docs[s + 1] == docs[s]
+            row.append(ids[s + 1] if ok else IGNORE)
+        out.append(row)
+    return out
+
+
+def ref_segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) flat ranges: runs within a row."""
+    B, S = doc_ids.shape
+    rows, out = doc_ids.tolist(), []
+    for b in range(B):
+        start = 0
+        for s in range(1, S + 1):
+            if s == S or rows[b][s] != rows[b][s - 1]:
+                out.append((b * S + start, b * S + s))
+                start = s
+    return out
+
+
+def ref_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over all valid labels (logits [T, V], labels [T])."""
+    valid = labels != IGNORE
+    return F.cross_entropy(logits[valid].float(), labels[valid], reduction="sum") / valid.sum()
+
+
+def ref_doc_terms(logits: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> list[torch.Tensor]:
+    """One mean CE per segment that has at least one valid label (loop over segments: the reference)."""
+    terms = []
+    for a, b in ref_segments(doc_ids):
+        lab = labels[a:b]
+        valid = lab != IGNORE
+        if valid.any():
+            terms.append(F.cross_entropy(logits[a:b][valid].float(), lab[valid]))
+    return terms
+
+
+def ref_doc_loss(logits, labels, doc_ids):
+    terms = ref_doc_terms(logits, labels, doc_ids)
+    return torch.stack(terms).mean()
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)  # same init on every rank
+    return torch.nn.Sequential(torch.nn.Embedding(V, H), torch.nn.Linear(H, V))
+
+
+def make_batch(seed: int, B: int, S: int, *, multiple: int = 1, pad_p: float = 0.25):
+    """Random doc map [B, S] (runs of multiples of `multiple`, padding anywhere) and input ids [B, S]."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        pos, next_id = 0, 1
+        while pos < S:
+            length = min(S - pos, multiple * int(torch.randint(1, 5, (), generator=g)))
+            if float(torch.rand((), generator=g)) < pad_p:
+                value = 0
+            else:
+                value, next_id = next_id, next_id + 1
+            doc[b, pos : pos + length] = value
+            pos += length
+    ids = torch.randint(0, V, (B, S), generator=g)
+    return doc, ids
+
+
+def grads_of(loss, model):
+    return torch.autograd.grad(loss, list(model.parameters()), allow_unused=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# next_token_labels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_next_token_labels_worked_example():
+    # Row 0 ends with doc 2 and row 1 starts with doc 2: different segments (boundary at every row start).
+    doc = torch.tensor([[1, 1, 2, 2], [2, 2, 0, 3]])
+    ids = torch.tensor([[10, 11, 12, 13], [14, 15, 16, 17]])
+    labels = next_token_labels(ids, doc)
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == [[11, IGNORE, 13, IGNORE], [15, IGNORE, IGNORE, IGNORE]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda B: st.integers(1, 12).flatmap(
+            lambda S: st.tuples(
+                st.lists(st.lists(st.integers(0, 3), min_size=S, max_size=S), min_size=B, max_size=B),
+                st.lists(st.lists(st.integers(0, 255), min_size=S, max_size=S), min_size=B, max_size=B),
+            )
+        )
+    ),
+    st.sampled_from([torch.uint8, torch.int16, torch.int32, torch.int64]),
+)
+def test_next_token_labels_matches_reference(maps, dtype):
+    doc, ids = maps
+    labels = next_token_labels(torch.tensor(ids, dtype=dtype), torch.tensor(doc, dtype=torch.int32))
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == ref_labels(ids, doc)
+    # A PackedSeqParams is accepted in place of the map.
+    params = packed_seq_params_from_doc_ids(torch.tensor(doc))
+    assert torch.equal(next_token_labels(torch.tensor(ids), params), labels)
+
+
+def test_next_token_labels_custom_ignore_and_token_mask():
+    doc = torch.tensor([[1, 1, 1, 1, 2, 2]])
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[True, True, False, False, True, True]])  # two in-segment pad tokens
+    assert next_token_labels(ids, doc, token_mask=mask, ignore_index=-1).tolist() == [[2, -1, -1, -1, 6, -1]]
+
+
+def test_next_token_labels_errors():
+    doc = torch.ones(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"\(2, 5\).*\(2, 4\)"):
+        next_token_labels(torch.ones(2, 5, dtype=torch.int64), doc)
+    with pytest.raises(TypeError, match="float32"):
+        next_token_labels(torch.ones(2, 4), doc)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        next_token_labels([[1, 2, 3, 4]] * 2, doc)
+    with pytest.raises(ValueError, match="2-D"):
+        next_token_labels(torch.ones(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="bool"):
+        next_token_labels(doc, doc, token_mask=doc)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# packed_cross_entropy, single process
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _single_batch(seed=0, B=3, S=16):
+    doc, ids = make_batch(seed, B, S)
+    labels = next_token_labels(ids, doc)
+    model = make_model()
+    logits = model(ids.reshape(-1))  # [T, V]
+    return doc, labels.reshape(-1), logits, model
+
+
+def test_token_loss_single_process_matches_mean_ce():
+    doc, labels, logits, _ = _single_batch()
+    expected = F.cross_entropy(logits, labels, ignore_index=IGNORE)
+    torch.testing.assert_close(packed_cross_entropy(logits, labels), expected, rtol=RTOL, atol=ATOL)
+    # [1, T, V] with [1, T] works too.
+    got = packed_cross_entropy(logits.unsqueeze(0), labels.unsqueeze(0))
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_document_loss_single_process_matches_reference():
+    doc, labels, logits, _ = _single_batch(seed=3)
+    params = packed_seq_params_from_doc_ids(doc)
+    got = packed_cross_entropy(logits, labels, reduction="document", sharded=params)
+    torch.testing.assert_close(got, ref_doc_loss(logits, labels, doc), rtol=RTOL, atol=ATOL)
+    # Documents of different length weigh the same: differs from the token mean on this batch.
+    assert abs(float(got.detach()) - float(packed_cross_entropy(logits, labels).detach())) > 1e-4
+
+
+def test_bf16_logits_accumulate_in_float32():
+    _, labels, logits, _ = _single_batch(seed=5)
+    lb = logits.detach().to(torch.bfloat16)
+    got = packed_cross_entropy(lb, labels)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.cross_entropy(lb.float(), labels, ignore_index=IGNORE), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("reduction", ["token", "document"])
+def test_all_ignored_gives_zero_and_is_differentiable(reduction):
+    doc = torch.zeros(2, 6, dtype=torch.int64)  # all padding
+    labels = next_token_labels(torch.ones(2, 6, dtype=torch.int64), doc).reshape(-1)
+    logits = torch.randn(12, V, requires_grad=True)
+    loss = packed_cross_entropy(logits, labels, reduction=reduction, sharded=packed_seq_params_from_doc_ids(doc))
+    assert float(loss.detach()) == 0.0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_loss_errors():
+    logits = torch.randn(6, V)
+    labels = torch.zeros(6, dtype=torch.int64)
+    with pytest.raises(TypeError, match="float32"):
+        packed_cross_entropy(logits, labels.float())
+    with pytest.raises(TypeError, match="int64"):
+        packed_cross_entropy(labels.unsqueeze(-1).expand(6, V), labels)
+    with pytest.raises(ValueError, match=r"\(6, 13\).*\(5,\)"):
+        packed_cross_entropy(logits, labels[:5])
+    with pytest.raises(ValueError, match="reduction"):
+        packed_cross_entropy(logits, labels, reduction="mean")
+    with pytest.raises(ValueError, match="sharded="):
+        packed_cross_entropy(logits, labels, reduction="document")
+    with pytest.raises(ValueError, match="label 13 .*outside"):
+        packed_cross_entropy(logits, torch.tensor([0, 1, 13, IGNORE, 0, 0]))
+    params = packed_seq_params_from_doc_ids(torch.ones(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="4 local tokens but labels hold 6"):
+        packed_cross_entropy(logits, labels, reduction="document", sharded=params)
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="not initialized"):
+            packed_cross_entropy(logits, labels, group=object())
+
+
+def test_sharded_for_cp_without_group_is_an_error():
+    from cp_packing.sharding import shard_packed_seq_params
+
+    doc = torch.ones(1, 8, dtype=torch.int64)
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=0, layout="contiguous")
+    with pytest.raises(ValueError, match="cp_size=2.*1 rank"):
+        packed_cross_entropy(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), sharded=sharded)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed parity (real gloo groups)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _full_reference(doc, ids, labels, model, reduction):
+    logits = model(ids.reshape(-1))
+    flat = labels.reshape(-1)
+    loss = ref_token_loss(logits, flat) if reduction == "token" else ref_doc_loss(logits, flat, doc)
+    return loss.detach(), grads_of(loss, model)
+
+
+def _cp_share(doc, ids, labels, model, reduction, *, group, cp_size, cp_rank, layout, batch_dim=False):
+    from cp_packing.sharding import shard_packed_seq_params
+
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=cp_size, cp_rank=cp_rank,
+                                      layout=layout)
+    local_ids, local_labels = sharded.shard(ids), sharded.shard(labels)  # [T_local]
+    logits = model(local_ids)  # [T_local, V]
+    if batch_dim:
+        logits, local_labels = logits.unsqueeze(0), local_labels.unsqueeze(0)
+    share = packed_cross_entropy(logits, local_labels, group=group, reduction=reduction, sharded=sharded)
+    return share, local_labels
+
+
+def _assert_grads_close(got, expected):
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+
+
+def _parity_worker(rank, world_size, layout, seed):
+    multiple = 2 * world_size if layout == "zigzag" else 1
+    S = 2 * world_size * 6
+    doc, ids = make_batch(seed, 3, S, multiple=multiple)
+    labels = next_token_labels(ids, doc)
+    model = make_model()
+    group = dist.group.WORLD
+    out = {}
+    for reduction in ("token", "document"):
+        ref_loss, ref_grads = _full_reference(doc, ids, labels, model, reduction)
+        share, _ = _cp_share(doc, ids, labels, model, reduction, group=group, cp_size=world_size, cp_rank=rank,
+                             layout=layout, batch_dim=(reduction == "document"))
+        grads = [g.clone() for g in grads_of(share, model)]
+        for g in grads:
+            dist.all_reduce(g, group=group)
+        total = reduce_loss_for_logging(share, group=group)
+        torch.testing.assert_close(total, ref_loss, rtol=RTOL, atol=ATOL)
+        _assert_grads_close(grads, ref_grads)
+        out[reduction] = (float(share), float(ref_loss))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_cp_loss_and_grads_equal_non_cp(world_size, layout):
+    results = run_distributed(_parity_worker, world_size, layout, 100 + world_size)
+    for reduction in ("token", "document"):
+        shares = [r[reduction][0] for r in results]
+        ref = results[0][reduction][1]
+        assert sum(shares) == pytest.approx(ref, rel=RTOL)
+        # The shares are genuine parts (each rank holds real tokens), not the full loss on every rank.
+        assert all(abs(s - ref) > 1e-6 for s in shares)
+
+
+def _padding_rank_worker(rank, world_size):
+    # Contiguous layout; the last row is pure padding, so the last rank holds only padding.
+    S = 8
+    doc, ids = make_batch(7, world_size, S, pad_p=0.0)
+    doc[-1] = 0
+    labels = next_token_labels(ids, doc)
+    model = make_model()
+    group = dist.group.WORLD
+    out = {}
+    for reduction in ("token", "document"):
+        ref_loss, ref_grads = _full_reference(doc, ids, labels, model, reduction)
+        share, local_labels = _cp_share(doc, ids, labels, model, reduction, group=group, cp_size=world_size,
+                                        cp_rank=rank, layout="contiguous")
+        grads = [g.clone() for g in grads_of(share, model)]
+        if rank == world_size - 1:
+            assert bool((local_labels == IGNORE).all())
+            assert float(share) == 0.0  # zero, not NaN
+            assert all(bool((g == 0).all()) for g in grads)
+        for g in grads:
+            dist.all_reduce(g, group=group)
+        total = reduce_loss_for_logging(share, group=group)
+        # Tokens counted once: not cp times too small (count summed per rank) or too large (count of one rank).
+        torch.testing.assert_close(total, ref_loss, rtol=RTOL, atol=ATOL)
+        assert abs(float(total) - float(ref_loss) / world_size) > 1e-3
+        assert abs(float(total) - float(ref_loss) * world_size) > 1e-3
+        _assert_grads_close(grads, ref_grads)
+        out[reduction] = float(total)
+    # reduction="document" over a CP group without the shard metadata is refused (on every rank: no hang).
+    with pytest.raises(ValueError, match="needs sharded="):
+        packed_cross_entropy(torch.randn(S, V), torch.zeros(S, dtype=torch.int64), group=group, reduction="document")
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_padding_rank_joins_and_count_is_reduced_once(world_size):
+    run_distributed(_padding_rank_worker, world_size)
+
+
+def _zero_count_worker(rank, world_size):
+    doc = torch.zeros(2, 8, dtype=torch.int64)
+    labels = next_token_labels(torch.ones(2, 8, dtype=torch.int64), doc)
+    model = make_model()
+    for reduction in ("token", "document"):
+        share, _ = _cp_share(doc, doc, labels, model, reduction, group=dist.group.WORLD, cp_size=world_size,
+                             cp_rank=rank, layout="zigzag")
+        grads = grads_of(share, model)
+        assert float(share) == 0.0
+        assert float(reduce_loss_for_logging(share, group=dist.group.WORLD)) == 0.0
+        assert all(bool((g == 0).all()) for g in grads)
+    return True
+
+
+@pytest.mark.distributed
+def test_global_count_zero_gives_zero_loss():
+    assert run_distributed(_zero_count_worker, 2) == [True, True]
+
+
+def _dp_cp_worker(rank, world_size):
+    cp_size, dp_size = 2, 2
+    # Every rank creates every group, in the same order.
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, cp_rank = divmod(rank, cp_size)
+    cp_group, dp_group = cp_groups[replica], dp_groups[cp_rank]
+    # Two different batches (different padding, so different valid counts).
+    batches = []
+    for r, pad_p in ((0, 0.1), (1, 0.5)):
+        doc, ids = make_batch(40 + r, 2, 16, multiple=2 * cp_size, pad_p=pad_p)
+        batches.append((doc, ids, next_token_labels(ids, doc)))
+    model = make_model()
+    for reduction in ("token", "document"):
+        # Reference on the union of both batches, one process.
+        logits = [model(ids.reshape(-1)) for _, ids, _ in batches]
+        if reduction == "token":
+            ref = ref_token_loss(torch.cat(logits), torch.cat([lab.reshape(-1) for _, _, lab in batches]))
+            naive = torch.stack([ref_token_loss(lg, lab.reshape(-1)) for lg, (_, _, lab) in zip(logits, batches)])
+        else:
+            terms = [ref_doc_terms(lg, lab.reshape(-1), doc) for lg, (doc, _, lab) in zip(logits, batches)]
+            ref = torch.stack(terms[0] + terms[1]).mean()
+            naive = torch.stack([torch.stack(t).mean() for t in terms])
+        # The test can tell the union mean from the mean of per-replica means.
+        assert abs(float(naive.mean()) - float(ref)) > 1e-4
+        ref_grads = grads_of(ref, model)
+        doc, ids, labels = batches[replica]
+        from cp_packing.sharding import shard_packed_seq_params
+
+        sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=cp_size, cp_rank=cp_rank,
+                                          layout="zigzag")
+        local_logits = model(sharded.shard(ids))
+        share = packed_cross_entropy(local_logits, sharded.shard(labels), group=cp_group, dp_group=dp_group,
+                                     reduction=reduction, sharded=sharded)
+        grads = [g.clone() for g in grads_of(share, model)]
+        for g in grads:
+            dist.all_reduce(g)  # SUM over all CP x DP ranks
+        _assert_grads_close(grads, ref_grads)
+        total = reduce_loss_for_logging(share, group=cp_group, dp_group=dp_group)
+        torch.testing.assert_close(total, ref.detach(), rtol=RTOL, atol=ATOL)
+    return True
+
+
+@pytest.mark.distributed
+def test_dp_x_cp_loss_is_mean_over_union_of_batches():
+    assert run_distributed(_dp_cp_worker, 4) == [True] * 4
