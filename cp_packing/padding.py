@@ -95,9 +95,9 @@ class PaddedBatch:
         real token gets ``fill_value``. (Labels: pass ``fill_value=-100``; ``pad_segments`` handles positions.)"""
         B, S = self.original_shape
         x = _check_per_token("x", x, B, S, self.index.device)
-        return _scatter_real(x.reshape(B * S, *x.shape[2:]), self._dest(), B * self.padded_length, fill_value).view(
-            B, self.padded_length, *x.shape[2:]
-        )
+        src, dst = _real_pairs(self.index.reshape(-1), self.num_real_tokens)
+        Sp = self.padded_length
+        return _scatter_real(x.reshape(B * S, *x.shape[2:]), src, dst, B * Sp, fill_value).view(B, Sp, *x.shape[2:])
 
     def unpad(self, x: torch.Tensor, fill_value: float | int | bool = 0) -> torch.Tensor:
         """Map a tensor of the padded stream back to the original layout.
@@ -129,22 +129,66 @@ class PaddedBatch:
         real = (self.index >= 0).reshape(B * S, *([1] * len(rest)))
         if flat.shape[0] == 0:  # nothing in the padded stream: every original token was padding
             return x.new_full((B, S, *rest), fill_value)
-        gathered = flat[self.index.reshape(-1).clamp(min=0)]  # [B*S, ...]
+        gathered = flat.index_select(0, self.index.reshape(-1).clamp(min=0))  # [B*S, ...]
         fill = torch.full((), fill_value, dtype=x.dtype, device=x.device)
         return torch.where(real, gathered, fill).view(B, S, *rest)
 
-    def _dest(self) -> torch.Tensor:
-        """int64 ``[B*S]``: new flat position of each original token, ``B*S'`` (a dump slot) for dropped ones."""
-        dump = self.index.shape[0] * self.padded_length
-        flat = self.index.reshape(-1)
-        return torch.where(flat >= 0, flat, torch.full_like(flat, dump))
+
+def _real_pairs(index: torch.Tensor, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From ``index`` ``[T]`` (``-1`` = dropped): int64 ``src`` ``[R]`` (original flat positions of the real tokens)
+    and ``dst`` ``[R]`` (their new flat positions). ``nonzero_static``: no host sync, no duplicate targets."""
+    src = torch.nonzero_static(index >= 0, size=num_real).view(-1)
+    return src, index.index_select(0, src)
 
 
-def _scatter_real(x_flat: torch.Tensor, dest: torch.Tensor, size: int, fill_value: Any) -> torch.Tensor:
-    """``[T, ...]`` -> ``[size, ...]``: token i goes to ``dest[i]``; ``dest == size`` is a dump slot (dropped)."""
-    out = x_flat.new_full((size + 1, *x_flat.shape[1:]), fill_value)
-    out[dest] = x_flat
-    return out[:size]
+def _scatter_real(x_flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, size: int, fill: Any) -> torch.Tensor:
+    """``[T, ...]`` -> ``[size, ...]``: real token ``src[i]`` goes to ``dst[i]``, everything else is ``fill``."""
+    out = x_flat.new_full((size, *x_flat.shape[1:]), fill)
+    return out.index_copy_(0, dst, x_flat.index_select(0, src))
+
+
+def _continue_positions(
+    out: torch.Tensor,  # [T', ...] real tokens already in place
+    x_flat: torch.Tensor,  # [T, ...] original positions
+    new_doc: torch.Tensor,  # [T']
+    pad_run_pos: torch.Tensor,  # int64 [T'] position inside its padding run (where new_doc == 0)
+    cu: torch.Tensor,  # int64 [N + 1] original segments
+    new_start: torch.Tensor,  # int64 [N]
+    lengths: torch.Tensor,  # int64 [N]
+    num_pad: torch.Tensor,  # int64 [N] pad tokens added to each segment (0 for padding runs)
+    total_pad: int,
+) -> torch.Tensor:
+    """Pad tokens of a document continue its count (last real value + 1, + 2, ...); padding tokens (index 0) get
+    their 0-based position inside their padding run."""
+    device = out.device
+    bshape = (-1, *([1] * (out.dim() - 1)))
+    pad_excl = torch.cumsum(num_pad, 0) - num_pad  # [N]
+    ar = torch.arange(total_pad, device=device)
+    pad_pos = ar + torch.repeat_interleave(new_start + lengths - pad_excl, num_pad, output_size=total_pad)  # [P]
+    past_last = ar - torch.repeat_interleave(pad_excl, num_pad, output_size=total_pad) + 1  # [P] 1, 2, ...
+    last_real = torch.repeat_interleave(cu[1:] - 1, num_pad, output_size=total_pad)  # [P]
+    out.index_copy_(0, pad_pos, x_flat.index_select(0, last_real) + past_last.to(out.dtype).view(bshape))
+    in_run = pad_run_pos.to(out.dtype).view(bshape)
+    return torch.where((new_doc == 0).view(bshape), in_run, out)
+
+
+def _position_in_padding_runs(
+    content: torch.Tensor,  # int64 [B] covered tokens per row; the row-end padding run starts there
+    Sp: int,
+    new_start: torch.Tensor,  # int64 [N]
+    separator: torch.Tensor,  # bool [N]
+    m: int,
+    total_sep: int,
+) -> torch.Tensor:
+    """int64 ``[B * S']``: 0-based position of each token inside its padding run; meaningful where the new doc
+    index is 0 (the row-end run and the separators), arbitrary elsewhere."""
+    device = content.device
+    in_run = (torch.arange(Sp, device=device)[None, :] - content[:, None]).reshape(-1)  # row-end run
+    sep_len = separator.to(torch.int64) * m  # [N]
+    sep_excl = torch.cumsum(sep_len, 0) - sep_len
+    ar = torch.arange(total_sep, device=device)
+    sep_pos = ar + torch.repeat_interleave(new_start - sep_excl, sep_len, output_size=total_sep)
+    return in_run.index_copy_(0, sep_pos, ar - torch.repeat_interleave(sep_excl, sep_len, output_size=total_sep))
 
 
 def _check_multiple(multiple: Any) -> int:
@@ -305,7 +349,7 @@ def pad_segments(
             content.max() if B > 0 else zero0,
             new_len.sum(),
             torch.where(is_doc, lengths, zero).sum(),
-            torch.where(is_doc, padded_len - lengths, zero).sum(),
+            torch.where(is_doc, padded_len - lengths, zero).sum(),  # = num_pad.sum()
             separator.sum().to(torch.int64) * m,
             *[c.to(torch.int64) for c in checks],
         ]
@@ -334,50 +378,43 @@ def pad_segments(
     row_base = torch.cumsum(content, 0) - content  # [B] covered tokens before each row
     new_start = seg_row * Sp + (excl - row_base[seg_row])  # [N] flat start in the new stream
 
-    # ---- original tokens -> new positions ----
-    seg_ar = torch.arange(N, device=device)
-    tok_seg = torch.repeat_interleave(seg_ar, lengths, output_size=T)  # [T]
-    tok_off = torch.arange(T, device=device) - starts[tok_seg]  # [T]
-    index = torch.where(real_tok, new_start[tok_seg] + tok_off, torch.full_like(tok_off, -1))  # [T]
-    dest = torch.where(real_tok, index, torch.full_like(index, Tp))  # [T], Tp = dump slot
+    # ---- original tokens -> new positions: each segment moves by one shift ----
+    shift = new_start - starts  # [N]
+    tok_shift = torch.repeat_interleave(shift, lengths, output_size=T)  # [T]
+    index = torch.where(real_tok, torch.arange(T, device=device) + tok_shift, torch.full_like(tok_shift, -1))  # [T]
+    src, dst = _real_pairs(index, int(num_real))  # [R], [R]: original and new flat position of each real token
 
-    # ---- covered new tokens (documents with their pads, separators) ----
-    cov_seg = torch.repeat_interleave(seg_ar, new_len, output_size=int(covered))  # [C]
-    cov_off = torch.arange(int(covered), device=device) - excl[cov_seg]  # [C]
-    cov_pos = new_start[cov_seg] + cov_off  # [C]
+    # ---- covered new tokens (documents with their pads, separators), then the row-end padding stays 0 ----
+    C = int(covered)
+    cov_pos = torch.arange(C, device=device) + torch.repeat_interleave(new_start - excl, new_len, output_size=C)
     new_doc = torch.zeros(Tp, dtype=doc_ids.dtype, device=device)
-    new_doc[cov_pos] = seg_doc[cov_seg]
-    is_pad = torch.ones(Tp + 1, dtype=torch.bool, device=device)
-    is_pad[dest] = False
-    is_pad = is_pad[:Tp]
+    new_doc.index_copy_(0, cov_pos, torch.repeat_interleave(seg_doc, new_len, output_size=C))
+    is_pad = torch.ones(Tp, dtype=torch.bool, device=device).index_fill_(0, dst, False)
 
-    # doc-pad tokens (added inside a document) and their distance past the document's last real token
-    cov_len = lengths[cov_seg]
-    doc_pad = is_doc[cov_seg] & (cov_off >= cov_len)  # [C]
-    doc_pad_dest = torch.where(doc_pad, cov_pos, torch.full_like(cov_pos, Tp))  # [C]
-    past_last = cov_off - cov_len + 1  # [C] 1, 2, ... on doc-pad tokens
-    last_real = (cu[1:] - 1)[cov_seg]  # [C] flat index of the segment's last original token
-
+    num_pad = torch.where(is_doc, padded_len - lengths, zero)  # [N] pad tokens added inside each segment
     new_tensors: dict[str, torch.Tensor] = {}
     pad_run_pos = None
     for name, x in tensors.items():
         rest = tuple(x.shape[2:])
         x_flat = x.reshape(T, *rest)
         if name in pad_values:
-            out = _scatter_real(x_flat, dest, Tp, pad_values[name])
+            fill = pad_values[name]
         elif name in label_keys:
-            out = _scatter_real(x_flat, dest, Tp, ignore_index)
-        elif name in position_keys:
-            bshape = (-1, *([1] * len(rest)))
-            out = x_flat.new_zeros((Tp + 1, *rest))
-            out[dest] = x_flat  # real tokens keep their positions
-            out[doc_pad_dest] = x_flat[last_real] + past_last.to(x.dtype).view(bshape)  # continue the document
-            out = out[:Tp]
-            if pad_run_pos is None:
-                pad_run_pos = _position_in_run(new_doc, Sp)
-            out = torch.where((new_doc == 0).view(bshape), pad_run_pos.to(x.dtype).view(bshape), out)
+            fill = ignore_index
         else:
-            out = _scatter_real(x_flat, dest, Tp, 0)
+            fill = 0
+        try:
+            torch.full((), fill, dtype=x.dtype)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"the pad value {fill!r} for tensors[{name!r}] does not fit its dtype {x.dtype} ({exc}); pass a "
+                f"representable value in pad_values[{name!r}] or convert the tensor"
+            ) from None
+        out = _scatter_real(x_flat, src, dst, Tp, fill)
+        if name in position_keys and name not in pad_values:
+            if pad_run_pos is None:
+                pad_run_pos = _position_in_padding_runs(content, Sp, new_start, separator, m, int(num_sep))
+            out = _continue_positions(out, x_flat, new_doc, pad_run_pos, cu, new_start, lengths, num_pad, int(num_added))
         new_tensors[name] = out.view(B, Sp, *rest)
 
     return PaddedBatch(
@@ -391,16 +428,3 @@ def pad_segments(
         num_separator_tokens=int(num_sep),
         num_dropped_tokens=T - int(num_real),
     )
-
-
-def _position_in_run(new_doc: torch.Tensor, Sp: int) -> torch.Tensor:
-    """int64 ``[T']``: 0-based position of each token inside its run (runs restart at every row start)."""
-    Tp = new_doc.numel()
-    if Tp == 0:
-        return torch.zeros(0, dtype=torch.int64, device=new_doc.device)
-    pos = torch.arange(Tp, device=new_doc.device)
-    is_start = torch.ones(Tp, dtype=torch.bool, device=new_doc.device)
-    is_start[1:] = new_doc[1:] != new_doc[:-1]
-    is_start[::Sp] = True
-    run_start = torch.where(is_start, pos, torch.zeros_like(pos)).cummax(0).values
-    return pos - run_start

@@ -369,6 +369,8 @@ def test_bad_inputs():
         pad_segments(doc_ids, 2, {"labels": torch.zeros(1, 4)}, pad_values={"lables": -100})
     with pytest.raises(ValueError, match=r"tensors\['labels'\] has 1 label\(s\) other than ignore_index=-100"):
         pad_segments(doc_ids, 2, {"labels": torch.tensor([[1, 2, 3, 4]])})
+    with pytest.raises(ValueError, match=r"pad value 300 for tensors\['ids'\] does not fit its dtype torch.uint8"):
+        pad_segments(doc_ids, 2, {"ids": torch.ones(1, 4, dtype=torch.uint8)}, pad_values={"ids": 300})
     with pytest.raises(TypeError, match="label_keys must be a sequence of tensor names"):
         pad_segments(doc_ids, 2, label_keys="labels")
     with pytest.raises(ValueError, match="both label_keys and position_keys"):
