@@ -327,6 +327,15 @@ def _padding_rank_worker(rank, world_size):
         assert abs(float(total) - float(ref_loss) * world_size) > 1e-3
         _assert_grads_close(grads, ref_grads)
         out[reduction] = float(total)
+    # A 1-D DeviceMesh works as the CP group.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    via_group, _ = _cp_share(doc, ids, labels, model, "document", group=group, cp_size=world_size, cp_rank=rank,
+                             layout="contiguous")
+    via_mesh, _ = _cp_share(doc, ids, labels, model, "document", group=mesh["cp"], cp_size=world_size,
+                            cp_rank=rank, layout="contiguous")
+    assert float(via_mesh) == float(via_group)
     # reduction="document" over a CP group without the shard metadata is refused (on every rank: no hang).
     with pytest.raises(ValueError, match="needs sharded="):
         packed_cross_entropy(torch.randn(S, V), torch.zeros(S, dtype=torch.int64), group=group, reduction="document")
