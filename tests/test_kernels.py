@@ -119,7 +119,7 @@ def flash_stub(monkeypatch):
 # --------------------------------------------------------------------------------------- reference vs dense
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(varlen_cases())
 def test_reference_forward_matches_dense_attention(case):
     lens_q, lens_k, tail_q, tail_k, H, H_kv, D, causal, seed = case
@@ -135,7 +135,7 @@ def test_reference_forward_matches_dense_attention(case):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-12, rtol=1e-10)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(varlen_cases())
 def test_reference_backward_matches_autograd_of_dense_attention(case):
     lens_q, lens_k, tail_q, tail_k, H, H_kv, D, causal, seed = case
