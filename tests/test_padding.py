@@ -241,6 +241,18 @@ def test_position_ids_continue_inside_documents(doc_ids, m, offset):
             assert torch.equal(seg, torch.arange(end - start) + first), (row, got[b])
 
 
+@SETTINGS
+@given(doc_maps(), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_labels_shift_then_pad_equals_pad_then_shift(doc_ids, m, seed):
+    loss = pytest.importorskip("cp_packing.loss")
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 1000, doc_ids.shape, generator=g)
+    labels = loss.next_token_labels(input_ids, doc_ids)
+    out = pad_segments(doc_ids, m, {"input_ids": input_ids, "labels": labels})
+    relabeled = loss.next_token_labels(out.tensors["input_ids"], out.doc_ids, token_mask=~out.is_pad)
+    assert torch.equal(relabeled, out.tensors["labels"])
+
+
 def test_worked_example_by_hand():
     # row 0: doc 1 (3 tokens), doc 2 (2 tokens), 3 padding; row 1: doc 1 (2), padding (1), doc 1 again (1), doc 2 (4)
     doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
