@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple, queue) -> None:
+def _child(fn: Callable, rank: int, world_size: int, port_queue, backend: str, args: tuple, queue) -> None:
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timedelta(seconds=60))
+        port = port_queue.get()  # the parent starts its store only after every child is forked
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timedelta(seconds=_STORE_TIMEOUT))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
+                                timeout=timedelta(seconds=_STORE_TIMEOUT))
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -38,11 +39,14 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, ar
         queue.put((rank, "error", traceback.format_exc()))
 
 
+_STORE_TIMEOUT = 150  # seconds; generous, CI machines are shared and tests run in parallel
+
+
 def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout: float = 180.0) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results in rank order."""
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
@@ -55,15 +59,20 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
         return [fn(dist.get_rank(), world_size, *args)]
 
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=timedelta(seconds=60),
-                          wait_for_workers=False)
-    queue = ctx.Queue()
+    queue = ctx.Queue()  # children put results; the parent only reads (no feeder thread here)
+    port_queue = ctx.SimpleQueue()  # thread-free
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, store.port, backend, args, queue), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, port_queue, backend, args, queue), daemon=True)
         for r in range(world_size)
     ]
+    # Fork every child BEFORE the store's server thread exists: a fork while that thread holds a lock can leave
+    # the child deadlocked (seen as a rank that never registers under heavy load).
     for p in procs:
         p.start()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=timedelta(seconds=_STORE_TIMEOUT),
+                          wait_for_workers=False)
+    for _ in procs:
+        port_queue.put(store.port)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
