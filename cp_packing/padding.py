@@ -414,7 +414,9 @@ def pad_segments(
         if name in position_keys and name not in pad_values:
             if pad_run_pos is None:
                 pad_run_pos = _position_in_padding_runs(content, Sp, new_start, separator, m, int(num_sep))
-            out = _continue_positions(out, x_flat, new_doc, pad_run_pos, cu, new_start, lengths, num_pad, int(num_added))
+            out = _continue_positions(
+                out, x_flat, new_doc, pad_run_pos, cu, new_start, lengths, num_pad, int(num_added)
+            )
         new_tensors[name] = out.view(B, Sp, *rest)
 
     return PaddedBatch(

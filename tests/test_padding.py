@@ -186,7 +186,10 @@ def test_causal_attention_of_real_tokens_unchanged(doc_ids, m, seed):
     qp, kp, vp = (relay_with_random_pads(out, x, g) for x in (q, k, v))
     Sp = out.padded_length
     ref = causal_attention_per_segment(
-        q.view(B * S, H, D), k.view(B * S, H, D), v.view(B * S, H, D), packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+        q.view(B * S, H, D),
+        k.view(B * S, H, D),
+        v.view(B * S, H, D),
+        packed_seq_params_from_doc_ids(doc_ids).cu_seqlens,
     )
     got = causal_attention_per_segment(
         qp.view(B * Sp, H, D),
