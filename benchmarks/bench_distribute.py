@@ -19,7 +19,8 @@ Bytes received per non-source rank are counted analytically from the tensors eac
 element size): ``scatter`` = header (``HEADER_LEN`` int64) + metadata (``2*num_segments+1`` int64 + JSON words) +
 this rank's row of the scatter (``T_local x 24`` bytes), from ``cp_packing.distributed.src_message_bytes``;
 ``broadcast`` = ``B*S*(4 + 3*8)`` bytes. Times: every repeat is bracketed by ``dist.barrier()`` on both sides and
-timed on rank 0 (so it covers the slowest rank), median over ``--repeats`` after one warm-up. The scatter and
+timed on rank 0 (so it covers the slowest rank), median over ``--repeats`` after one warm-up; the three methods take
+turns within every repeat (so a change in machine load hits them alike). The scatter and
 broadcast results are checked equal before timing.
 """
 
@@ -90,16 +91,19 @@ def _local(rank, doc_ids, batch):
     return distribute_batch(batch, packed_seq_params_from_doc_ids(doc_ids), layout="zigzag")
 
 
-def _timed(fn, repeats):
-    fn()  # warm-up
-    times = []
+def _timed(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms per method; the methods take turns within every repeat, so load drift hits them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def _rank_main(rank, world, port, B, S, repeats, queue):
@@ -115,11 +119,11 @@ def _rank_main(rank, world, port, B, S, repeats, queue):
                 raise AssertionError(f"rank {rank}: scatter and broadcast disagree on {k}")
         if not torch.equal(a_sh.token_index, b_sh.token_index):
             raise AssertionError(f"rank {rank}: scatter and broadcast disagree on token_index")
-        row = {
-            "scatter": _timed(lambda: _scatter(rank, doc_ids, batch), repeats),
-            "broadcast": _timed(lambda: _broadcast(rank, world, doc_ids, batch, B, S), repeats),
-            "local": _timed(lambda: _local(rank, doc_ids, batch), repeats),
-        }
+        row = _timed({
+            "scatter": lambda: _scatter(rank, doc_ids, batch),
+            "broadcast": lambda: _broadcast(rank, world, doc_ids, batch, B, S),
+            "local": lambda: _local(rank, doc_ids, batch),
+        }, repeats)
         dist.destroy_process_group()
         queue.put((rank, "ok", row))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent

@@ -14,10 +14,11 @@ A batch reaches a CP group in one of two ways, and each has one entry point per 
      index of every segment (``[num_segments]``), plus (``distribute_batch``) a short JSON of key names, dtypes and
      trailing shapes. The doc map is a pure function of ``(B, S, cu_seqlens, segment doc index)``, so every rank
      rebuilds the global ``PackedSeqParams`` bit for bit (``repeat_interleave``) and shards it locally;
-  3. (``distribute_batch`` only) ONE ``dist.scatter`` of the per-token tensors: every key of rank r's tokens packed
-     into one byte buffer, so a rank receives ``T_local`` tokens, never the whole batch.
+  3. (``distribute_batch`` only) one ``dist.scatter`` per key: row r of ``x[token order]`` (``[cp, T_local * F]``,
+     rows contiguous, so no packing copy) goes to rank r, as raw bytes (a free ``view(torch.uint8)``, so every dtype
+     travels, bool included). A rank receives its ``T_local`` tokens, never the whole batch.
 
-  Three collectives in all, whatever the number of keys. The result equals local sharding exactly.
+  Two broadcasts plus one scatter per key. The result equals local sharding exactly.
 
 Groups. ``group`` is a ``ProcessGroup``, a 1-D ``DeviceMesh`` (the CP dimension of a DP x CP mesh: ``mesh["cp"]``) or
 ``None`` for the default (world) group. The CP rank and size are the rank and size *in that group*, never the global
@@ -243,13 +244,6 @@ def _num_features(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _pack_order(specs: list) -> list[int]:
-    """Pack keys by decreasing itemsize, so every key's byte offset in a rank's buffer is a multiple of its itemsize
-    (``uint8 -> dtype`` views need that); ties keep the batch order. Both sides compute it from the specs."""
-    sizes = [torch.empty((), dtype=_dtype_from_name(dt)).element_size() for _, dt, _ in specs]
-    return sorted(range(len(specs)), key=lambda i: -sizes[i])
-
-
 def _segment_doc_index(params: PackedSeqParams) -> torch.Tensor:
     """int64 ``[num_segments]``: the doc index of every segment (the value at its first token)."""
     starts = params.cu_seqlens[:-1].to(device=params.doc_ids.device, dtype=torch.int64)
@@ -272,11 +266,12 @@ def _doc_dtype_code(params: PackedSeqParams) -> int:
 @dataclass(frozen=True)
 class _SrcMessage:
     """What the source sends: ``header`` int64 ``[HEADER_LEN]`` (broadcast), ``payload`` int64 ``[P]`` (broadcast,
-    skipped when ``P == 0``), ``tokens`` uint8 ``[cp_size, token_bytes]`` (row r scattered to rank r) or None."""
+    skipped when ``P == 0``), ``tokens``: per batch key, uint8 ``[cp_size, T_local * F * itemsize]`` (row r scattered
+    to rank r), or None."""
 
     header: torch.Tensor
     payload: torch.Tensor
-    tokens: torch.Tensor | None
+    tokens: list[torch.Tensor] | None
 
 
 def _prepare_batch(batch: Any, params: Any) -> tuple[PackedSeqParams, dict[str, torch.Tensor]]:
@@ -330,16 +325,14 @@ def _encode_src(
         cp_size = sharded.cp_size
         T_local = B * S // cp_size
         order = sharded.global_token_order().reshape(-1)  # int64 [cp * T_local]: rank 0's tokens, rank 1's, ...
-        pieces = []
-        for i in _pack_order(specs):
-            x = batch[specs[i][0]]
+        tokens = []
+        for x in batch.values():
             n_features = _num_features(tuple(x.shape[2:]))
             flat = x.reshape(B * S) if n_features == 1 else x.reshape(B * S, n_features)  # [T] or [T, F]
             picked = flat.index_select(0, order.to(x.device))  # 1-D index_select is the fast kernel
-            per_rank = picked.reshape(cp_size, T_local * n_features)  # [cp, T_local * F]
-            pieces.append(per_rank.contiguous().view(torch.uint8).to(device))  # [cp, T_local * F * itemsize]
-        tokens = torch.cat(pieces, 1) if pieces else torch.zeros(cp_size, 0, dtype=torch.uint8, device=device)
-        token_bytes = tokens.shape[1]
+            per_rank = picked.reshape(cp_size, T_local * n_features)  # [cp, T_local * F], rows contiguous
+            tokens.append(per_rank.view(torch.uint8).to(device))  # [cp, T_local * F * itemsize]: a view, no copy
+        token_bytes = sum(t.shape[1] for t in tokens)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[_H_TAG] = tag
     header[_H_B], header[_H_S], header[_H_NSEG] = B, S, nseg
@@ -388,7 +381,7 @@ def src_message_bytes(
     sizes = {
         "header": msg.header.numel() * msg.header.element_size(),
         "metadata": msg.payload.numel() * msg.payload.element_size(),
-        "tokens": 0 if msg.tokens is None else msg.tokens.shape[1],
+        "tokens": 0 if msg.tokens is None else sum(t.shape[1] for t in msg.tokens),
     }
     sizes["total"] = sum(sizes.values())
     return sizes
@@ -452,20 +445,15 @@ def _from_src(
     local_batch = None
     if tag == _TAG_BATCH:
         specs = _words_to_json(payload[2 * nseg + 1 :], header[_H_JSON_BYTES])["keys"]
-        token_bytes = header[_H_TOKEN_BYTES]
-        received = torch.empty(token_bytes, dtype=torch.uint8, device=device)  # [T_local * bytes per token]
-        if token_bytes:
-            scatter_list = list(tokens.unbind(0)) if cp.rank == src else None
-            dist.scatter(received, scatter_list, src=gsrc, group=cp.group)
         local_batch = {}
-        offset = 0
-        for i in _pack_order(specs):
-            name, dtype_name, trailing = specs[i]
+        for i, (name, dtype_name, trailing) in enumerate(specs):
             dtype = _dtype_from_name(dtype_name)
             n = T_local * _num_features(tuple(trailing)) * torch.empty((), dtype=dtype).element_size()
-            local_batch[name] = received[offset : offset + n].view(dtype).reshape(1, T_local, *trailing)
-            offset += n
-        local_batch = {spec[0]: local_batch[spec[0]] for spec in specs}  # the batch's own key order
+            received = torch.empty(n, dtype=torch.uint8, device=device)  # this rank's bytes of this key
+            if n:  # every rank knows n from the header: all skip together
+                scatter_list = list(tokens[i].unbind(0)) if cp.rank == src else None
+                dist.scatter(received, scatter_list, src=gsrc, group=cp.group)
+            local_batch[name] = received.view(dtype).reshape(1, T_local, *trailing)  # [1, T_local, ...]
 
     # Every collective is done: from here on a rank may fail alone without leaving others waiting.
     if cp.rank == src:
@@ -679,15 +667,14 @@ def distribute_batch(
         same dtypes; plus ``"position_ids"`` = ``sharded.position_ids[None]`` (int64, position inside the segment)
         when the batch has none. ``sharded`` is this rank's ``ShardedPackedSeqParams``. Both equal local sharding
         (``sharded.shard(batch[name])[None]``) bit for bit. Devices: local path, each tensor stays on its input's
-        device; ``src`` path, everything is on the group's device. The ``src`` path's tensors of one rank are views
-        of one received buffer.
+        device; ``src`` path, everything is on the group's device.
 
     Raises (on every rank): as ``distribute_packed_seq_params``, plus TypeError for a batch that is not a dict of
     tensors and ValueError for a tensor whose leading shape is not ``[B, S]`` (named) or a missing doc map.
 
     Communication (``src`` path): two broadcasts (``HEADER_LEN`` int64; ``2 * num_segments + 1`` int64 plus a JSON of
-    key names, dtypes and trailing shapes) and ONE ``dist.scatter`` of ``T_local * bytes_per_token`` bytes per rank,
-    whatever the number of keys. Every rank receives only its own tokens.
+    key names, dtypes and trailing shapes) and one ``dist.scatter`` per key (as bytes) of ``T_local * F * itemsize``
+    bytes per rank. Every rank receives only its own tokens.
     """
     cp = resolve_cp_group(group)
     src = _check_src(src, cp)
