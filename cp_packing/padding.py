@@ -87,12 +87,14 @@ class PaddedBatch:
     @property
     def overhead(self) -> float:
         """``num_added_tokens / num_real_tokens`` (0.0 without real tokens): the extra attention tokens per real
-        token. At most ``(m - 1) / m`` per document of one token; ~``(m - 1) / (2 L)`` for documents of length L."""
+        token. Each document adds 0 to ``m - 1`` tokens, so this is about ``(m - 1) / (2 * mean document length)``:
+        small for long documents, up to ``m - 1`` for one-token documents."""
         return self.num_added_tokens / self.num_real_tokens if self.num_real_tokens else 0.0
 
     def pad_tensor(self, x: torch.Tensor, fill_value: float | int | bool = 0) -> torch.Tensor:
         """Re-lay one more per-token tensor ``[B, S, ...]`` -> ``[B, S', ...]``; every token that is not an original
-        real token gets ``fill_value``. (Labels: pass ``fill_value=-100``; ``pad_segments`` handles positions.)"""
+        real token gets ``fill_value`` (for labels pass ``-100``; position ids continuing the document need
+        ``pad_segments(..., tensors={"position_ids": ...})``)."""
         B, S = self.original_shape
         x = _check_per_token("x", x, B, S, self.index.device)
         src, dst = _real_pairs(self.index.reshape(-1), self.num_real_tokens)
