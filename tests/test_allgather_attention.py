@@ -108,6 +108,8 @@ def _cases(cp_size):
         ("contiguous padding rank", torch.tensor([[1] * 5 + [2] * 3 + [0] * (8 * cp_size - 8)]), "contiguous"),
         ("zigzag", unit_map(2, m * (48 // m // 2), m, seed=cp_size), "zigzag"),
         ("zigzag one doc", torch.tensor([[1] * (4 * m)]), "zigzag"),
+        # long segments: runs of up to 16 queries against up to 64 keys
+        ("zigzag long segments", torch.tensor([[1] * (64 // m * m) + [2] * ((96 - 64 // m * m) // m * m)]), "zigzag"),
         # every rank holds only padding: it still joins every collective, and padding attends padding
         ("zigzag all padding", torch.zeros(1, 2 * m, dtype=torch.int64), "zigzag"),
     ]

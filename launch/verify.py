@@ -1,0 +1,333 @@
+"""Check context-parallel attention against full attention on YOUR cluster: every layout, backend and kernel.
+
+    torchrun --nproc-per-node 4 launch/verify.py                      # NCCL + CUDA (gloo + CPU without GPUs)
+    torchrun --nproc-per-node 8 launch/verify.py --dtype bfloat16 float16 --trials 5 --seq-len 4096
+    python launch/verify.py --nproc 2                                 # no torchrun: spawns a gloo group on CPU
+
+For each trial, every rank draws the same seeded packed batch (lognormal document lengths, documents that cross
+shard edges, row padding; for ``zigzag`` every document padded to a multiple of ``2*cp`` with
+``cp_packing.pad_segments``) and the same random q/k/v/dout. Every rank computes full causal attention per
+segment on the whole global stream (the pure-torch varlen reference in float32, or float64 for float64 runs) and
+its gradients, shards them, and compares its context-parallel output and q/k/v gradients. Rank 0 prints one row
+per (layout, backend, kernel, dtype) with the largest errors over all ranks and trials, and PASS/FAIL against
+tolerances scaled to the dtype; the process exits 1 on any FAIL (2 on a usage error). Combinations that cannot run
+here (ring-flash-attn not installed, a CUDA-only kernel on CPU, float32 zigzag through ring-flash-attn, whose
+float32 backward is wrong upstream) are listed as SKIP with the reason.
+
+The whole world is the CP group (cp_size = world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params  # noqa: E402
+from cp_packing.attention import kernels  # noqa: E402
+from cp_packing.attention.dispatch import context_parallel_attention  # noqa: E402
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+BACKENDS = ("allgather", "ring_flash_attn")
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (out, grads): PASS when max|err| <= tol * max(1, max|reference|). Half-precision inputs are rounded once, so the
+# reference sees exactly the same inputs; what remains is the kernel's own rounding of P, out and the gradients.
+TOLERANCES = {
+    torch.float64: (1e-9, 1e-8),
+    torch.float32: (1e-4, 5e-4),
+    torch.float16: (5e-3, 1.5e-2),
+    torch.bfloat16: (2e-2, 5e-2),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+
+
+def random_doc_map(B: int, S: int, generator: torch.Generator) -> torch.Tensor:
+    """``[B, S]`` int64 doc map: lognormal document lengths (median about S/6, some longer than a shard), a random
+    padded tail per row. Seeded: every rank draws the same map."""
+    out = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        limit = S - int(S * 0.2 * float(torch.rand((), generator=generator)))
+        pos, doc = 0, 1
+        while pos < limit:
+            length = int(torch.empty(()).log_normal_(math.log(max(S / 6, 1.0)), 1.0, generator=generator)) + 1
+            out[b, pos : min(limit, pos + length)] = doc
+            pos += length
+            doc += 1
+    return out
+
+
+def trial_batch(layout: str, cp_size: int, B: int, S: int, seed: int) -> torch.Tensor:
+    """The doc map of one trial, valid for ``layout`` (zigzag: every segment a multiple of 2*cp)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "zigzag":
+        from cp_packing.padding import pad_segments
+
+        return pad_segments(random_doc_map(B, S, g), 2 * cp_size).doc_ids
+    S = -(-S // cp_size) * cp_size
+    return random_doc_map(B, S, g)
+
+
+def inject_fault(sharded):
+    """Deliberately wrong metadata (for testing this verifier): every run whose keys start before the run itself
+    loses its first key. The result must FAIL."""
+    first = sharded.token_index[sharded.run_cu_seqlens[:-1].long()]
+    key_start = torch.where(sharded.run_key_start < first, sharded.run_key_start + 1, sharded.run_key_start)
+    return dataclasses.replace(sharded, run_key_start=key_start, _cache={})
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+
+
+@dataclasses.dataclass
+class Row:
+    layout: str
+    backend: str
+    kernel: str
+    dtype: torch.dtype
+    skip: str | None = None
+    err_out: float = 0.0
+    err_grad: float = 0.0
+    ref_out: float = 0.0
+    ref_grad: float = 0.0
+    error: str | None = None
+
+    def status(self) -> str:
+        if self.skip:
+            return "SKIP"
+        tol_out, tol_grad = TOLERANCES[self.dtype]
+        ok = (
+            self.error is None
+            and math.isfinite(self.err_out)
+            and math.isfinite(self.err_grad)
+            and self.err_out <= tol_out * max(1.0, self.ref_out)
+            and self.err_grad <= tol_grad * max(1.0, self.ref_grad)
+        )
+        return "PASS" if ok else "FAIL"
+
+
+def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when the ring backend can run this combination here, else why not."""
+    if layout not in ("zigzag", "contiguous"):
+        return f"ring-flash-attn has no kernel for layout {layout!r}"
+    if layout == "zigzag" and dtype not in (torch.float16, torch.bfloat16):
+        return "ring-flash-attn 0.1.8's float32 zigzag backward is wrong upstream (refused)"
+    try:
+        from cp_packing.attention.ring import import_ring_flash_attn
+
+        import_ring_flash_attn()
+    except Exception as e:  # noqa: BLE001
+        return f"ring-flash-attn not importable: {str(e).split(';')[0]}"
+    if device.type != "cuda" and not getattr(sys.modules.get("flash_attn"), "IS_CP_PACKING_STUB", False):
+        return "ring-flash-attn runs on CUDA"
+    return None
+
+
+def plan_rows(layouts, backends, dtypes, device: torch.device) -> list[Row]:
+    rows = []
+    for layout in layouts:
+        for dtype in dtypes:
+            if "allgather" in backends:
+                for kernel in kernels.KERNELS:
+                    row = Row(layout, "allgather", kernel, dtype)
+                    if kernel not in kernels.available_kernels(device):
+                        row.skip = f"kernel {kernel!r} not available on {device.type}"
+                    elif kernel != "torch" and dtype not in (torch.float16, torch.bfloat16):
+                        row.skip = f"kernel {kernel!r} runs fp16/bf16 only"
+                    rows.append(row)
+            if "ring_flash_attn" in backends:
+                row = Row(layout, "ring_flash_attn", "flash_attn", dtype)
+                row.skip = _ring_status(layout, dtype, device)
+                rows.append(row)
+    return rows
+
+
+def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, trial: int) -> None:
+    """One trial of one row: update the row's max errors (this rank's view)."""
+    seed = args.seed + 1000 * trial
+    doc_ids = trial_batch(row.layout, cp_size, args.batch, args.seq_len, seed).to(device)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=rank, layout=row.layout)
+    if args.inject_fault:
+        sharded = inject_fault(sharded)
+    T = doc_ids.numel()
+    g = torch.Generator().manual_seed(seed + 1)
+    H, H_kv, D = args.heads, args.kv_heads, args.head_dim
+    shapes = ((T, H, D), (T, H_kv, D), (T, H_kv, D), (T, H, D))
+    q, k, v, dout = (torch.randn(s, generator=g).to(device=device, dtype=row.dtype) for s in shapes)
+
+    # Reference: full attention per segment on the whole stream, from the same (dtype-rounded) inputs.
+    ref_dtype = torch.float64 if row.dtype == torch.float64 else torch.float32
+    ref_in = [x.to(ref_dtype).requires_grad_() for x in (q, k, v)]
+    cu, max_len = params.cu_seqlens.to(device), params.max_seqlen
+    ref = kernels.varlen_attention(*ref_in, cu, cu, max_len, max_len, causal=True, kernel="torch")
+    (ref * dout.to(ref_dtype)).sum().backward()  # no out.backward(grad): that imports sympy on first use
+
+    local = [sharded.shard(x).detach().requires_grad_() for x in (q, k, v)]
+    out = context_parallel_attention(*local, sharded, backend=row.backend, kernel=row.kernel)
+    (out * sharded.shard(dout)).sum().backward()
+
+    def err(got, want):
+        diff = got.detach().to(ref_dtype) - sharded.shard(want.detach())
+        return float(diff.abs().max()) if diff.numel() else 0.0
+
+    def mag(want):
+        return float(want.detach().abs().max()) if want.numel() else 0.0
+
+    row.err_out = max(row.err_out, err(out, ref))
+    row.err_grad = max(row.err_grad, *(err(x.grad, r.grad) for x, r in zip(local, ref_in)))
+    row.ref_out = max(row.ref_out, mag(ref))
+    row.ref_grad = max(row.ref_grad, *(mag(r.grad) for r in ref_in))
+
+
+def verify(args, rank: int, cp_size: int, device: torch.device) -> int:
+    """Run every row; rank 0 prints the table. Returns the exit code (the same on every rank)."""
+    dtypes = [DTYPES[name] for name in (args.dtype or (["bfloat16", "float32"] if device.type == "cuda" else ["float32"]))]
+    rows = plan_rows(args.layouts, args.backends, dtypes, device)
+    for row in rows:
+        if row.skip:
+            continue
+        try:
+            for trial in range(args.trials):
+                check_once(row, args, rank, cp_size, device, trial)
+        except Exception as e:  # noqa: BLE001 - reported in the table; deterministic errors hit every rank alike
+            row.error = f"{type(e).__name__}: {e}"
+            if args.verbose:
+                traceback.print_exc()
+    # Largest errors over ranks: one all-reduce (MAX) of [rows, 5].
+    stats = torch.tensor(
+        [[r.err_out, r.err_grad, r.ref_out, r.ref_grad, float(r.error is not None)] for r in rows],
+        dtype=torch.float64, device=device,
+    ).nan_to_num(nan=float("inf"))
+    if cp_size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    for r, (eo, eg, ro, rg, failed) in zip(rows, stats.tolist()):
+        r.err_out, r.err_grad, r.ref_out, r.ref_grad = eo, eg, ro, rg
+        if failed and r.error is None:
+            r.error = "failed on another rank"
+    failures = sum(r.status() == "FAIL" for r in rows)
+    if rank == 0:
+        print_table(rows, cp_size, device, args)
+        print(f"\n{failures} FAIL, {sum(r.status() == 'PASS' for r in rows)} PASS, "
+              f"{sum(r.status() == 'SKIP' for r in rows)} SKIP")
+    return 1 if failures else 0
+
+
+def print_table(rows: list[Row], cp_size: int, device: torch.device, args) -> None:
+    print(f"cp-packing verify: cp_size={cp_size}, device={device.type}, batch={args.batch}x{args.seq_len}, "
+          f"heads={args.heads}/{args.kv_heads}, head_dim={args.head_dim}, trials={args.trials}, seed={args.seed}"
+          + ("  [--inject-fault]" if args.inject_fault else ""))
+    header = ("layout", "backend", "kernel", "dtype", "max|err| out", "max|err| grads", "result")
+    lines = []
+    for r in rows:
+        dtype = str(r.dtype).replace("torch.", "")
+        if r.skip:
+            lines.append((r.layout, r.backend, r.kernel, dtype, "-", "-", f"SKIP ({r.skip})"))
+        else:
+            status = r.status() + (f" ({r.error})" if r.error else "")
+            lines.append((r.layout, r.backend, r.kernel, dtype, f"{r.err_out:.2e}", f"{r.err_grad:.2e}", status))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header[:-1])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    print(fmt.format(*header))
+    print(fmt.format(*("-" * w for w in widths), "-" * 6))
+    for line in lines:
+        print(fmt.format(*line))
+
+
+# ------------------------------------------------------------------------------------------------------ launch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None,
+                   help="default: bfloat16 and float32 on CUDA, float32 on CPU")
+    p.add_argument("--trials", type=int, default=3, help="random batches per row (default 3)")
+    p.add_argument("--batch", type=int, default=2, help="rows per batch (default 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 64*cp on CPU, 1024*cp on CUDA)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None, help="default 8 on CPU, 64 on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="without torchrun: spawn this many CPU processes in a gloo group (default 2)")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
+    p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("trials", "batch", "heads", "kv_heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
+    return args
+
+
+def _finish_args(args, cp_size: int, device: torch.device):
+    if args.seq_len is None:
+        args.seq_len = (1024 if device.type == "cuda" else 64) * cp_size
+    if args.head_dim is None:
+        args.head_dim = 64 if device.type == "cuda" else 8
+    return args
+
+
+def _spawned_rank(rank: int, world_size: int, store_path: str, args, results) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    try:
+        code = verify(_finish_args(args, world_size, torch.device("cpu")), rank, world_size, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    results[rank] = code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+        if args.nproc is not None:
+            print("--nproc is for runs without torchrun; torchrun sets the world size", file=sys.stderr)
+            return 2
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl")
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        try:
+            world = dist.get_world_size()
+            return verify(_finish_args(args, world, device), dist.get_rank(), world, device)
+        finally:
+            dist.destroy_process_group()
+    nproc = args.nproc or 2
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [ctx.Process(target=_spawned_rank, args=(r, nproc, os.path.join(tmp, "store"), args, results))
+                 for r in range(nproc)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        codes = [results.get(r, 1) if proc.exitcode == 0 else 1 for r, proc in enumerate(procs)]
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
