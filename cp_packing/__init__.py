@@ -1,11 +1,21 @@
 """cp-packing: neat-packed documents -> varlen attention metadata, sharded across context-parallel ranks.
 
 Importing ``cp_packing`` imports torch and numpy only; transformers, flash_attn and ring_flash_attn are imported
-inside the functions that need them.
+inside the functions that need them (``cp_packing.hf`` is the HuggingFace layer: import it explicitly).
 """
 
+from cp_packing.attention import (
+    available_kernels,
+    import_ring_flash_attn,
+    ring_attention,
+    select_kernel,
+    varlen_attention,
+)
+from cp_packing.distributed import DOC_IDS_KEY, distribute_batch, distribute_packed_seq_params
 from cp_packing.layouts import LAYOUTS, global_token_order, layout_token_index
+from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
+from cp_packing.padding import PaddedBatch, pad_segments
 from cp_packing.sharding import (
     ShardedPackedSeqParams,
     ring_flash_attn_kwargs,
@@ -16,9 +26,11 @@ from cp_packing.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # seed
     "PackedSeqParams",
     "packed_seq_params_from_doc_ids",
     "to_flash_attention_kwargs",
+    # layouts and sharding
     "LAYOUTS",
     "layout_token_index",
     "global_token_order",
@@ -26,4 +38,20 @@ __all__ = [
     "shard_packed_seq_params",
     "ring_flash_attn_kwargs",
     "transformer_engine_kwargs",
+    "PaddedBatch",
+    "pad_segments",
+    # torch.distributed
+    "DOC_IDS_KEY",
+    "distribute_packed_seq_params",
+    "distribute_batch",
+    # loss
+    "next_token_labels",
+    "packed_cross_entropy",
+    "reduce_loss_for_logging",
+    # attention
+    "varlen_attention",
+    "available_kernels",
+    "select_kernel",
+    "ring_attention",
+    "import_ring_flash_attn",
 ]
