@@ -1,0 +1,1 @@
+"""Entry points launched with torchrun (or ``python launch/<script>.py --nproc N``): train.py, verify.py."""
