@@ -169,7 +169,7 @@ def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, tr
 
     # Reference: full attention per segment on the whole stream, from the same (dtype-rounded) inputs.
     ref_dtype = torch.float64 if row.dtype == torch.float64 else torch.float32
-    ref_in = [x.to(ref_dtype).requires_grad_() for x in (q, k, v)]
+    ref_in = [x.to(ref_dtype, copy=True).requires_grad_() for x in (q, k, v)]
     cu, max_len = params.cu_seqlens.to(device), params.max_seqlen
     ref = kernels.varlen_attention(*ref_in, cu, cu, max_len, max_len, causal=True, kernel="torch")
     (ref * dout.to(ref_dtype)).sum().backward()  # no out.backward(grad): that imports sympy on first use

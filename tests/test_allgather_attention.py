@@ -67,6 +67,15 @@ def unit_map(B, S, unit, seed):
     return torch.tensor(rows)
 
 
+def _device() -> torch.device:
+    """CPU, except under torchrun with NCCL (tests/dist_utils.py): this rank's GPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float32, seed=0, causal=True,
             backend="allgather", kernel="auto", group=None):
     """Max abs errors of this rank's CP out / dq / dk / dv against the sharded dense reference."""
@@ -76,15 +85,16 @@ def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     T = doc_ids.numel()
     q, k, v, dout = seeded_qkv(T, H, H_kv, dtype, seed)
-    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_in = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
     ref = dense_reference(*ref_in, params.cu_seqlens, causal=causal)
     # (out * dout).sum().backward() rather than out.backward(dout): the latter imports sympy (2 s) on first use
     (ref * dout.double()).sum().backward()
 
-    local = [sharded.shard(x).detach().requires_grad_() for x in (q, k, v)]
+    device = _device()
+    local = [sharded.shard(x).to(device).detach().requires_grad_() for x in (q, k, v)]
     out = context_parallel_attention(*local, sharded, group=group, causal=causal, backend=backend, kernel=kernel)
-    (out * sharded.shard(dout)).sum().backward()
-    pairs = [(out, ref)] + [(x.grad, r.grad) for x, r in zip(local, ref_in)]
+    (out * sharded.shard(dout).to(device)).sum().backward()
+    pairs = [(out.cpu(), ref)] + [(x.grad.cpu(), r.grad) for x, r in zip(local, ref_in)]
     names = ("out", "dq", "dk", "dv")
     errs = {}
     for name, (got, want) in zip(names, pairs):
@@ -168,11 +178,11 @@ def test_the_checks_can_fail():
 def test_cp1_needs_no_process_group(layout, causal):
     import torch.distributed as dist
 
-    assert not dist.is_initialized()
+    was_initialized = dist.is_initialized()  # True only under torchrun (tests/dist_utils.py)
     doc_ids = unit_map(2, 24, 2, seed=3)
     errs = compare(doc_ids, layout, 1, 0, causal=causal)
     assert max(errs.values()) < 2e-5, errs
-    assert not dist.is_initialized()
+    assert dist.is_initialized() == was_initialized
 
 
 def test_cp1_float64_and_mha():
@@ -274,8 +284,12 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_cp_size_without_process_group_raises():
+    import torch.distributed as dist
+
     from cp_packing.attention.dispatch import context_parallel_attention
 
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised (torchrun)")
     s = _small_shard(cp_size=2, cp_rank=0)
     with pytest.raises(ValueError, match="init_process_group"):
         context_parallel_attention(torch.randn(8, 2, D), torch.randn(8, 2, D), torch.randn(8, 2, D), s)
