@@ -99,7 +99,7 @@ def allgather_keys(
         device: where the index tensors go (default: ``sharded.token_index.device``).
 
     Returns:
-        ``AllGatherKeys``. Costs two host syncs (the key count and the range test) the first time, none after.
+        ``AllGatherKeys``. Costs three host syncs (key count and maxima, the range test) the first time, none after.
     """
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}")
