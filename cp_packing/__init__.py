@@ -6,6 +6,7 @@ inside the functions that need them (``cp_packing.hf`` is the HuggingFace layer:
 
 from cp_packing.attention import (
     available_kernels,
+    context_parallel_attention,
     import_ring_flash_attn,
     ring_attention,
     select_kernel,
@@ -49,6 +50,7 @@ __all__ = [
     "packed_cross_entropy",
     "reduce_loss_for_logging",
     # attention
+    "context_parallel_attention",
     "varlen_attention",
     "available_kernels",
     "select_kernel",
