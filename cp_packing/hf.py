@@ -228,9 +228,11 @@ def cp_attention_forward(
 
     from cp_packing.attention.dispatch import context_parallel_attention
 
-    q = query[0].transpose(0, 1)  # [T_local, H, D]
-    k = key[0].transpose(0, 1)  # [T_local, H_kv, D]
-    v = value[0].transpose(0, 1)  # [T_local, H_kv, D]
+    # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D], so these are usually already contiguous
+    # (no copy); kernels and collectives need contiguous inputs.
+    q = query[0].transpose(0, 1).contiguous()  # [T_local, H, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
+    v = value[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
     out = context_parallel_attention(
         q,
         k,

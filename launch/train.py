@@ -340,7 +340,8 @@ def sync(device: torch.device) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--nproc", type=int, default=None,
                    help="without torchrun: spawn this many CPU processes in a gloo group (default 2)")
     p.add_argument("--cp", type=int, default=None, help="CP group size (default: the world size; else DP x CP)")
