@@ -280,10 +280,14 @@ def _parity_worker(rank: int, world_size: int, models: dict, cases: list) -> dic
             g = p.grad.clone()
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
             grads[n] = g
-        # numpy, not tensors: once torch.multiprocessing is imported (transformers does), tensors cross the result
-        # queue as shared-memory handles that die with this process.
-        out[(kind, layout)] = {"share": float(share), "logits": logits.detach().numpy(),
-                               "grads": {n: g.numpy() for n, g in grads.items()} if rank == 0 else None}
+        # Every rank returns every rank's shares and logits (so that a torchrun launch, where this process sees only
+        # its own result, checks the same). numpy, not tensors: once torch.multiprocessing is imported
+        # (transformers does), tensors cross the result queue as shared-memory handles that die with this process.
+        shares = [None] * world_size
+        parts = [None] * world_size
+        dist.all_gather_object(shares, float(share.detach()), group=group)
+        dist.all_gather_object(parts, logits.detach().numpy(), group=group)
+        out[(kind, layout)] = {"shares": shares, "logits": parts, "grads": {n: g.numpy() for n, g in grads.items()}}
     return out
 
 
@@ -299,16 +303,16 @@ def test_cp_model_matches_non_cp_model(cp):
     for kind, layout, case in cases:
         eager = make_model(kind, "eager")
         ref_logits, ref_loss, ref_grads = reference(eager, case["doc"], case["ids"], case["labels"])
-        per_rank = [r[(kind, layout)] for r in results]
-        total = torch.tensor(sum(r["share"] for r in per_rank), dtype=torch.float32)
+        got = results[0][(kind, layout)]  # (under torchrun: this rank's, which holds every rank's shares and logits)
+        total = torch.tensor(sum(got["shares"]), dtype=torch.float32)
         torch.testing.assert_close(total, ref_loss, rtol=RTOL, atol=ATOL)
-        assert sum(abs(r["share"]) > 0 for r in per_rank) >= 2  # genuine shares, not the loss on every rank
+        assert sum(abs(x) > 0 for x in got["shares"]) >= 2  # genuine shares, not the loss on every rank
         sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(case["doc"]), cp_size=cp, cp_rank=0,
                                           layout=layout)
-        parts = [torch.from_numpy(r["logits"]) for r in per_rank]
+        parts = [torch.from_numpy(x) for x in got["logits"]]
         logits = sharded.unshard(parts).reshape(-1, ref_logits.shape[-1])  # [T, V] global order
         torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
-        g = assert_grads_close({n: torch.from_numpy(x) for n, x in per_rank[0]["grads"].items()}, ref_grads)
+        g = assert_grads_close({n: torch.from_numpy(x) for n, x in got["grads"].items()}, ref_grads)
         d = check_documents(eager, case, logits)
         report[(kind, layout)] = (float((total - ref_loss).abs()), g, d)
     print(f"cp={cp} max abs diff (loss, grads, doc logits): {report}")

@@ -10,10 +10,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tests.dist_utils import under_torchrun  # noqa: E402
+
+not_under_torchrun = pytest.mark.skipif(under_torchrun(), reason="spawns its own ranks (--nproc)")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 
+@not_under_torchrun
 @pytest.mark.distributed
 def test_train_script_runs_with_parity_pass():
     """The README's command, as a user runs it (a subprocess, no torchrun): exit 0, PASS, a finite loss per step."""
@@ -34,6 +39,7 @@ def test_train_script_runs_with_parity_pass():
         assert 0.0 < loss < 10.0, line  # ln(256) = 5.5 at init
 
 
+@not_under_torchrun
 @pytest.mark.distributed
 def test_parity_check_fails_without_the_cp_gradient_reduction(capfd):
     """--check-parity is not a rubber stamp: a trainer that skips the CP all-reduce of gradients exits 1 with FAIL."""
