@@ -1,0 +1,539 @@
+"""The ``balanced`` layout (equal token counts, even causal cost, no padding) and ``layout="auto"``. Pure index math.
+
+Why: under causal attention a token at position ``p`` of its segment attends to ``p + 1`` keys, so the work of a
+rank is ``sum(p + 1)`` over its tokens (``cp_packing.cost``). ``contiguous`` gives the late, expensive tokens of a
+long document to one rank (busiest / mean 1.2-2.8 on long-tailed lengths); per-document ``zigzag`` evens it out
+but needs every segment padded to a multiple of ``2*cp`` (up to ``2cp - 1`` pad tokens per short document). The
+planner gets the busiest rank within about 1% of the mean on realistic maps without adding a token.
+
+The plan, for ``cu_seqlens`` with ``T % cp == 0`` (exactly ``T_local = T / cp`` tokens on every rank):
+
+1. Cost of a piece ``[a, b)`` of a segment (positions ``a .. b-1``): ``sum (p + 1) = (b(b+1) - a(a+1)) / 2``; a
+   whole segment of length ``L`` costs ``L (L + 1) / 2``; ``C`` the total, ``C / cp`` the ideal per rank. Padding
+   segments count like documents: the kernel attends them too (padding attends to padding).
+2. A segment is *heavy* when it costs more than ``SMALL_FRACTION * C / cp``. A heavy segment of at least
+   ``2 * cp * MIN_CHUNK`` tokens is *long*: it is cut zigzag-style into ``2*cp`` chunks and rank ``r`` gets chunks
+   ``r`` and ``2cp-1-r`` (an early and a late one: the same cost on every rank). When ``L % cp != 0`` a rank's pair
+   holds ``L // cp`` or ``L // cp + 1`` tokens (the ``+1`` rotates over the ranks from one long segment to the next,
+   so together they give every rank ``floor`` or ``ceil`` of their tokens / cp); the head chunk gets half, the tail
+   the rest. Rank ``cp-1``'s two chunks touch: one run. A shorter heavy segment is *mid*: it is cut into ``q``
+   consecutive pieces (``q`` as needed for ``SMALL_FRACTION``, each piece at least ``MIN_CHUNK`` tokens) that are
+   placed like short segments.
+3. Short segments (and mid pieces), the *items*, stay whole where possible (see ``_place_items``): the costliest
+   go first, a round of ``cp`` at a time, each to the rank with the lowest cost so far (LPT); the rest is shared
+   by *tilted strata*: sorted by cost per token and cut into ``STRATA`` strata, every rank takes one contiguous
+   range of every stratum, sized so that its token count is exact and its cost meets its need (a rank that got a
+   costly item takes more of the light strata). A range end splits at most one item, so there are at most
+   ``STRATA * cp`` extra runs in all.
+
+Result, per rank: its runs ordered by global position, each inside one segment: ``2`` per long segment (``1`` on rank
+``cp - 1``), plus about ``num_items / cp + STRATA + 1``. Measured on the suite of ``benchmarks/bench_balance.py``
+(see ``docs/balance.md``).
+
+The whole plan (every rank's runs) is computed once per ``(cu_seqlens content, cp_size)`` and cached (a small LRU),
+so the ``cp`` calls of ``balanced_runs`` (one per rank, or all ranks for an all-gather order) cost one plan. It runs
+in NumPy on the host: a CUDA ``cu_seqlens`` is copied to the host (one host sync per call).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["balanced_runs", "balanced_plan", "choose_layout", "AUTO_LAYOUTS"]
+
+logger = logging.getLogger("cp_packing")
+
+#: A segment costing more than this fraction of one rank's ideal cost is cut (long: over all ranks; mid: into
+#: pieces); cheaper ones are placed whole. Smaller: finer balance, more runs.
+SMALL_FRACTION = 0.01
+#: The smallest piece the planner cuts on purpose (a long segment has at least ``2 * cp * MIN_CHUNK`` tokens).
+#: Short runs waste the tiles of a flash kernel.
+MIN_CHUNK = 32
+#: At most this many rounds of ``cp`` items are placed greedily (LPT) before the tilted strata.
+TOP_ROUNDS = 8
+#: ... and only while the costliest item left costs more than this fraction of a rank's ideal cost.
+TOP_FRACTION = 0.001
+#: Number of cost-per-token strata shared out by the tilted allocation.
+STRATA = 4
+
+#: Layouts ``choose_layout`` considers, in order of preference on a tie of cost and communication.
+AUTO_LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+_CACHE_SIZE = 16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input checks
+
+
+def _check_cp_size(cp_size) -> int:
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool):
+        raise TypeError(f"cp_size must be an int, got {cp_size!r} ({type(cp_size).__name__})")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    return cp_size
+
+
+def _cu_numpy(cu_seqlens) -> np.ndarray:
+    """int64 NumPy ``[N + 1]`` copy of ``cu_seqlens`` (a host sync for a device tensor), validated."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cu_seqlens must be a torch.Tensor (int, [num_segments + 1]), got {type(cu_seqlens).__name__}; "
+            "take it from packed_seq_params_from_doc_ids(doc_ids).cu_seqlens"
+        )
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}"
+        )
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
+        shown = cu[:8].tolist()
+        raise ValueError(
+            f"cu_seqlens must start at 0 and never decrease (cumulative segment lengths), got {shown}"
+            f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    return np.ascontiguousarray(cu)
+
+
+def _check_divisible(total: int, cp_size: int) -> None:
+    if total % cp_size:
+        raise ValueError(
+            f"the batch has T = B*S = {total} tokens, not a multiple of cp_size={cp_size}; every rank must hold the "
+            f"same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
+            f"multiple=...) pads rows and documents)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plan
+
+
+def _piece_cost(a, b):
+    """Causal cost of the positions ``a .. b-1`` of a segment: ``sum_{p=a}^{b-1} (p + 1) = (b(b+1) - a(a+1)) / 2``."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
+    """Zigzag pairs of the long segments over all ranks. Returns the runs ``(rank, start, len)`` and every rank's
+    tokens and cost ``[cp]``."""
+    base = lengths // cp
+    rem = lengths % cp
+    off = (np.cumsum(rem) - rem) % cp  # where this segment's +1's start: rotates over the long segments
+    ranks = np.arange(cp, dtype=np.int64)
+    extra = ((ranks[None, :] - off[:, None]) % cp) < rem[:, None]  # [nl, cp]
+    pair = base[:, None] + extra  # [nl, cp] tokens of rank r's two chunks
+    head = pair // 2
+    tail = pair - head
+    head_pos = np.cumsum(head, axis=1) - head  # [nl, cp] heads of ranks 0..cp-1 from the segment's start
+    tail_pos = lengths[:, None] - np.cumsum(tail, axis=1)  # [nl, cp] then the tails of ranks cp-1..0
+    cost = _piece_cost(head_pos, head_pos + head) + _piece_cost(tail_pos, tail_pos + tail)  # [nl, cp]
+    head[:, cp - 1] += tail[:, cp - 1]  # rank cp-1: its head and tail touch, one run
+    tail[:, cp - 1] = 0
+    # rank-major, then segment, head before tail: sorted by (rank, start)
+    rank = np.broadcast_to(ranks[:, None, None], (cp, lengths.size, 2)).ravel()
+    run_start = np.stack([head_pos, tail_pos], axis=2) + seg_start[:, None, None]  # [nl, cp, 2]
+    run_len = np.stack([head, tail], axis=2)
+    return (
+        rank,
+        run_start.transpose(1, 0, 2).ravel(),
+        run_len.transpose(1, 0, 2).ravel(),
+        pair.sum(axis=0),
+        cost.sum(axis=0),
+    )
+
+
+def _split_pieces(seg_start: np.ndarray, lengths: np.ndarray, q: np.ndarray):
+    """Cut segment k into ``q[k] >= 1`` consecutive pieces of ``floor``/``ceil`` equal size. Returns every piece's
+    global start, length, cost and position of its first token inside its segment."""
+    n = int(q.sum())
+    owner = np.repeat(np.arange(lengths.size), q)  # [n]
+    j = np.arange(n, dtype=np.int64) - (np.cumsum(q) - q)[owner]  # index of the piece inside its segment
+    L, qo = lengths[owner], q[owner]
+    a = j * L // qo
+    b = (j + 1) * L // qo
+    return seg_start[owner] + a, b - a, _piece_cost(a, b), a
+
+
+def _tilted_allocation(N, K, T_g, C_g, T_f):
+    """int64 ``[cp, G]``: tokens of stratum g for rank r. Rows sum to ``N`` and columns to ``T_g`` exactly; tilted
+    towards dense or light strata so that rank r's cost is close to ``K[r]``. ``None`` if rounding cannot keep every
+    share >= 0 (tiny maps)."""
+    G = T_g.size
+    rho_g = np.divide(C_g, T_g, out=np.zeros(G), where=T_g > 0)
+    rho = C_g.sum() / T_f
+    dev = np.where(T_g > 0, rho_g - rho, 0.0)  # [G]
+    V = float((T_g * dev * dev).sum())
+    lam = (K - N * rho) / V if V > 0 else np.zeros(N.size)  # [cp], sums to 0
+    base = N[:, None] / T_f  # [cp, 1]
+    tilt = lam[:, None] * dev[None, :]  # [cp, G]
+    over = (tilt < 0) & (base + tilt < 0)
+    if over.any():  # shrink all tilts by one common factor (keeps the columns exact) so that no share is < 0
+        tilt = tilt * float((np.broadcast_to(base, tilt.shape)[over] / -tilt[over]).min())
+    frac = T_g[None, :] * (base + tilt)  # [cp, G] >= 0, columns sum to T_g
+    col = np.rint(np.cumsum(frac, axis=0))
+    col = np.minimum(np.maximum.accumulate(np.maximum(col, 0.0), axis=0), T_g[None, :]).astype(np.int64)
+    col[-1] = T_g.astype(np.int64)
+    alloc = np.diff(col, axis=0, prepend=0)  # [cp, G] >= 0, columns exact
+    g_star = int(np.argmax(T_g))  # the biggest stratum absorbs the rounding of the rows
+    alloc[:, g_star] = N - (alloc.sum(axis=1) - alloc[:, g_star])
+    return None if np.any(alloc < 0) else alloc
+
+
+def _top_items(cost: np.ndarray, k: int, threshold: float) -> np.ndarray:
+    """Indices of the (at most) ``k`` costliest items costing more than ``threshold``, costliest first, ties by
+    index. O(n) (a partition, then a sort of ``k`` items); the same result for any correct partition algorithm."""
+    n = cost.size
+    k = min(k, int(np.count_nonzero(cost > threshold)))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    v = np.partition(cost, n - k)[n - k]  # the k-th largest cost
+    above = np.flatnonzero(cost > v)
+    at_v = np.flatnonzero(cost == v)[: k - above.size]
+    top = np.concatenate([above, at_v])
+    return top[np.lexsort((top, -cost[top]))]
+
+
+def _density_order(cost: np.ndarray, length: np.ndarray, n_strata: int):
+    """Items by cost per token, cut into strata of about equal tokens.
+
+    Returns ``(order, bounds, T_g, C_g)``: ``order`` int64 ``[n]`` sorts the items by cost per token (the key is
+    ``2 * cost // length`` capped at ``2**15 - 1``; a stable radix sort of an int16: O(n)); stratum g is
+    ``order[bounds[g]:bounds[g + 1]]`` and holds ``T_g`` tokens costing ``C_g`` (float64 ``[n_strata]``).
+    """
+    key = np.minimum(2 * cost // length, 2**15 - 1).astype(np.int16)
+    order = np.argsort(key, kind="stable")
+    tok = np.cumsum(length[order])
+    cst = np.cumsum(cost[order])
+    total = int(tok[-1])
+    # stratum g starts at the first item whose middle lies past g / n_strata of the tokens
+    mid2 = 2 * tok - length[order]  # twice the middle of every item
+    bounds = np.searchsorted(mid2, (2 * total * np.arange(1, n_strata)) // n_strata, side="left")
+    bounds = np.concatenate([[0], bounds, [order.size]])
+    tok0 = np.concatenate([[0], tok])
+    cst0 = np.concatenate([[0], cst])
+    T_g = (tok0[bounds[1:]] - tok0[bounds[:-1]]).astype(np.float64)
+    C_g = (cst0[bounds[1:]] - cst0[bounds[:-1]]).astype(np.float64)
+    return order, bounds, T_g, C_g
+
+
+def _golden_multiplier(n: int) -> int:
+    """A multiplier ``a`` coprime with ``n``, close to ``n / golden ratio``: ``j -> j * a % n`` is a permutation of
+    ``range(n)`` that visits it in a low-discrepancy order (consecutive steps jump by ~0.618 of the range)."""
+    a = max(1, int(round(n * 0.6180339887498949)))
+    while math.gcd(a, n) != 1:
+        a += 1
+    return a
+
+
+def _place_items(start, length, cost, pos0, need_tokens, need_cost, ideal, cp):
+    """Place items (pieces of segments: global ``start``, ``length``, ``cost``, ``pos0`` the position of the first
+    token inside its segment; int64 ``[n]``) so that rank r gets exactly ``need_tokens[r]`` tokens and about
+    ``need_cost[r]`` cost.
+
+    1. Top rounds (LPT): the costliest items, ``cp`` at a time, the round's costliest to the rank with the lowest
+       cost so far; whole. At most ``TOP_ROUNDS`` rounds, only items above ``TOP_FRACTION * ideal``, and never more
+       than half of a rank's tokens (the rest keeps room to even out).
+    2. The rest, by tilted strata: ``STRATA`` bands of cost per token (stratum g: ``T_g`` tokens at ``rho_g`` cost
+       per token; ``rho`` the mean). Rank r takes ``a[r, g] = T_g * (N_r / T_f + lam_r * (rho_g - rho))`` tokens of
+       stratum g: ``N_r`` tokens in all at a cost of ``N_r * rho + lam_r * V`` (``V = sum_g T_g (rho_g - rho)^2``),
+       so ``lam_r`` meets the rank's cost need, and the strata are shared out exactly because the ``lam_r`` sum to
+       0. Inside a stratum the items keep their position order and every rank takes one contiguous range of it (a
+       range end splits at most one item); a range costs about ``rho_g`` times its tokens.
+
+    Returns the runs ``(rank, start, len, cost, item)`` (some may be empty; ``item``: the item each run is a piece
+    of).
+    """
+    n = length.size
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z, z, z
+    top = _top_items(cost, TOP_ROUNDS * cp, TOP_FRACTION * ideal)
+    rank_cost = -np.asarray(need_cost, dtype=np.float64)  # cost so far minus the need (lower: more room)
+    rank_tokens = np.zeros(cp, dtype=np.int64)
+    half = need_tokens // 2
+    top_ranks: list[np.ndarray] = []
+    for j in range(0, top.size, cp):  # at most TOP_ROUNDS rounds of cp items: a short loop
+        items = top[j : j + cp]
+        by_cost = np.argsort(rank_cost, kind="stable")[: items.size]
+        if np.any(rank_tokens[by_cost] + length[items] > half[by_cost]):
+            break
+        top_ranks.append(by_cost)
+        rank_cost[by_cost] += cost[items]
+        rank_tokens[by_cost] += length[items]
+    n_top = sum(r.size for r in top_ranks)
+    top, top_rank = top[:n_top], (np.concatenate(top_ranks) if top_ranks else np.zeros(0, dtype=np.int64))
+
+    if n_top:
+        keep = np.ones(n, dtype=bool)
+        keep[top] = False
+        rest = np.flatnonzero(keep)
+    else:
+        rest = np.arange(n, dtype=np.int64)
+    m = rest.size
+    if m == 0:
+        return top_rank, start[top], length[top], cost[top], top
+    N = need_tokens - rank_tokens  # [cp] >= need / 2 >= 0; sums to the tokens of the rest
+    K = -rank_cost  # [cp] cost still needed
+    order, bounds, T_g, C_g = _density_order(cost[rest], length[rest], STRATA)
+    T_f = int(T_g.sum())
+    alloc = _tilted_allocation(N, K, T_g, C_g, T_f)
+    if alloc is None:  # no tilt fits: one stratum, exact token counts only
+        bounds = np.array([0, m])
+        alloc = N[:, None]
+    # the stream: stratum after stratum, each in a low-discrepancy order of its items by cost per token, so that any
+    # range of it samples the whole stratum; rank r's range of stratum g ends at ends[g * cp + r]
+    parts = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a few strata
+        k = hi - lo
+        parts.append(order[lo:hi][(np.arange(k, dtype=np.int64) * _golden_multiplier(k)) % max(k, 1)])
+    stream = rest[np.concatenate(parts)]
+    item_len = length[stream]
+    item_end = np.cumsum(item_len)
+    item_start = item_end - item_len
+    ends = np.cumsum(alloc.T.reshape(-1))
+    cuts = ends[:-1]
+    idx = np.searchsorted(item_start, cuts, side="right") - 1
+    inside = (cuts > item_start[idx]) & (cuts < item_end[idx])
+    at = idx[inside] + 1
+    piece_pos = np.insert(item_start, at, cuts[inside])  # stream position of every piece
+    piece_len = np.diff(np.append(piece_pos, item_end[-1]))
+    glob = start[stream]
+    piece_start = np.insert(glob, at, glob[idx[inside]] + (cuts[inside] - item_start[idx[inside]]))
+    piece_item = np.insert(stream, at, stream[idx[inside]])
+    piece_pos0 = pos0[piece_item] + np.insert(np.zeros(m, dtype=np.int64), at, cuts[inside] - item_start[idx[inside]])
+    # pieces are in stream order and the ranges follow one another: count the pieces of each range
+    first = np.searchsorted(piece_pos, np.concatenate([[0], cuts]), side="left")
+    per_range = np.diff(np.append(first, piece_pos.size))
+    piece_rank = np.repeat(np.arange(ends.size, dtype=np.int64) % cp, per_range)
+    return (
+        np.concatenate([top_rank, piece_rank]),
+        np.concatenate([start[top], piece_start]),
+        np.concatenate([length[top], piece_len]),
+        np.concatenate([cost[top], _piece_cost(piece_pos0, piece_pos0 + piece_len)]),
+        np.concatenate([top, piece_item]),
+    )
+
+
+def _contiguous_plan(seg_start: np.ndarray, lengths: np.ndarray, total: int, cp: int):
+    """The contiguous placement (rank r holds ``[r T/cp, (r+1) T/cp)``) as a plan: every segment cut at the rank
+    boundaries."""
+    bounds = np.arange(1, cp, dtype=np.int64) * (total // cp)
+    cuts = np.union1d(np.append(seg_start, total), bounds)  # every run boundary, sorted
+    run_start, run_len = cuts[:-1], np.diff(cuts)
+    offsets = np.searchsorted(run_start, np.append(np.concatenate([[0], bounds]), total), side="left")
+    return offsets.astype(np.int64), run_start, run_len
+
+
+def _plan_numpy(cu: np.ndarray, cp: int):
+    """Every rank's runs. Returns ``(offsets int64 [cp + 1], run_start int64 [R], run_len int64 [R])``: rank r's
+    runs are ``[offsets[r], offsets[r + 1])``, ordered by global position; touching pieces of a mid segment are
+    merged."""
+    total = int(cu[-1])
+    lengths = np.diff(cu)  # [N]
+    seg_start = cu[:-1]
+    if lengths.size and lengths.min() == 0:  # an empty segment holds no token
+        nonempty = lengths > 0
+        seg_start, lengths = seg_start[nonempty], lengths[nonempty]
+    if total == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return np.zeros(cp + 1, dtype=np.int64), z, z
+    if cp == 1:
+        return np.array([0, lengths.size], dtype=np.int64), seg_start.copy(), lengths.copy()
+    t_local = total // cp
+
+    cost = _piece_cost(0, lengths)  # [N] int64
+    ideal = float(cost.sum()) / cp
+    heavy = cost > SMALL_FRACTION * ideal
+    is_long = heavy & (lengths >= 2 * cp * MIN_CHUNK)
+    is_mid = heavy & ~is_long & (lengths >= 2 * MIN_CHUNK)
+    is_short = ~(is_long | is_mid)
+
+    li = np.flatnonzero(is_long)
+    l_rank, l_start, l_len, long_tokens, long_cost = _long_runs(seg_start[li], lengths[li], cp)
+
+    mi = np.flatnonzero(is_mid)
+    q = np.ceil(cost[mi] / (SMALL_FRACTION * ideal)).astype(np.int64)
+    q = np.maximum(np.minimum(q, lengths[mi] // MIN_CHUNK), 1)
+    m_start, m_len, m_cost, m_pos0 = _split_pieces(seg_start[mi], lengths[mi], q)
+    si = np.flatnonzero(is_short)
+    s_rank, s_start, s_len, s_cost, s_item = _place_items(
+        np.concatenate([seg_start[si], m_start]),
+        np.concatenate([lengths[si], m_len]),
+        np.concatenate([cost[si], m_cost]),
+        np.concatenate([np.zeros(si.size, dtype=np.int64), m_pos0]),
+        t_local - long_tokens,  # >= 0: long_tokens are floor / ceil of (long total) / cp <= T_local
+        ideal - long_cost,
+        ideal,
+        cp,
+    )
+
+    # safety net for tiny maps, where pieces are coarse: never worse than contiguous (also a valid plan)
+    rank_cost = long_cost + np.bincount(s_rank, weights=s_cost, minlength=cp)
+    seg_end_cost = np.cumsum(cost)
+    bounds = np.arange(cp + 1, dtype=np.int64) * t_local
+    k = np.searchsorted(seg_start, bounds, side="right") - 1  # segment holding each rank boundary
+    p = bounds - seg_start[k]
+    prefix = np.where(k > 0, seg_end_cost[k - 1], 0) + p * (p + 1) // 2  # cost of the stream before the boundary
+    if np.diff(prefix).max() < rank_cost.max():
+        return _contiguous_plan(seg_start, lengths, total, cp)
+
+    run_rank = np.concatenate([l_rank, s_rank])
+    run_start = np.concatenate([l_start, s_start])
+    run_len = np.concatenate([l_len, s_len])
+    nz = run_len > 0
+    # by rank, then global position: the keys are unique (runs do not overlap), so any sort gives this order
+    o = np.argsort((run_rank * (total + 1) + run_start)[nz])
+    run_rank, run_start, run_len = run_rank[nz][o], run_start[nz][o], run_len[nz][o]
+    if mi.size:  # merge touching pieces of one mid segment on one rank
+        owner = np.full(l_len.size + s_len.size, -1, dtype=np.int64)
+        is_piece = s_item >= si.size
+        owner[l_len.size :][is_piece] = np.repeat(np.arange(mi.size), q)[s_item[is_piece] - si.size]
+        owner = owner[nz][o]
+        joins = np.zeros(run_len.size, dtype=bool)
+        joins[1:] = (
+            (owner[1:] >= 0)
+            & (owner[1:] == owner[:-1])
+            & (run_rank[1:] == run_rank[:-1])
+            & (run_start[1:] == run_start[:-1] + run_len[:-1])
+        )
+        if joins.any():
+            first = np.flatnonzero(~joins)
+            run_len = np.add.reduceat(run_len, first)
+            run_rank, run_start = run_rank[first], run_start[first]
+    offsets = np.searchsorted(run_rank, np.arange(cp + 1), side="left").astype(np.int64)
+    return offsets, run_start, run_len
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _cached_plan(cu_bytes: bytes, cp: int):
+    offsets, run_start, run_len = _plan_numpy(np.frombuffer(cu_bytes, dtype=np.int64), cp)
+    return offsets, torch.from_numpy(run_start), torch.from_numpy(run_len)
+
+
+def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int):
+    """Every rank's runs of the ``balanced`` layout, cached per ``(cu_seqlens content, cp_size)``.
+
+    Args:
+        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (CPU or CUDA); ``T = cu_seqlens[-1]`` must be a
+            multiple of ``cp_size``.
+        cp_size: the context-parallel group size.
+
+    Returns:
+        ``(offsets, run_start, run_len)``: ``offsets`` NumPy int64 ``[cp_size + 1]``; ``run_start``, ``run_len`` CPU
+        int64 tensors ``[R_total]``, shared with the cache (do not modify); rank r's runs are
+        ``run_start[offsets[r]:offsets[r + 1]]``, ordered by global position.
+
+    Raises:
+        TypeError / ValueError: a bad ``cu_seqlens`` or ``cp_size``, or ``T % cp_size != 0``.
+    """
+    cp = _check_cp_size(cp_size)
+    cu = _cu_numpy(cu_seqlens)
+    _check_divisible(int(cu[-1]), cp)
+    return _cached_plan(cu.tobytes(), cp)
+
+
+def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int):
+    """The runs of global tokens rank ``cp_rank`` holds under the ``balanced`` layout (see the module docstring).
+
+    Args:
+        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (the seed's ``cu_seqlens``; any int dtype, CPU
+            or CUDA); ``T = cu_seqlens[-1]`` must be a multiple of ``cp_size``.
+        cp_size, cp_rank: the context-parallel group size and this rank.
+
+    Returns:
+        ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``, ordered by global position: runs are
+        non-empty, each inside one segment, ``run_len.sum() == T // cp_size`` on every rank, and all ranks' runs
+        together cover every token exactly once. Deterministic: a function of the ``cu_seqlens`` values and
+        ``cp_size`` only, so every rank computes the same plan on its own.
+
+    Cost: vectorised NumPy over segments (a few sorts), once per distinct ``(cu_seqlens, cp_size)`` (cached); each
+    call copies ``cu_seqlens`` to the host to look the plan up (a host sync for a device tensor).
+    """
+    cp = _check_cp_size(cp_size)
+    if not isinstance(cp_rank, int) or isinstance(cp_rank, bool):
+        raise TypeError(f"cp_rank must be an int, got {cp_rank!r} ({type(cp_rank).__name__})")
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp}), got {cp_rank}")
+    offsets, run_start, run_len = balanced_plan(cu_seqlens, cp_size=cp)
+    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
+    device = cu_seqlens.device
+    return run_start[lo:hi].to(device, copy=True), run_len[lo:hi].to(device, copy=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layout="auto"
+
+
+def choose_layout(params, *, cp_size: int, rtol: float = 0.01) -> str:
+    """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch.
+
+    Candidates: ``contiguous`` and ``balanced`` (need ``T % cp_size == 0``), ``zigzag`` (needs every segment
+    ``% (2 * cp_size) == 0``; this function never pads). The winner has the lowest busiest-rank causal cost
+    (``cp_packing.cost``); costs within ``rtol`` of the lowest count as a tie (the model ignores kernel tile
+    effects, so a 1% difference is noise), and a tie goes to the layout whose ranks receive fewer K/V bytes under
+    the all-gather backend (``LayoutCost.kv_bytes_allgather``, summed over ranks), then to the first in
+    ``AUTO_LAYOUTS``. Deterministic (every rank picks the same), cached per ``(cu_seqlens, cp_size, rtol)``, and
+    logged at DEBUG level on the ``"cp_packing"`` logger.
+
+    Args:
+        params: ``PackedSeqParams`` of the ``[B, S]`` batch.
+        cp_size: the context-parallel group size.
+        rtol: relative tolerance of a cost tie, ``>= 0``.
+
+    Returns:
+        ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+
+    Raises:
+        TypeError: ``params`` is not ``PackedSeqParams``, or a non-int ``cp_size``.
+        ValueError: ``T % cp_size != 0`` (no layout is valid), or a negative ``rtol``.
+    """
+    from cp_packing.packed_seq import PackedSeqParams
+
+    if not isinstance(params, PackedSeqParams):
+        raise TypeError(
+            f"params must be PackedSeqParams, got {type(params).__name__}; build it with "
+            "packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    cp = _check_cp_size(cp_size)
+    if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not rtol >= 0:
+        raise ValueError(f"rtol must be a number >= 0, got {rtol!r}")
+    cu = _cu_numpy(params.cu_seqlens)
+    total = int(cu[-1])
+    if total % cp:
+        raise ValueError(
+            f"no CP layout is valid: the batch has T = B*S = {total} tokens, not a multiple of cp_size={cp} (every "
+            f"layout gives each rank T / cp_size tokens); pad the rows to a multiple of {cp} (or of {2 * cp} for "
+            f"zigzag: cp_packing.pad_segments(doc_ids, multiple={2 * cp}))"
+        )
+    name, table = _cached_choice(cu.tobytes(), cp, float(rtol))
+    if logger.isEnabledFor(logging.DEBUG):
+        rows = ", ".join(f"{k}: busiest/mean {im:.4f}, kv {kv / 2**20:.1f} MiB" for k, _, im, kv in table)
+        logger.debug("layout='auto' with cp_size=%d picks %r (%s)", cp, name, rows)
+    return name
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _cached_choice(cu_bytes: bytes, cp: int, rtol: float):
+    from cp_packing.cost import _runs_cost_summary
+
+    cu = torch.from_numpy(np.frombuffer(cu_bytes, dtype=np.int64).copy())
+    lengths = cu[1:] - cu[:-1]
+    candidates = ["contiguous"]
+    if bool((lengths % (2 * cp) == 0).all()):
+        candidates.append("zigzag")
+    candidates.append("balanced")
+    table = []  # (name, busiest cost, busiest / mean, kv bytes received under all-gather, summed over ranks)
+    for name in candidates:
+        busiest, imbalance, kv = _runs_cost_summary(cu, cp, name)
+        table.append((name, busiest, imbalance, kv))
+    lowest = min(busiest for _, busiest, _, _ in table)
+    tied = [row for row in table if row[1] <= lowest * (1.0 + rtol)]
+    best = min(tied, key=lambda row: (row[3], AUTO_LAYOUTS.index(row[0])))
+    return best[0], tuple(table)
