@@ -1,0 +1,309 @@
+"""Cost model of a CP layout: per-rank causal attention work, imbalance, padding and K/V communication. Pure.
+
+Work. Under causal attention inside a segment, the token at position ``p`` (0-based, in its segment) attends to
+``p + 1`` keys, so the attention FLOPs of a rank are proportional to ``cost = sum over its tokens of (p + 1)``. A
+piece ``[a, b)`` of one segment (positions ``a .. b-1``) costs ``sum_{p=a}^{b-1} (p + 1) = (b(b+1) - a(a+1)) / 2``,
+a whole segment of length ``L`` ``L (L + 1) / 2``. Any range of the global stream, even one that crosses segments,
+costs ``W(end) - W(start)`` with the prefix ``W(t) = (cost of the segments before t's) + p(p+1)/2``: every per-rank
+cost here is that closed form, vectorised (no loop over tokens or segments). Padding segments count: the varlen
+kernel attends them like documents (padding attends to padding), so they take the same time.
+
+Figures (``LayoutCost``):
+
+* ``imbalance = busiest / mean`` of the per-rank costs (1.0 is perfect; the step time follows the busiest rank).
+* ``busiest_over_ideal = busiest / (C / cp)`` with ``C`` the cost of the ORIGINAL map: for ``zigzag`` on a padded
+  map this also charges the work of the added pad tokens.
+* ``padding_overhead``: tokens added inside documents / real tokens. ``zigzag`` needs every segment to be a multiple
+  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, 2 * cp)``.
+  Other layouts add nothing (0.0).
+* ``kv_bytes_allgather[r]``: bytes of K and V (per layer) that rank r needs from OTHER ranks under the all-gather
+  backend: a run of a segment attends to the keys from its segment's start up to its own last token, so rank r
+  needs, for every segment it holds a token of, the keys ``[segment start, last token it holds there]``; the bytes
+  are those keys minus the ones it holds, times ``2 * num_kv_heads * head_dim * dtype_bytes``. This is what a
+  selective gather moves (``contiguous`` needs little: only the part of its first document held by earlier ranks);
+  a plain ``all_gather`` moves ``(cp - 1) * T_local`` tokens for every layout.
+* ``kv_bytes_ring``: a ring pass (ring-flash-attn zigzag/ring) sends every block around: each rank receives
+  ``(cp - 1) / cp`` of all K/V, ``(cp - 1) * T_local`` tokens per layer, whatever the layout.
+
+``rowzigzag`` is a reference, not a layout of ours: the common trainer practice of cutting every ROW (not every
+document) in ``2 * cp`` chunks and giving rank r chunks ``r`` and ``2cp-1-r`` (chunk bounds ``floor(i * S / 2cp)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["LayoutCost", "layout_cost", "causal_cost", "COST_LAYOUTS"]
+
+#: Layouts ``layout_cost`` knows: ours (``auto`` resolves through ``choose_layout``) plus the ``rowzigzag`` reference.
+COST_LAYOUTS = ("contiguous", "zigzag", "balanced", "auto", "rowzigzag")
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """The cost figures of one layout on one batch (see the module docstring for the definitions).
+
+    Attributes:
+        layout: the layout measured (``auto`` resolved to the name it picked).
+        cp_size: the CP group size.
+        rank_cost: int64 ``[cp]``, causal cost ``sum(p + 1)`` of every rank's tokens.
+        tokens_per_rank: int64 ``[cp]``, tokens every rank holds (padding tokens and pad tokens added included).
+        runs_per_rank: int64 ``[cp]``, pieces of consecutive tokens of one segment (varlen sequences) per rank.
+        imbalance: ``max(rank_cost) / mean(rank_cost)`` (1.0 with no work).
+        ideal_cost: ``C / cp`` for the ORIGINAL map's total cost ``C``.
+        padding_overhead: tokens added inside documents / real (non-padding) tokens; 0.0 but for a padded zigzag.
+        kv_bytes_allgather: int64 ``[cp]``, K/V bytes per layer every rank needs from other ranks (all-gather).
+        kv_bytes_ring: K/V bytes per layer every rank receives in a ring pass.
+        num_kv_heads, head_dim, dtype_bytes: the K/V shape used for the bytes.
+    """
+
+    layout: str
+    cp_size: int
+    rank_cost: torch.Tensor
+    tokens_per_rank: torch.Tensor
+    runs_per_rank: torch.Tensor
+    imbalance: float
+    ideal_cost: float
+    padding_overhead: float
+    kv_bytes_allgather: torch.Tensor
+    kv_bytes_ring: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def busiest_cost(self) -> int:
+        """The largest per-rank cost (the step time follows it)."""
+        return int(self.rank_cost.max()) if self.rank_cost.numel() else 0
+
+    @property
+    def busiest_over_ideal(self) -> float:
+        """``busiest_cost / ideal_cost`` (1.0 with no work): imbalance and padding work together."""
+        return self.busiest_cost / self.ideal_cost if self.ideal_cost > 0 else 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# closed forms (NumPy int64 inside; exact for any map below 2**31 tokens)
+
+
+def _prefix_cost(cu: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``W(t)``: causal cost of the global stream ``[0, t)`` (``t`` int64, any shape, ``0 <= t <= T``)."""
+    lengths = cu[1:] - cu[:-1]
+    before = np.zeros(cu.size, dtype=np.int64)
+    np.cumsum(lengths * (lengths + 1) // 2, out=before[1:])
+    seg = np.searchsorted(cu, t, side="right") - 1  # the segment holding t (index N for t == T)
+    p = t - cu[seg]
+    return before[seg] + p * (p + 1) // 2
+
+
+def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Causal cost ``sum(p + 1)`` of each range ``[start, start + length)`` of the global stream.
+
+    Args:
+        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths.
+        start, length: int ``[R]``, ranges of global positions (a range may cross segments; each token counts with
+            its position inside its own segment).
+
+    Returns:
+        int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
+    """
+    cu = _np64(cu_seqlens, "cu_seqlens")
+    s = _np64(start, "start")
+    n = _np64(length, "length")
+    if s.shape != n.shape:
+        raise ValueError(f"start and length must have the same shape, got {s.shape} and {n.shape}")
+    total = int(cu[-1])
+    if s.size and (s.min() < 0 or n.min() < 0 or (s + n).max() > total):
+        raise ValueError(f"ranges must lie inside the global stream [0, {total}) with length >= 0")
+    return torch.from_numpy(_prefix_cost(cu, s + n) - _prefix_cost(cu, s))
+
+
+def _np64(x, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        return x.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _split_at_segments(cu: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """Cut ranges ``[start, end)`` (non-empty) at segment boundaries. Returns ``(rank, seg, start, end)`` pieces."""
+    s0 = np.searchsorted(cu, start, side="right") - 1
+    s1 = np.searchsorted(cu, end - 1, side="right") - 1
+    count = s1 - s0 + 1
+    owner = np.repeat(np.arange(start.size), count)
+    seg = s0[owner] + (np.arange(owner.size) - (np.cumsum(count) - count)[owner])
+    p_start = np.maximum(start[owner], cu[seg])
+    p_end = np.minimum(end[owner], cu[seg + 1])
+    keep = p_end > p_start  # skips empty segments inside a range
+    return rank[owner][keep], seg[keep], p_start[keep], p_end[keep]
+
+
+def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, length: np.ndarray):
+    """Per-rank cost, tokens, runs and K/V tokens needed from other ranks, for ranges owned by ranks."""
+    nz = length > 0
+    rank, start, length = rank[nz], start[nz], length[nz]
+    end = start + length
+    rank_cost = np.zeros(cp, dtype=np.int64)
+    np.add.at(rank_cost, rank, _prefix_cost(cu, end) - _prefix_cost(cu, start))  # exact int64 sums
+    tokens = np.zeros(cp, dtype=np.int64)
+    np.add.at(tokens, rank, length)
+    p_rank, p_seg, p_start, p_end = _split_at_segments(cu, rank, start, end)
+    # runs: pieces of one segment, touching pieces of one rank merged
+    o = np.lexsort((p_start, p_rank))
+    pr, ps, pe, pg = p_rank[o], p_start[o], p_end[o], p_seg[o]
+    new_run = np.ones(pr.size, dtype=bool)
+    new_run[1:] = (pr[1:] != pr[:-1]) | (pg[1:] != pg[:-1]) | (ps[1:] != pe[:-1])
+    runs = np.bincount(pr[new_run], minlength=cp).astype(np.int64)
+    # keys needed: per (rank, segment), from the segment's start to the furthest token held there
+    o = np.lexsort((pe, pg, pr))
+    pr, pg, pe = pr[o], pg[o], pe[o]
+    last = np.ones(pr.size, dtype=bool)
+    last[:-1] = (pr[1:] != pr[:-1]) | (pg[1:] != pg[:-1])
+    needed = np.zeros(cp, dtype=np.int64)
+    np.add.at(needed, pr[last], pe[last] - cu[pg[last]])
+    return rank_cost, tokens, runs, needed - tokens
+
+
+def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] | None):
+    """``(rank, start, length)`` ranges of every rank (may cross segments for contiguous / rowzigzag)."""
+    total = int(cu[-1])
+    ranks = np.arange(cp, dtype=np.int64)
+    if layout == "contiguous":
+        t_local = total // cp
+        return ranks, ranks * t_local, np.full(cp, t_local, dtype=np.int64)
+    if layout == "rowzigzag":
+        B, S = rows
+        bounds = (np.arange(2 * cp + 1, dtype=np.int64) * S) // (2 * cp)  # chunk bounds inside a row
+        chunk = np.stack([ranks, 2 * cp - 1 - ranks], axis=1)  # [cp, 2]
+        lo = bounds[chunk][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]  # [B, cp, 2]
+        hi = bounds[chunk + 1][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]
+        rank = np.broadcast_to(ranks[None, :, None], lo.shape)
+        return rank.reshape(-1), lo.reshape(-1), (hi - lo).reshape(-1)
+    if layout == "zigzag":
+        seg_start = cu[:-1]
+        chunk = (cu[1:] - seg_start) // (2 * cp)
+        head = seg_start[None, :] + ranks[:, None] * chunk[None, :]  # [cp, N]
+        tail = seg_start[None, :] + (2 * cp - 1 - ranks[:, None]) * chunk[None, :]
+        rank = np.broadcast_to(ranks[:, None], head.shape)
+        ln = np.broadcast_to(chunk[None, :], head.shape)
+        return (
+            np.concatenate([rank.ravel(), rank.ravel()]),
+            np.concatenate([head.ravel(), tail.ravel()]),
+            np.concatenate([ln.ravel(), ln.ravel()]),
+        )
+    if layout == "balanced":
+        from cp_packing.planner import balanced_plan
+
+        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu), cp_size=cp)
+        rank = np.repeat(ranks, np.diff(offsets))
+        return rank, run_start.numpy(), run_len.numpy()
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
+
+
+def _runs_cost_summary(cu_seqlens: torch.Tensor, cp: int, layout: str):
+    """``(busiest cost, busiest / mean, K/V bytes received under all-gather summed over ranks)`` of a VALID layout
+    (no padding), for ``choose_layout`` (default K/V shape: 8 heads x 128 x 2 bytes)."""
+    cu = _np64(cu_seqlens, "cu_seqlens")
+    rank, start, length = _layout_ranges(cu, cp, layout, None)
+    rank_cost, _, _, kv_tokens = _figures(cu, cp, rank, start, length)
+    mean = rank_cost.sum() / cp
+    busiest = int(rank_cost.max())
+    return busiest, (busiest / mean if mean > 0 else 1.0), int(kv_tokens.sum()) * 2 * 8 * 128 * 2
+
+
+def _check_positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def layout_cost(
+    params_or_doc_ids,
+    *,
+    cp_size: int,
+    layout: str,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype_bytes: int = 2,
+) -> LayoutCost:
+    """Cost figures of one layout on one batch (see the module docstring).
+
+    Args:
+        params_or_doc_ids: ``PackedSeqParams`` or the ``[B, S]`` integer doc map (1-based document index, 0 =
+            padding).
+        cp_size: the CP group size.
+        layout: ``"contiguous"``, ``"zigzag"`` (on a map whose segments are not all multiples of ``2 * cp_size``:
+            measured after ``pad_segments(doc_ids, 2 * cp_size)``, with its ``padding_overhead``), ``"balanced"``,
+            ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name) or
+            ``"rowzigzag"`` (the whole-row reference; needs nothing).
+        num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
+
+    Returns:
+        ``LayoutCost``.
+
+    Raises:
+        TypeError: a bad input type. ValueError: unknown layout, ``cp_size < 1``, or ``B*S % cp_size != 0`` for a
+        layout that needs it (``contiguous``, ``balanced``, ``auto``).
+    """
+    from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+
+    cp = _check_positive_int(cp_size, "cp_size")
+    for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
+        _check_positive_int(value, name)
+    if layout not in COST_LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
+    if isinstance(params_or_doc_ids, PackedSeqParams):
+        params = params_or_doc_ids
+    elif isinstance(params_or_doc_ids, torch.Tensor):
+        params = packed_seq_params_from_doc_ids(params_or_doc_ids)  # validates the map
+    else:
+        raise TypeError(
+            f"layout_cost expects PackedSeqParams or a [B, S] doc map tensor, got {type(params_or_doc_ids).__name__}"
+        )
+    doc_ids = params.doc_ids
+    cu = _np64(params.cu_seqlens, "cu_seqlens")
+    total = int(cu[-1])
+    ideal = float(_prefix_cost(cu, np.array([total]))[0]) / cp
+    if layout == "auto":
+        from cp_packing.planner import choose_layout
+
+        layout = choose_layout(params, cp_size=cp)
+    overhead = 0.0
+    if layout in ("contiguous", "balanced") and total % cp:
+        raise ValueError(
+            f"layout {layout!r} needs B*S % cp_size == 0, got B*S = {total} and cp_size={cp}; pad the rows to a "
+            f"multiple of {cp}"
+        )
+    if layout == "zigzag" and np.any((cu[1:] - cu[:-1]) % (2 * cp)):
+        from cp_packing.padding import pad_segments
+
+        padded = pad_segments(doc_ids, 2 * cp)
+        overhead = padded.overhead
+        cu = _np64(packed_seq_params_from_doc_ids(padded.doc_ids).cu_seqlens, "cu_seqlens")
+    rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
+    rank, start, length = _layout_ranges(cu, cp, layout, rows)
+    rank_cost, tokens, runs, kv_tokens = _figures(cu, cp, rank, start, length)
+    mean = rank_cost.sum() / cp
+    per_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token, one layer
+    t_local = int(tokens.max()) if tokens.size else 0
+    return LayoutCost(
+        layout=layout,
+        cp_size=cp,
+        rank_cost=torch.from_numpy(rank_cost),
+        tokens_per_rank=torch.from_numpy(tokens),
+        runs_per_rank=torch.from_numpy(runs),
+        imbalance=float(rank_cost.max() / mean) if mean > 0 else 1.0,
+        ideal_cost=ideal,
+        padding_overhead=float(overhead),
+        kv_bytes_allgather=torch.from_numpy(kv_tokens * per_token),
+        kv_bytes_ring=(cp - 1) * t_local * per_token,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype_bytes=dtype_bytes,
+    )
