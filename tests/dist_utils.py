@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -34,7 +35,9 @@ def _child(fn: Callable, rank: int, world_size: int, port_queue, backend: str, a
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors by value; the queue's ForkingPickler would share them through file
+        # descriptors that vanish with this process once torch.multiprocessing is imported (transformers does).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -82,7 +85,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
             except Exception:  # queue.Empty
                 break
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 break  # other ranks may now hang in a collective
