@@ -138,8 +138,11 @@ def balance_report(
         layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte columns.
     """
+    from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+
+    params = doc_ids if isinstance(doc_ids, PackedSeqParams) else packed_seq_params_from_doc_ids(doc_ids)
     costs = balance_costs(
-        doc_ids, cp_size=cp_size, layouts=layouts, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes
+        params, cp_size=cp_size, layouts=layouts, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes
     )
     header = (
         f"{'layout':<22} {'busiest/mean':>12} {'busiest/ideal':>13} {'padding':>8} {'tokens/rank':>11} "
@@ -158,8 +161,11 @@ def balance_report(
         )
     if "auto" in costs:
         lines.append(f"layout='auto' picks {costs['auto'].layout!r}")
-    elif any(name in layouts for name in ("contiguous", "balanced", "auto")):
-        lines.append(f"B*S is not a multiple of cp_size={cp_size}: only zigzag (padded) and rowzigzag apply")
+    if params.total_tokens % cp_size:
+        lines.append(
+            f"B*S = {params.total_tokens} is not a multiple of cp_size={cp_size}: contiguous, balanced and auto do not "
+            "apply (pad the rows)"
+        )
     return "\n".join(lines)
 
 

@@ -1,0 +1,137 @@
+"""Load balance of the CP layouts on a suite of synthetic doc maps, and the time to plan ``balanced``.
+
+Run:  .venv/bin/python benchmarks/bench_balance.py            (full: [8, 32768] maps, 3 seeds, cp 2/4/8/16; timing
+                                                               on [8, 131072])
+      .venv/bin/python benchmarks/bench_balance.py --quick    (smoke run: small maps, 1 seed, cp 2/8, 3 repeats)
+      .venv/bin/python benchmarks/bench_balance.py --png docs/balance.png   (also draw one map's per-rank costs)
+
+Balance table (per distribution and cp): busiest / mean causal cost (``cp_packing.cost``; the WORST over the seeds)
+for ``contiguous``, ``rowzigzag`` (every row cut in 2cp chunks, head-tail: the common trainer practice, a reference),
+``zigzag`` (per document, after ``pad_segments(multiple=2cp)``: its busiest / ideal counts the added pad tokens' work,
+and its padding overhead = added tokens / real tokens), ``balanced`` and ``auto`` (with the layout it picked).
+
+Timing: ``balanced`` plan from scratch (cache cleared: ``cp_packing.planner._plan_numpy``, the whole plan for all
+ranks, plus the cu_seqlens copy and checks of ``balanced_plan``) against ``doc_ids.clone()`` of the same map, int64
+and int32, ``torch.set_num_threads(1)``, median of ``--repeats`` after a warm-up, in the same run. Target: the plan
+within 5x of a clone. The cached lookup (``balanced_runs`` for one rank once the plan is cached) is shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from cp_packing import planner
+from cp_packing.balance import SYNTHETIC_KINDS, plot_balance, synthetic_doc_ids
+from cp_packing.cost import layout_cost
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def balance_tables(shape, seeds, cps) -> list[str]:
+    lines = []
+    worst_balanced = 0.0
+    for kind in SYNTHETIC_KINDS:
+        lines.append(f"\n{kind}: [{shape[0]}, {shape[1]}], seeds {list(seeds)} (worst busiest/mean over the seeds)")
+        header = (
+            f"{'cp':>3} {'contiguous':>10} {'rowzigzag':>9} {'zigzag':>7} {'zz/ideal':>8} {'zz pad':>7} "
+            f"{'balanced':>8} {'auto':>18} {'bal runs/rank':>13}"
+        )
+        lines.append(header)
+        for cp in cps:
+            worst = {k: 0.0 for k in ("contiguous", "rowzigzag", "zigzag", "zz_ideal", "zz_pad", "balanced", "auto")}
+            picks = set()
+            runs = 0
+            for seed in seeds:
+                params = packed_seq_params_from_doc_ids(synthetic_doc_ids(kind, shape[0], shape[1], seed=seed))
+                for name in ("contiguous", "rowzigzag", "balanced", "auto"):
+                    c = layout_cost(params, cp_size=cp, layout=name)
+                    worst[name] = max(worst[name], c.imbalance)
+                    if name == "auto":
+                        picks.add(c.layout)
+                    if name == "balanced":
+                        runs = max(runs, int(c.runs_per_rank.max()))
+                z = layout_cost(params, cp_size=cp, layout="zigzag")
+                worst["zigzag"] = max(worst["zigzag"], z.imbalance)
+                worst["zz_ideal"] = max(worst["zz_ideal"], z.busiest_over_ideal)
+                worst["zz_pad"] = max(worst["zz_pad"], z.padding_overhead)
+            worst_balanced = max(worst_balanced, worst["balanced"])
+            auto = f"{worst['auto']:.4f} ({'/'.join(sorted(picks))})"
+            lines.append(
+                f"{cp:>3} {worst['contiguous']:>10.4f} {worst['rowzigzag']:>9.4f} {worst['zigzag']:>7.4f} "
+                f"{worst['zz_ideal']:>8.4f} {100 * worst['zz_pad']:>6.2f}% {worst['balanced']:>8.4f} {auto:>18} "
+                f"{runs:>13d}"
+            )
+    lines.append(f"\nworst balanced busiest/mean over the whole suite: {worst_balanced:.4f}")
+    return lines
+
+
+def timing_table(shape, cps, repeats: int) -> list[str]:
+    torch.set_num_threads(1)
+    lines = [
+        f"\nplanning time, [{shape[0]}, {shape[1]}], 1 thread, median of {repeats} (ms)",
+        f"{'map':>10} {'segments':>8} {'cp':>3} {'plan':>8} {'clone64':>8} {'clone32':>8} {'plan/clone64':>12} "
+        f"{'plan/clone32':>12} {'cached':>8}",
+    ]
+    for kind in SYNTHETIC_KINDS:
+        doc64 = synthetic_doc_ids(kind, shape[0], shape[1], seed=0)
+        doc32 = doc64.to(torch.int32)
+        cu = packed_seq_params_from_doc_ids(doc64).cu_seqlens
+        clone64 = _median_ms(doc64.clone, repeats)
+        clone32 = _median_ms(doc32.clone, repeats)
+        for cp in cps:
+
+            def plan():
+                planner._cached_plan.cache_clear()
+                planner.balanced_plan(cu, cp_size=cp)
+
+            t_plan = _median_ms(plan, repeats)
+            planner.balanced_plan(cu, cp_size=cp)
+            t_hit = _median_ms(lambda: planner.balanced_runs(cu, cp_size=cp, cp_rank=cp - 1), repeats)
+            lines.append(
+                f"{kind:>10} {cu.numel() - 1:>8d} {cp:>3} {t_plan:>8.3f} {clone64:>8.3f} {clone32:>8.3f} "
+                f"{t_plan / clone64:>12.2f} {t_plan / clone32:>12.2f} {t_hit:>8.3f}"
+            )
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: small maps, one seed, few repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--png", help="write a per-rank cost chart of one map (lognormal, first shape, cp=8)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        shape, seeds, cps, time_shape, repeats = (2, 8192), (0,), (2, 8), (2, 16384), 3
+    else:
+        shape, seeds, cps, time_shape, repeats = (8, 32768), (0, 1, 2), (2, 4, 8, 16), (8, 131072), 21
+    repeats = args.repeats or repeats
+    print(f"torch {torch.__version__}; python {sys.version.split()[0]}")
+    for line in balance_tables(shape, seeds, cps):
+        print(line)
+    for line in timing_table(time_shape, (8, 16) if not args.quick else (8,), repeats):
+        print(line)
+    if args.png:
+        try:
+            plot_balance(synthetic_doc_ids("lognormal", shape[0], shape[1], seed=0), 8, args.png)
+            print(f"\nwrote {args.png}")
+        except ImportError as exc:
+            print(f"\nno plot: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

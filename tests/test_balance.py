@@ -1,0 +1,145 @@
+"""Balance report, plot, synthetic maps, the command line (show, report) and the balance benchmark's smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cp_packing.__main__ import main
+from cp_packing.balance import SYNTHETIC_KINDS, balance_costs, balance_report, plot_balance, synthetic_doc_ids
+from cp_packing.cost import layout_cost
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from tests.maps import segments_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ}
+    )
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_synthetic_maps_are_seeded_and_shaped(kind):
+    a = synthetic_doc_ids(kind, 3, 2048, seed=7)
+    assert a.shape == (3, 2048) and a.dtype == torch.int64
+    assert torch.equal(a, synthetic_doc_ids(kind, 3, 2048, seed=7))
+    assert not torch.equal(a, synthetic_doc_ids(kind, 3, 2048, seed=8))
+    assert bool((a[:, 0] == 1).all())  # ids restart at 1 in every row
+    lengths = [b - s for s, b in segments_of(a)]
+    if kind == "huge":
+        assert max(lengths) >= 0.75 * 2048
+    if kind == "padded":
+        assert bool((a == 0).any())
+    else:
+        assert not bool((a == 0).any())
+
+
+def test_synthetic_errors():
+    with pytest.raises(ValueError, match="unknown synthetic kind 'zipf'"):
+        synthetic_doc_ids("zipf")
+    with pytest.raises(ValueError, match="batch and seqlen must be >= 1"):
+        synthetic_doc_ids("short", 0, 16)
+
+
+def test_report_lists_every_layout_with_the_cost_figures():
+    doc_ids = synthetic_doc_ids("lognormal", 2, 4096, seed=1)
+    text = balance_report(doc_ids, cp_size=4)
+    costs = balance_costs(doc_ids, cp_size=4)
+    assert list(costs) == ["contiguous", "rowzigzag", "zigzag", "balanced", "auto"]
+    for name, c in costs.items():
+        label = {"auto": f"auto -> {c.layout}", "zigzag": "zigzag (padded)"}.get(name, name)
+        line = next(l for l in text.splitlines() if l.startswith(label))
+        assert f"{c.imbalance:.4f}" in line and f"{c.busiest_over_ideal:.4f}" in line
+    assert f"layout='auto' picks {costs['auto'].layout!r}" in text
+    # the balanced figure is the cost module's
+    assert costs["balanced"].rank_cost.tolist() == layout_cost(doc_ids, cp_size=4, layout="balanced").rank_cost.tolist()
+
+
+def test_report_without_divisible_tokens_keeps_what_applies():
+    doc_ids = torch.tensor([[1, 1, 2, 2, 2, 0]])
+    text = balance_report(doc_ids, cp_size=4)
+    assert "rowzigzag" in text and "zigzag (padded)" in text and "\nbalanced" not in text
+    assert "not a multiple of cp_size=4" in text
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(ImportError, match=r"cp-packing\[plot\]"):
+        plot_balance(torch.tensor([[1, 1, 2, 2]]), 2, tmp_path / "x.png")
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the 'plot' extra) is not installed")
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "balance.png"
+    plot_balance(synthetic_doc_ids("huge", 2, 2048, seed=0), 4, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_report_runs_in_a_subprocess():
+    r = _run("-m", "cp_packing", "report", "--synthetic", "lognormal", "--cp", "4")
+    assert r.returncode == 0, r.stderr
+    assert "balanced" in r.stdout and "layout='auto' picks" in r.stdout
+
+
+def test_cli_show_runs_in_a_subprocess():
+    r = _run("-m", "cp_packing", "show")
+    assert r.returncode == 0, r.stderr
+    assert "cu_seqlens   [0, 2, 5, 6]" in r.stdout and "max_seqlen   3" in r.stdout
+    assert "rank 1:" in r.stdout and "local_k_slice  slice(2, 6, None)" in r.stdout
+
+
+def test_cli_show_and_report_in_process(capsys, tmp_path):
+    assert main(["show", "--doc-ids", "[[1,1,1,1,2,2,2,2]]", "--cp", "2", "--layout", "zigzag"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0:" in out and "token_index    [0, 3, 4, 7]" in out
+    assert main(["show", "--cp", "3", "--layout", "balanced"]) == 0
+    assert main(["show", "--layout", "auto"]) == 0
+    assert "auto picked" in capsys.readouterr().out
+    path = tmp_path / "map.pt"
+    torch.save(synthetic_doc_ids("short", 2, 512, seed=0), path)
+    assert main(["report", "--doc-ids", str(path), "--cp", "2", "--layouts", "contiguous,balanced"]) == 0
+    out = capsys.readouterr().out
+    assert "contiguous" in out and "balanced" in out and "rowzigzag" not in out
+
+
+def test_cli_bad_input_exits_2_with_a_message(capsys):
+    assert main(["show", "--layout", "zigzag"]) == 2  # the example's segments are not multiples of 4
+    assert "pad_segments" in capsys.readouterr().err
+    assert main(["show", "--doc-ids", "[[1, 1], [2"]) == 2
+    assert "JSON" in capsys.readouterr().err
+    assert main(["report", "--doc-ids", "missing.npy"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the 'plot' extra) is not installed")
+def test_cli_png(tmp_path):
+    path = tmp_path / "out.png"
+    r = _run("-m", "cp_packing", "report", "--synthetic", "short", "--batch", "2", "--seqlen", "1024", "--cp", "2",
+             "--png", str(path))
+    assert r.returncode == 0, r.stderr
+    assert path.exists() and path.stat().st_size > 0
+
+
+def test_benchmark_quick_runs():
+    r = _run(os.path.join("benchmarks", "bench_balance.py"), "--quick", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "worst balanced busiest/mean" in r.stdout and "planning time" in r.stdout
+
+
+def test_balanced_report_matches_the_shards():
+    """The report's balanced tokens per rank are the shards' (what a trainer would get)."""
+    from cp_packing.sharding import shard_packed_seq_params
+
+    params = packed_seq_params_from_doc_ids(synthetic_doc_ids("padded", 2, 2048, seed=4))
+    c = balance_costs(params, cp_size=4, layouts=("balanced",))["balanced"]
+    assert c.tokens_per_rank.tolist() == [
+        shard_packed_seq_params(params, cp_size=4, cp_rank=r, layout="balanced").num_local_tokens for r in range(4)
+    ]

@@ -1,0 +1,185 @@
+"""Cost model: the closed forms equal brute force (per-token positions), for every layout; padding overhead and
+K/V bytes as defined; a hand-checked example; errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cp_packing.balance import synthetic_doc_ids
+from cp_packing.cost import causal_cost, layout_cost
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.padding import pad_segments
+from cp_packing.sharding import shard_packed_seq_params
+from tests.maps import doc_maps, segments_of
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _positions_and_starts(doc_ids):
+    """Brute force: [T] position inside its segment, [T] start of its segment."""
+    T = doc_ids.numel()
+    pos = torch.zeros(T, dtype=torch.int64)
+    seg_start = torch.zeros(T, dtype=torch.int64)
+    for a, b in segments_of(doc_ids):
+        pos[a:b] = torch.arange(b - a)
+        seg_start[a:b] = a
+    return pos, seg_start
+
+
+def _brute_figures(doc_ids, token_index_per_rank):
+    """Per rank: cost, tokens, maximal runs, and keys needed from other ranks, token by token."""
+    pos, seg_start = _positions_and_starts(doc_ids)
+    seg_id = torch.zeros_like(pos)
+    for k, (a, b) in enumerate(segments_of(doc_ids)):
+        seg_id[a:b] = k
+    out = []
+    for idx in token_index_per_rank:
+        cost = int((pos[idx] + 1).sum())
+        runs = 0
+        prev = None
+        for t in sorted(idx.tolist()):
+            if prev is None or t != prev + 1 or seg_id[t] != seg_id[prev]:
+                runs += 1
+            prev = t
+        needed = set()
+        for t in idx.tolist():
+            needed.update(range(int(seg_start[t]), t + 1))
+        out.append((cost, idx.numel(), runs, len(needed - set(idx.tolist()))))
+    return out
+
+
+@st.composite
+def maps_and_cp(draw):
+    cp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    doc_ids = draw(doc_maps(max_b=3, max_s=40))
+    B, S = doc_ids.shape
+    out = torch.zeros(B, math.ceil(S / cp) * cp, dtype=doc_ids.dtype)
+    out[:, :S] = doc_ids
+    return out, cp
+
+
+@SETTINGS
+@given(doc_maps(max_b=3, max_s=40), st.data())
+def test_causal_cost_closed_form_equals_brute_force(doc_ids, data):
+    """Any range of the stream, even across segments: sum of (position in its segment + 1)."""
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    pos, _ = _positions_and_starts(doc_ids)
+    T = doc_ids.numel()
+    starts = data.draw(st.lists(st.integers(0, T), min_size=1, max_size=8))
+    lens = [data.draw(st.integers(0, T - s)) for s in starts]
+    got = causal_cost(params.cu_seqlens, torch.tensor(starts), torch.tensor(lens))
+    want = [int((pos[s : s + n] + 1).sum()) for s, n in zip(starts, lens)]
+    assert got.dtype == torch.int64 and got.tolist() == want
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced", "zigzag"])
+def test_layout_cost_equals_brute_force_from_the_shards(layout):
+    @SETTINGS
+    @given(maps_and_cp())
+    def check(case):
+        doc_ids, cp = case
+        if layout == "zigzag":  # a map zigzag takes as is: every segment a multiple of 2cp
+            doc_ids = pad_segments(doc_ids, 2 * cp).doc_ids
+        params = packed_seq_params_from_doc_ids(doc_ids)
+        c = layout_cost(params, cp_size=cp, layout=layout, num_kv_heads=2, head_dim=4, dtype_bytes=2)
+        idx = [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout=layout).token_index for r in range(cp)]
+        brute = _brute_figures(doc_ids, idx)
+        per_token = 2 * 2 * 4 * 2
+        assert c.layout == layout and c.padding_overhead == 0.0
+        assert c.rank_cost.tolist() == [b[0] for b in brute]
+        assert c.tokens_per_rank.tolist() == [b[1] for b in brute]
+        assert c.runs_per_rank.tolist() == [b[2] for b in brute]
+        assert c.kv_bytes_allgather.tolist() == [b[3] * per_token for b in brute]
+        T_local = doc_ids.numel() // cp
+        assert c.kv_bytes_ring == (cp - 1) * T_local * per_token
+        total = sum(b[0] for b in brute)
+        mean = total / cp
+        assert c.imbalance == pytest.approx(max(b[0] for b in brute) / mean if mean else 1.0)
+        pos, _ = _positions_and_starts(doc_ids)
+        assert c.ideal_cost == pytest.approx(float((pos + 1).sum()) / cp)
+
+    check()
+
+
+@SETTINGS
+@given(maps_and_cp())
+def test_rowzigzag_reference_equals_brute_force(case):
+    """Every row cut in 2cp chunks (bounds floor(i*S/2cp)); rank r holds chunks r and 2cp-1-r of every row."""
+    doc_ids, cp = case
+    B, S = doc_ids.shape
+    bounds = [(i * S) // (2 * cp) for i in range(2 * cp + 1)]
+    idx = []
+    for r in range(cp):
+        mine = []
+        for b in range(B):
+            for chunk in (r, 2 * cp - 1 - r):
+                mine += range(b * S + bounds[chunk], b * S + bounds[chunk + 1])
+        idx.append(torch.tensor(mine, dtype=torch.int64))
+    brute = _brute_figures(doc_ids, idx)
+    c = layout_cost(doc_ids, cp_size=cp, layout="rowzigzag")
+    assert c.rank_cost.tolist() == [b[0] for b in brute]
+    assert c.tokens_per_rank.tolist() == [b[1] for b in brute]
+    assert c.runs_per_rank.tolist() == [b[2] for b in brute]
+
+
+def test_zigzag_on_a_map_that_needs_padding_is_measured_after_pad_segments():
+    doc_ids = synthetic_doc_ids("lognormal", 2, 2048, seed=3)
+    cp = 4
+    padded = pad_segments(doc_ids, 2 * cp)
+    c = layout_cost(doc_ids, cp_size=cp, layout="zigzag")
+    direct = layout_cost(padded.doc_ids, cp_size=cp, layout="zigzag")
+    assert c.padding_overhead == pytest.approx(padded.num_added_tokens / padded.num_real_tokens)
+    assert c.padding_overhead > 0
+    assert c.rank_cost.tolist() == direct.rank_cost.tolist()
+    # equal chunks: every rank's pair of chunks of a segment costs the same, so zigzag is exactly even
+    assert c.imbalance == 1.0
+    # ... but against the ORIGINAL map's ideal it pays for the pad tokens' work (no row padding here to drop)
+    assert c.busiest_over_ideal > 1.0
+
+
+def test_hand_checked_example():
+    """One document of 4 tokens, cp=2. contiguous: rank 0 has positions 0,1 (cost 1+2=3), rank 1 positions 2,3
+    (3+4=7): busiest/mean 7/5. zigzag: chunks {0,3} and {1,2}: 1+4 = 2+3 = 5 each. Rank 1 (contiguous) needs keys
+    0,1 from rank 0: 2 tokens of K and V."""
+    doc_ids = torch.tensor([[1, 1, 1, 1]])
+    c = layout_cost(doc_ids, cp_size=2, layout="contiguous", num_kv_heads=1, head_dim=1, dtype_bytes=1)
+    assert c.rank_cost.tolist() == [3, 7]
+    assert c.imbalance == pytest.approx(1.4) and c.busiest_over_ideal == pytest.approx(1.4)
+    assert c.kv_bytes_allgather.tolist() == [0, 2 * 2]  # 2 tokens x (K + V) x 1 x 1 x 1 byte
+    z = layout_cost(doc_ids, cp_size=2, layout="zigzag", num_kv_heads=1, head_dim=1, dtype_bytes=1)
+    assert z.rank_cost.tolist() == [5, 5] and z.imbalance == 1.0 and z.padding_overhead == 0.0
+    assert z.kv_bytes_allgather.tolist() == [2 * 2, 1 * 2]  # rank 0 needs 1, 2; rank 1 needs 0
+    assert z.kv_bytes_ring == 1 * 2 * 2
+
+
+def test_auto_resolves_to_the_chosen_layout():
+    doc_ids = synthetic_doc_ids("lognormal", 2, 4096, seed=2)
+    c = layout_cost(doc_ids, cp_size=4, layout="auto")
+    assert c.layout in ("contiguous", "zigzag", "balanced")
+    b = layout_cost(doc_ids, cp_size=4, layout=c.layout)
+    assert c.rank_cost.tolist() == b.rank_cost.tolist()
+
+
+def test_layout_cost_errors():
+    doc_ids = torch.tensor([[1, 1, 2, 2, 2, 0]])
+    with pytest.raises(ValueError, match="unknown layout 'stripe'"):
+        layout_cost(doc_ids, cp_size=2, layout="stripe")
+    with pytest.raises(ValueError, match=r"layout 'contiguous' needs B\*S % cp_size == 0, got B\*S = 6"):
+        layout_cost(doc_ids, cp_size=4, layout="contiguous")
+    with pytest.raises(TypeError, match="PackedSeqParams or a \\[B, S\\] doc map"):
+        layout_cost([[1, 1]], cp_size=2, layout="contiguous")
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        layout_cost(doc_ids, cp_size=2, layout="contiguous", num_kv_heads=0)
+    with pytest.raises(TypeError, match="cp_size must be an int"):
+        layout_cost(doc_ids, cp_size="2", layout="contiguous")
+    with pytest.raises(ValueError, match="inside the global stream"):
+        causal_cost(torch.tensor([0, 4]), torch.tensor([3]), torch.tensor([2]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        causal_cost(torch.tensor([0, 4]), torch.tensor([0.0]), torch.tensor([2]))
+    # rowzigzag and zigzag (padded) need no divisibility
+    assert layout_cost(doc_ids, cp_size=4, layout="rowzigzag").tokens_per_rank.sum() == 6
