@@ -3,9 +3,9 @@
 Run:  .venv/bin/python benchmarks/bench_packed_seq.py            (full: [1,4096], [8,131072], [4,1048576])
       .venv/bin/python benchmarks/bench_packed_seq.py --quick    (smoke run, small maps, 2 repeats)
 
-Every timing uses ONE torch/intra-op thread (``torch.set_num_threads(1)``) and is the median over ``--repeats``
-samples after a warm-up; the candidates are sampled round-robin (so background load hits all alike), and a sample
-loops a tiny case until it lasts >= 2 ms. The doc maps are int32 ``[B, S]`` with long-tailed (lognormal) document lengths and some padding
+Every timing uses ONE torch/intra-op thread (``torch.set_num_threads(1)``) and is the median over 3 rounds of
+``--repeats`` samples (each round times every candidate in turn, after a warm-up call); a sample loops a tiny case
+until it lasts >= 0.2 ms, and stays well inside one scheduler time slice. The doc maps are int32 ``[B, S]`` with long-tailed (lognormal) document lengths and some padding
 at the end of each row, seeded (``--seed``).
 
 Columns:
@@ -73,7 +73,7 @@ def straightforward(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, max_seqlen
 
 
-def _loops(fn: Callable[[], object], min_seconds: float = 2e-3) -> int:
+def _loops(fn: Callable[[], object], min_seconds: float = 2e-4) -> int:
     """Calls per timed sample so that one sample lasts >= min_seconds (timer noise, tiny maps); also a warm-up."""
     t0 = time.perf_counter()
     fn()
@@ -81,22 +81,29 @@ def _loops(fn: Callable[[], object], min_seconds: float = 2e-3) -> int:
     return max(1, min(10_000, int(min_seconds / once) + 1))
 
 
-def interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median milliseconds per call of every fn, sampled round-robin (one sample of each per round) so that load
-    from other processes hits all of them alike."""
+def time_ms(fns: dict[str, Callable[[], object]], repeats: int, stat: str, rounds: int = 3) -> dict[str, float]:
+    """Milliseconds per call of every fn: the median (or min) over ``rounds * repeats`` samples.
+
+    Each round times every fn in turn, ``repeats`` consecutive samples after a warm-up call (so each is measured
+    in its own steady state: warm caches, warm allocator), and the rounds spread each fn over time, so that bursts
+    of load from other processes hit all of them alike.
+    """
     loops = {name: _loops(fn) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in range(rounds):
         for name, fn in fns.items():
             n = loops[name]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / n)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+            fn()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / n)
+    reduce = statistics.median if stat == "median" else min
+    return {name: reduce(times) * 1e3 for name, times in samples.items()}
 
 
-def bench_shape(batch: int, seq_len: int, *, repeats: int, seed: int, torch_path: bool) -> dict[str, float]:
+def bench_shape(batch: int, seq_len: int, *, repeats: int, seed: int, torch_path: bool, stat: str) -> dict[str, float]:
     doc_ids = make_doc_map(batch, seq_len, seed=seed)
     params = packed_seq_params_from_doc_ids(doc_ids)
     cu_ref, max_ref = straightforward(doc_ids)
@@ -115,18 +122,20 @@ def bench_shape(batch: int, seq_len: int, *, repeats: int, seed: int, torch_path
     if torch_path:
         fns["torch path"] = lambda: _from_doc_ids_torch(doc_ids)
     row = {"segments": params.num_segments, "max_seqlen": params.max_seqlen, "torch path": float("nan")}
-    row.update(interleaved_median_ms(fns, repeats))
+    row.update(time_ms(fns, repeats, stat, rounds=1 if repeats < 3 else 3))
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small maps, 2 repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 15, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (per round, 3 rounds; default 11, quick 2 in 1 round)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stat", choices=["median", "min"], default="median",
+                        help="statistic over the samples (min is the robust figure on a loaded machine)")
     parser.add_argument("--no-torch-path", action="store_true", help="skip timing _from_doc_ids_torch")
     args = parser.parse_args(argv)
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 15)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 11)
     if repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
@@ -134,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     load = ", load average %.2f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
-          f"threads {torch.get_num_threads()}{load}, median of {repeats} repeats, times in ms")
+          f"threads {torch.get_num_threads()}{load}, {args.stat} of {repeats} repeats, times in ms")
     header = (f"| {'shape':>12} | {'segments':>8} | {'max_seqlen':>10} | {'ours':>8} | {'baseline':>8} | "
               f"{'clone':>8} | {'copy':>8} | {'torch path':>10} | {'base/ours':>9} | {'ours/clone':>10} | "
               f"{'ours/copy':>9} |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for batch, seq_len in shapes:
-        r = bench_shape(batch, seq_len, repeats=repeats, seed=args.seed, torch_path=not args.no_torch_path)
+        r = bench_shape(batch, seq_len, repeats=repeats, seed=args.seed, torch_path=not args.no_torch_path,
+                        stat=args.stat)
         shape = f"[{batch},{seq_len}]"
         print(f"| {shape:>12} | {r['segments']:>8} | {r['max_seqlen']:>10} | {r['ours']:>8.3f} | "
               f"{r['baseline']:>8.3f} | {r['clone']:>8.3f} | {r['copy']:>8.3f} | {r['torch path']:>10.3f} | "
