@@ -82,6 +82,10 @@ def _check_doc_ids(doc_ids: Any) -> None:
             f"doc_ids must be a torch.Tensor of shape [batch, sequence], got {type(doc_ids).__name__}; "
             "wrap it with torch.as_tensor(...)"
         )
+    if doc_ids.layout != torch.strided:
+        raise TypeError(
+            f"doc_ids must be a dense tensor, got layout {doc_ids.layout}; convert with doc_ids.to_dense()"
+        )
     if doc_ids.dim() != 2:
         raise ValueError(
             f"doc_ids must be 2-D [batch, sequence], got shape {tuple(doc_ids.shape)}; "
@@ -175,7 +179,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         ``max_seqlen``, and ``doc_ids`` itself (unchanged, not copied).
 
     Raises:
-        TypeError: ``doc_ids`` is not a tensor, or has a float / bool dtype.
+        TypeError: ``doc_ids`` is not a dense tensor, or has a float / bool dtype.
         ValueError: not 2-D, a negative index, or more than ``2**31 - 1`` tokens.
 
     Cost: on CPU one pass over the map (NumPy view, a copy first only if it is not contiguous) and one over a

@@ -176,6 +176,11 @@ def test_not_a_tensor_is_a_type_error():
         packed_seq_params_from_doc_ids(np.array([[1, 1, 2]]))
 
 
+def test_sparse_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo.*to_dense\(\)"):
+        packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 0]]).to_sparse())
+
+
 @pytest.mark.parametrize("shape", [(6,), (1, 2, 3), ()])
 def test_not_2d_is_a_value_error(shape):
     doc_ids = torch.ones(shape, dtype=torch.int32)
