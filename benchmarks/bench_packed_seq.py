@@ -5,8 +5,8 @@ Run:  .venv/bin/python benchmarks/bench_packed_seq.py            (full: [1,4096]
 
 Every timing uses ONE torch/intra-op thread (``torch.set_num_threads(1)``) and is the median over 3 rounds of
 ``--repeats`` samples (each round times every candidate in turn, after a warm-up call); a sample loops a tiny case
-until it lasts >= 0.2 ms, and stays well inside one scheduler time slice. The doc maps are int32 ``[B, S]`` with long-tailed (lognormal) document lengths and some padding
-at the end of each row, seeded (``--seed``).
+until it lasts >= 0.2 ms, and stays well inside one scheduler time slice. The doc maps are int32 ``[B, S]`` with
+long-tailed (lognormal) document lengths and some padding at the end of each row, seeded (``--seed``).
 
 Columns:
 - ``ours``: ``packed_seq_params_from_doc_ids`` (the NumPy CPU path, input checks included).
@@ -103,7 +103,9 @@ def time_ms(fns: dict[str, Callable[[], object]], repeats: int, stat: str, round
     return {name: reduce(times) * 1e3 for name, times in samples.items()}
 
 
-def bench_shape(batch: int, seq_len: int, *, repeats: int, seed: int, torch_path: bool, stat: str) -> dict[str, float]:
+def bench_shape(
+    batch: int, seq_len: int, *, repeats: int, rounds: int, seed: int, torch_path: bool, stat: str
+) -> dict[str, float]:
     doc_ids = make_doc_map(batch, seq_len, seed=seed)
     params = packed_seq_params_from_doc_ids(doc_ids)
     cu_ref, max_ref = straightforward(doc_ids)
@@ -122,14 +124,15 @@ def bench_shape(batch: int, seq_len: int, *, repeats: int, seed: int, torch_path
     if torch_path:
         fns["torch path"] = lambda: _from_doc_ids_torch(doc_ids)
     row = {"segments": params.num_segments, "max_seqlen": params.max_seqlen, "torch path": float("nan")}
-    row.update(time_ms(fns, repeats, stat, rounds=1 if repeats < 3 else 3))
+    row.update(time_ms(fns, repeats, stat, rounds))
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small maps, 2 repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (per round, 3 rounds; default 11, quick 2 in 1 round)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed samples per candidate and round (3 rounds; default 11; --quick: 2, one round)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stat", choices=["median", "min"], default="median",
                         help="statistic over the samples (min is the robust figure on a loaded machine)")
@@ -139,18 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     if repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    rounds = 1 if args.quick else 3
 
     torch.set_num_threads(1)
     load = ", load average %.2f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
-          f"threads {torch.get_num_threads()}{load}, {args.stat} of {repeats} repeats, times in ms")
+          f"threads {torch.get_num_threads()}{load}, {args.stat} of {rounds}x{repeats} samples, times in ms")
     header = (f"| {'shape':>12} | {'segments':>8} | {'max_seqlen':>10} | {'ours':>8} | {'baseline':>8} | "
               f"{'clone':>8} | {'copy':>8} | {'torch path':>10} | {'base/ours':>9} | {'ours/clone':>10} | "
               f"{'ours/copy':>9} |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for batch, seq_len in shapes:
-        r = bench_shape(batch, seq_len, repeats=repeats, seed=args.seed, torch_path=not args.no_torch_path,
+        r = bench_shape(batch, seq_len, repeats=repeats, rounds=rounds, seed=args.seed, torch_path=not args.no_torch_path,
                         stat=args.stat)
         shape = f"[{batch},{seq_len}]"
         print(f"| {shape:>12} | {r['segments']:>8} | {r['max_seqlen']:>10} | {r['ours']:>8.3f} | "
