@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for batch, seq_len in shapes:
-        r = bench_shape(batch, seq_len, repeats=repeats, rounds=rounds, seed=args.seed, torch_path=not args.no_torch_path,
-                        stat=args.stat)
+        r = bench_shape(batch, seq_len, repeats=repeats, rounds=rounds, seed=args.seed,
+                        torch_path=not args.no_torch_path, stat=args.stat)
         shape = f"[{batch},{seq_len}]"
         print(f"| {shape:>12} | {r['segments']:>8} | {r['max_seqlen']:>10} | {r['ours']:>8.3f} | "
               f"{r['baseline']:>8.3f} | {r['clone']:>8.3f} | {r['copy']:>8.3f} | {r['torch path']:>10.3f} | "
