@@ -75,11 +75,12 @@ def dp_batch(dp_rank: int) -> dict:
 def fsdp2_step(dp: int, cp: int, variant: str) -> dict:
     """One training step of the docs/integration.md recipe on this rank (the code the docs show, plus checks).
 
-    ``variant``: ``"recipe"`` (gradient division off), ``"scale_loss"`` (FSDP2's default average, loss x dp*cp) or
+    ``variant``: ``"recipe"`` (gradient division off), ``"mixed_bf16"`` (the recipe with FSDP2 mixed precision:
+    bf16 compute, float32 gradient reduction), ``"scale_loss"`` (FSDP2's default average, loss x dp*cp) or
     ``"fsdp_default"`` (FSDP2's default average and the plain loss: the mistake the recipe avoids).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -88,10 +89,16 @@ def fsdp2_step(dp: int, cp: int, variant: str) -> dict:
     dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # CP ranks hold the same parameters: shard over dp*cp
 
     model = make_model(register_cp_attention()).to(device)
+    fsdp_kwargs = {"mesh": dp_cp_mesh}
+    if variant == "mixed_bf16":
+        # cast_forward_inputs=False: FSDP2 would otherwise rebuild every dataclass among each unit's inputs
+        # (dataclasses.replace), handing each layer a fresh copy of cp_sharded with an empty per-step cache.
+        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        cast_forward_inputs=False)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_cp_mesh)
-    fully_shard(model, mesh=dp_cp_mesh)
-    if variant == "recipe":
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    if variant in ("recipe", "mixed_bf16"):
         for module in model.modules():  # every FSDP unit: the setting is per unit
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # SUM the gradients over dp*cp, do not average
@@ -110,7 +117,7 @@ def fsdp2_step(dp: int, cp: int, variant: str) -> dict:
     opt.step()
     opt.zero_grad()
     params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
-    return {"grads": grads, "params": params, "loss": float(logged), "is_dtensor": is_dtensor,
+    return {"grads": grads, "params": params, "loss": float(logged), "is_dtensor": is_dtensor, "dtype": logits.dtype,
             "fsdp_group_size": dp_cp_mesh.size(), "cp_size": sharded.cp_size, "T_local": sharded.num_local_tokens}
 
 
@@ -159,7 +166,7 @@ def assert_tensors_close(got: dict, expected: dict, what: str, scale: float = 1.
 
 @pytest.mark.parametrize("dp, cp", [(2, 2), (1, 2)])
 def test_fsdp2_dp_cp_recipe_matches_single_process(dp, cp):
-    variants = ("recipe", "scale_loss", "fsdp_default") if dp * cp == 4 else ("recipe",)
+    variants = ("recipe", "scale_loss", "fsdp_default") if dp * cp == 4 else ("recipe", "mixed_bf16")
     results = run_distributed(_worker, dp * cp, dp, cp, variants)
     ref = reference_step(dp)
     if dp == 2:  # replicas with different valid counts: a per-replica normalisation would give another loss
@@ -180,3 +187,11 @@ def test_fsdp2_dp_cp_recipe_matches_single_process(dp, cp):
             assert_tensors_close(default, ref["grads"], "gradient (FSDP2 default average) x dp*cp", scale=dp * cp)
             worst = max(float((default[n] - ref["grads"][n]).abs().max()) for n in ref["grads"])
             assert worst > 10 * ATOL
+        if "mixed_bf16" in res:
+            # bf16 parameters in forward/backward, float32 gradient reduction: within bf16 rounding of the reference.
+            mixed = res["mixed_bf16"]
+            assert mixed["dtype"] == torch.bfloat16
+            assert mixed["loss"] == pytest.approx(ref["loss"], rel=5e-3)
+            scale = max(float(g.abs().max()) for g in ref["grads"].values())
+            worst = max(float((mixed["grads"][n] - ref["grads"][n]).abs().max()) for n in ref["grads"])
+            assert worst <= 3e-2 * scale, (worst, scale)
