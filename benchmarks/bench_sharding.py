@@ -34,14 +34,23 @@ def make_map(B: int, S: int, *, seed: int = 0, multiple: int = 32, median: float
     return torch.from_numpy(out)
 
 
-def timeit(fn, repeats: int) -> float:
+def _once(fn) -> float:
+    t0 = time.perf_counter()
     fn()
-    times = []
+    return time.perf_counter() - t0
+
+
+def paired(fn, baseline, repeats: int) -> tuple[float, float]:
+    """Median time of ``fn`` and median of the per-pair ratio fn/baseline, the two timed back to back in each
+    repeat, so that drift in the machine's load (these machines are shared) cancels out of the ratio."""
+    fn(), baseline()
+    times, ratios = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        b = _once(baseline)
+        t = _once(fn)
+        times.append(t)
+        ratios.append(t / b)
+    return statistics.median(times), statistics.median(ratios)
 
 
 def main() -> None:
@@ -50,7 +59,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=131072)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 8, 16])
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "balanced"])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="small map, few repeats (smoke run)")
     args = parser.parse_args()
@@ -61,10 +70,12 @@ def main() -> None:
     doc_ids = make_map(args.batch, args.seqlen)
     params = packed_seq_params_from_doc_ids(doc_ids)
     x = torch.randint(0, 32000, doc_ids.shape, dtype=torch.int64)  # e.g. input_ids
-    t_clone = timeit(lambda: doc_ids.clone(), args.repeats)
-    t_clone_x = timeit(lambda: x.clone(), args.repeats)
+    clone_map = lambda: doc_ids.clone()  # noqa: E731
+    clone_x = lambda: x.clone()  # noqa: E731
+    t_clone, _ = paired(clone_map, clone_map, args.repeats)
     print(f"map [{args.batch}, {args.seqlen}] int32, {params.num_segments} segments, threads={args.threads}")
-    print(f"clone of the map: {t_clone * 1e3:.3f} ms; clone of an int64 [B,S] tensor: {t_clone_x * 1e3:.3f} ms")
+    print(f"clone of the map: {t_clone * 1e3:.3f} ms (median). Ratios: median over repeats of (ours / a clone "
+          f"timed right before it); shard is compared with a clone of the [B,S] int64 tensor it shards")
     print(f"{'layout':<11} {'cp':>3} {'build ms':>9} {'build/clone':>12} {'shard ms':>9} {'shard/clone':>12}")
     for layout in args.layouts:
         for cp in args.cp:
@@ -74,12 +85,12 @@ def main() -> None:
                 print(f"{layout:<11} {cp:>3} skipped: {str(err)[:60]}")
                 continue
             rank = cp // 2  # a middle rank
-            t_build = timeit(lambda: shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout),
-                             args.repeats)
+            t_build, r_build = paired(
+                lambda: shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout), clone_map, args.repeats
+            )
             sharded = shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout)
-            t_shard = timeit(lambda: sharded.shard(x), args.repeats)
-            print(f"{layout:<11} {cp:>3} {t_build * 1e3:>9.3f} {t_build / t_clone:>11.2f}x "
-                  f"{t_shard * 1e3:>9.3f} {t_shard / t_clone_x:>11.2f}x")
+            t_shard, r_shard = paired(lambda: sharded.shard(x), clone_x, args.repeats)
+            print(f"{layout:<11} {cp:>3} {t_build * 1e3:>9.3f} {r_build:>11.2f}x {t_shard * 1e3:>9.3f} {r_shard:>11.2f}x")
 
 
 if __name__ == "__main__":

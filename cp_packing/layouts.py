@@ -23,6 +23,7 @@ Layouts:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["LAYOUTS", "check_cp", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
@@ -130,12 +131,34 @@ def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout:
 
 
 def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 ``[total]``: the global position of every local token, runs laid end to end."""
-    local_start = torch.cumsum(run_len, 0) - run_len
-    offsets = run_start - local_start
-    return torch.arange(total, dtype=torch.int64, device=run_start.device) + torch.repeat_interleave(
-        offsets, run_len, output_size=total
-    )
+    """int64 ``[total]``: each run ``i`` laid out as ``run_start[i], run_start[i] + 1, ...`` (``run_len[i]`` values),
+    runs end to end. With global run starts this is ``token_index``; with starts relative to the segment, it is
+    ``position_ids``.
+
+    CPU: one NumPy ``cumsum`` over a buffer of ones with a jump at each run start (about one pass over the output).
+    Other devices: ``arange + repeat_interleave`` (no host sync: ``total`` is given).
+    """
+    if run_start.device.type != "cpu":
+        local_start = torch.cumsum(run_len, 0) - run_len
+        offsets = run_start - local_start
+        return torch.arange(total, dtype=torch.int64, device=run_start.device) + torch.repeat_interleave(
+            offsets, run_len, output_size=total
+        )
+    starts = run_start.numpy().astype(np.int64, copy=False)
+    lens = run_len.numpy().astype(np.int64, copy=False)
+    if lens.size and lens.min() <= 0:  # empty runs would collide at one output position
+        keep = lens > 0
+        starts, lens = starts[keep], lens[keep]
+    result = torch.empty(total, dtype=torch.int64)  # torch's allocator reuses warm memory; np.ones page-faults
+    out = result.numpy()
+    out.fill(1)
+    if lens.size:
+        local_start = np.cumsum(lens) - lens
+        out[local_start[0]] = starts[0]
+        # the jump from the previous run's last value to this run's first value
+        out[local_start[1:]] = starts[1:] - (starts[:-1] + lens[:-1] - 1)
+        np.cumsum(out, out=out)
+    return result
 
 
 def layout_token_index(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:

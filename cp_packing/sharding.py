@@ -171,7 +171,7 @@ def shard_packed_seq_params(
     seg = torch.searchsorted(cu, run_start, right=True) - 1
     run_key_start = cu[seg]
     token_index = expand_runs(run_start, run_len, T_local)
-    position_ids = token_index - torch.repeat_interleave(run_key_start, run_len, output_size=T_local)
+    position_ids = expand_runs(run_start - run_key_start, run_len, T_local)
     doc_ids = params.doc_ids.reshape(-1).index_select(0, token_index.to(params.doc_ids.device))
 
     run_end = run_start + run_len
