@@ -194,7 +194,8 @@ def plot_balance(doc_ids, cp_size: int, path, *, layouts: Sequence[str] = REPORT
     for i, name in enumerate(names):
         c = costs[name]
         rel = c.rank_cost.double().numpy() / c.ideal_cost if c.ideal_cost > 0 else np.ones(cp_size)
-        label = f"{'auto -> ' + c.layout if name == 'auto' else name} (max {rel.max():.3f})"
+        label = {"auto": f"auto -> {c.layout}", "zigzag": "zigzag (padded)" if c.padding_overhead else "zigzag"}
+        label = f"{label.get(name, name)} (max {rel.max():.3f})"
         ax.bar(ranks + (i - (len(names) - 1) / 2) * width, rel, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xlabel("CP rank")

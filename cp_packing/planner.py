@@ -92,7 +92,8 @@ def _cu_numpy(cu_seqlens) -> np.ndarray:
         raise ValueError(
             f"cu_seqlens must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}"
         )
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    cu = cu_seqlens.detach()
+    cu = (cu.numpy() if cu.device.type == "cpu" else cu.cpu().numpy()).astype(np.int64)  # a copy
     if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
         shown = cu[:8].tolist()
         raise ValueError(
@@ -121,8 +122,8 @@ def _piece_cost(a, b):
 
 
 def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
-    """Zigzag pairs of the long segments over all ranks. Returns the runs ``(rank, start, len)`` and every rank's
-    tokens and cost ``[cp]``."""
+    """Zigzag pairs of the long segments over all ranks. Returns the runs ``(start, len, rank)`` (``2cp - 1`` per
+    segment, in position order) and every rank's tokens and cost ``[cp]``."""
     base = lengths // cp
     rem = lengths % cp
     off = (np.cumsum(rem) - rem) % cp  # where this segment's +1's start: rotates over the long segments
@@ -135,15 +136,14 @@ def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
     tail_pos = lengths[:, None] - np.cumsum(tail, axis=1)  # [nl, cp] then the tails of ranks cp-1..0
     cost = _piece_cost(head_pos, head_pos + head) + _piece_cost(tail_pos, tail_pos + tail)  # [nl, cp]
     head[:, cp - 1] += tail[:, cp - 1]  # rank cp-1: its head and tail touch, one run
-    tail[:, cp - 1] = 0
-    # rank-major, then segment, head before tail: sorted by (rank, start)
-    rank = np.broadcast_to(ranks[:, None, None], (cp, lengths.size, 2)).ravel()
-    run_start = np.stack([head_pos, tail_pos], axis=2) + seg_start[:, None, None]  # [nl, cp, 2]
-    run_len = np.stack([head, tail], axis=2)
+    # position order inside a segment: heads of ranks 0..cp-1, then tails of ranks cp-2..0
+    start = np.concatenate([head_pos, tail_pos[:, cp - 2 :: -1]], axis=1) + seg_start[:, None]  # [nl, 2cp-1]
+    length = np.concatenate([head, tail[:, cp - 2 :: -1]], axis=1)
+    rank = np.concatenate([ranks, ranks[cp - 2 :: -1]])
     return (
-        rank,
-        run_start.transpose(1, 0, 2).ravel(),
-        run_len.transpose(1, 0, 2).ravel(),
+        start.ravel(),
+        length.ravel(),
+        np.broadcast_to(rank, start.shape).ravel(),
         pair.sum(axis=0),
         cost.sum(axis=0),
     )
@@ -151,14 +151,30 @@ def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
 
 def _split_pieces(seg_start: np.ndarray, lengths: np.ndarray, q: np.ndarray):
     """Cut segment k into ``q[k] >= 1`` consecutive pieces of ``floor``/``ceil`` equal size. Returns every piece's
-    global start, length, cost and position of its first token inside its segment."""
+    global start, length, cost, position of its first token inside its segment, and segment index (into the given
+    arrays)."""
     n = int(q.sum())
     owner = np.repeat(np.arange(lengths.size), q)  # [n]
     j = np.arange(n, dtype=np.int64) - (np.cumsum(q) - q)[owner]  # index of the piece inside its segment
     L, qo = lengths[owner], q[owner]
     a = j * L // qo
     b = (j + 1) * L // qo
-    return seg_start[owner] + a, b - a, _piece_cost(a, b), a
+    return seg_start[owner] + a, b - a, _piece_cost(a, b), a, owner
+
+
+def _insert_sorted(at: np.ndarray, pairs):
+    """``np.insert`` of several arrays at once, for SORTED insertion points ``at`` (``[k]``, values go before
+    ``arr[at[j]]``, in order): one index computation, two scatters per array. ``pairs``: ``(arr [n], values [k])``."""
+    n = pairs[0][0].size
+    dest_old = np.arange(n, dtype=np.int64) + np.cumsum(np.bincount(at, minlength=n + 1))[:n]
+    dest_new = at + np.arange(at.size, dtype=np.int64)
+    out = []
+    for arr, values in pairs:
+        merged = np.empty(n + at.size, dtype=arr.dtype)
+        merged[dest_old] = arr
+        merged[dest_new] = values
+        out.append(merged)
+    return out
 
 
 def _tilted_allocation(N, K, T_g, C_g, T_f):
@@ -232,93 +248,101 @@ def _golden_multiplier(n: int) -> int:
     return a
 
 
-def _place_items(start, length, cost, pos0, need_tokens, need_cost, ideal, cp):
-    """Place items (pieces of segments: global ``start``, ``length``, ``cost``, ``pos0`` the position of the first
+def _place_items(length, cost, pos0, need_tokens, need_cost, ideal, cp):
+    """Place items (pieces of segments, in position order: ``length``, ``cost``, ``pos0`` the position of the first
     token inside its segment; int64 ``[n]``) so that rank r gets exactly ``need_tokens[r]`` tokens and about
     ``need_cost[r]`` cost.
 
-    1. Top rounds (LPT): the costliest items, ``cp`` at a time, the round's costliest to the rank with the lowest
-       cost so far; whole. At most ``TOP_ROUNDS`` rounds, only items above ``TOP_FRACTION * ideal``, and never more
-       than half of a rank's tokens (the rest keeps room to even out).
+    1. Top rounds (LPT): the costliest items, ``cp`` at a time, the round's costliest to the rank with the most cost
+       still to fill; whole. At most ``TOP_ROUNDS`` rounds, only items above ``TOP_FRACTION * ideal``, and never
+       more than half of a rank's tokens (the rest keeps room to even out).
     2. The rest, by tilted strata: ``STRATA`` bands of cost per token (stratum g: ``T_g`` tokens at ``rho_g`` cost
        per token; ``rho`` the mean). Rank r takes ``a[r, g] = T_g * (N_r / T_f + lam_r * (rho_g - rho))`` tokens of
        stratum g: ``N_r`` tokens in all at a cost of ``N_r * rho + lam_r * V`` (``V = sum_g T_g (rho_g - rho)^2``),
        so ``lam_r`` meets the rank's cost need, and the strata are shared out exactly because the ``lam_r`` sum to
-       0. Inside a stratum the items keep their position order and every rank takes one contiguous range of it (a
-       range end splits at most one item); a range costs about ``rho_g`` times its tokens.
+       0. Inside a stratum the items are in a low-discrepancy order (by cost per token) and every rank takes one
+       contiguous range of that stream (a range end splits at most one item); a range costs about ``rho_g`` times
+       its tokens.
 
-    Returns the runs ``(rank, start, len, cost, item)`` (some may be empty; ``item``: the item each run is a piece
-    of).
+    Returns ``(item_rank, x_item, x_off, x_rank, rank_cost)``: the rank of every item's first piece ``[n]``; the
+    extra pieces of the items a range end cut (item, offset of the piece inside the item, rank; in stream order, so
+    the offsets of one item increase); the items' cost on every rank (float64 ``[cp]``).
     """
     n = length.size
+    z = np.zeros(0, dtype=np.int64)
+    item_rank = np.zeros(n, dtype=np.int64)
+    rank_cost = np.zeros(cp)  # cost placed so far
     if n == 0:
-        z = np.zeros(0, dtype=np.int64)
-        return z, z, z, z, z
+        return item_rank, z, z, z, rank_cost
     top = _top_items(cost, TOP_ROUNDS * cp, TOP_FRACTION * ideal)
-    rank_cost = -np.asarray(need_cost, dtype=np.float64)  # cost so far minus the need (lower: more room)
     rank_tokens = np.zeros(cp, dtype=np.int64)
     half = need_tokens // 2
     top_ranks: list[np.ndarray] = []
     for j in range(0, top.size, cp):  # at most TOP_ROUNDS rounds of cp items: a short loop
         items = top[j : j + cp]
-        by_cost = np.argsort(rank_cost, kind="stable")[: items.size]
-        if np.any(rank_tokens[by_cost] + length[items] > half[by_cost]):
+        by_room = (rank_cost - need_cost).argsort(kind="stable")[: items.size]  # most cost still to fill first
+        if (rank_tokens[by_room] + length[items] > half[by_room]).any():
             break
-        top_ranks.append(by_cost)
-        rank_cost[by_cost] += cost[items]
-        rank_tokens[by_cost] += length[items]
+        top_ranks.append(by_room)
+        rank_cost[by_room] += cost[items]
+        rank_tokens[by_room] += length[items]
     n_top = sum(r.size for r in top_ranks)
-    top, top_rank = top[:n_top], (np.concatenate(top_ranks) if top_ranks else np.zeros(0, dtype=np.int64))
-
+    rest = None  # all items
     if n_top:
+        top = top[:n_top]
+        item_rank[top] = np.concatenate(top_ranks)
         keep = np.ones(n, dtype=bool)
         keep[top] = False
         rest = np.flatnonzero(keep)
-    else:
-        rest = np.arange(n, dtype=np.int64)
-    m = rest.size
+    m = n - n_top
     if m == 0:
-        return top_rank, start[top], length[top], cost[top], top
+        return item_rank, z, z, z, rank_cost
+
     N = need_tokens - rank_tokens  # [cp] >= need / 2 >= 0; sums to the tokens of the rest
-    K = -rank_cost  # [cp] cost still needed
-    order, bounds, T_g, C_g = _density_order(cost[rest], length[rest], STRATA)
-    T_f = int(T_g.sum())
-    alloc = _tilted_allocation(N, K, T_g, C_g, T_f)
+    K = need_cost - rank_cost  # [cp] cost still needed
+    order, bounds, T_g, C_g = _density_order(cost if rest is None else cost[rest], length if rest is None else
+                                             length[rest], STRATA)
+    alloc = _tilted_allocation(N, K, T_g, C_g, int(T_g.sum()))
     if alloc is None:  # no tilt fits: one stratum, exact token counts only
         bounds = np.array([0, m])
         alloc = N[:, None]
     # the stream: stratum after stratum, each in a low-discrepancy order of its items by cost per token, so that any
-    # range of it samples the whole stratum; rank r's range of stratum g ends at ends[g * cp + r]
+    # range of it samples the whole stratum; rank r's range of stratum g is [ends[g*cp + r - 1], ends[g*cp + r])
     parts = []
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a few strata
         k = hi - lo
         parts.append(order[lo:hi][(np.arange(k, dtype=np.int64) * _golden_multiplier(k)) % max(k, 1)])
-    stream = rest[np.concatenate(parts)]
+    stream = np.concatenate(parts)
+    if rest is not None:
+        stream = rest[stream]
     item_len = length[stream]
     item_end = np.cumsum(item_len)
     item_start = item_end - item_len
-    ends = np.cumsum(alloc.T.reshape(-1))
-    cuts = ends[:-1]
-    idx = np.searchsorted(item_start, cuts, side="right") - 1
-    inside = (cuts > item_start[idx]) & (cuts < item_end[idx])
-    at = idx[inside] + 1
-    piece_pos = np.insert(item_start, at, cuts[inside])  # stream position of every piece
-    piece_len = np.diff(np.append(piece_pos, item_end[-1]))
-    glob = start[stream]
-    piece_start = np.insert(glob, at, glob[idx[inside]] + (cuts[inside] - item_start[idx[inside]]))
-    piece_item = np.insert(stream, at, stream[idx[inside]])
-    piece_pos0 = pos0[piece_item] + np.insert(np.zeros(m, dtype=np.int64), at, cuts[inside] - item_start[idx[inside]])
-    # pieces are in stream order and the ranges follow one another: count the pieces of each range
-    first = np.searchsorted(piece_pos, np.concatenate([[0], cuts]), side="left")
-    per_range = np.diff(np.append(first, piece_pos.size))
-    piece_rank = np.repeat(np.arange(ends.size, dtype=np.int64) % cp, per_range)
-    return (
-        np.concatenate([top_rank, piece_rank]),
-        np.concatenate([start[top], piece_start]),
-        np.concatenate([length[top], piece_len]),
-        np.concatenate([cost[top], _piece_cost(piece_pos0, piece_pos0 + piece_len)]),
-        np.concatenate([top, piece_item]),
-    )
+    ends = np.cumsum(alloc.T.reshape(-1))  # [n_ranges]
+    range_start = np.concatenate([[0], ends[:-1]])
+    range_rank = np.arange(ends.size, dtype=np.int64) % cp
+    # every item's first piece: the range its first token falls in
+    first = np.searchsorted(item_start, range_start, side="left")
+    item_rank[stream] = np.repeat(range_rank, np.diff(np.append(first, m)))
+    # a range that starts strictly inside an item cuts it: an extra piece from there on (of empty ranges starting at
+    # the same place, only the last one, which holds the tokens)
+    cut, cut_rank = range_start[1:], range_rank[1:]
+    last = np.ones(cut.size, dtype=bool)
+    last[:-1] = cut[:-1] != cut[1:]
+    cut, cut_rank = cut[last], cut_rank[last]
+    idx = np.searchsorted(item_start, cut, side="right") - 1
+    inside = (cut > item_start[idx]) & (cut < item_end[idx])
+    x_item = stream[idx[inside]]
+    x_off = cut[inside] - item_start[idx[inside]]
+    x_rank = cut_rank[inside]
+    # cost of every range: the stream's prefix cost at the range bounds (closed form inside a cut item)
+    prefix = np.concatenate([[0], np.cumsum(cost[stream])])
+    e = np.append(range_start, ends[-1])
+    k = np.minimum(np.searchsorted(item_start, e, side="right") - 1, m - 1)  # the item holding each bound
+    p0 = pos0[stream[k]]
+    at_bound = prefix[k] + _piece_cost(p0, p0 + (e - item_start[k]))
+    rank_cost += np.bincount(range_rank, weights=np.diff(at_bound).astype(np.float64), minlength=cp)
+    return item_rank, x_item, x_off, x_rank, rank_cost
 
 
 def _contiguous_plan(seg_start: np.ndarray, lengths: np.ndarray, total: int, cp: int):
@@ -333,8 +357,7 @@ def _contiguous_plan(seg_start: np.ndarray, lengths: np.ndarray, total: int, cp:
 
 def _plan_numpy(cu: np.ndarray, cp: int):
     """Every rank's runs. Returns ``(offsets int64 [cp + 1], run_start int64 [R], run_len int64 [R])``: rank r's
-    runs are ``[offsets[r], offsets[r + 1])``, ordered by global position; touching pieces of a mid segment are
-    merged."""
+    runs are ``[offsets[r], offsets[r + 1])``, ordered by global position, touching runs of a segment merged."""
     total = int(cu[-1])
     lengths = np.diff(cu)  # [N]
     seg_start = cu[:-1]
@@ -352,22 +375,39 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     ideal = float(cost.sum()) / cp
     heavy = cost > SMALL_FRACTION * ideal
     is_long = heavy & (lengths >= 2 * cp * MIN_CHUNK)
-    is_mid = heavy & ~is_long & (lengths >= 2 * MIN_CHUNK)
-    is_short = ~(is_long | is_mid)
-
     li = np.flatnonzero(is_long)
-    l_rank, l_start, l_len, long_tokens, long_cost = _long_runs(seg_start[li], lengths[li], cp)
+    l_start, l_len, l_rank, long_tokens, long_cost = _long_runs(seg_start[li], lengths[li], cp)
 
-    mi = np.flatnonzero(is_mid)
-    q = np.ceil(cost[mi] / (SMALL_FRACTION * ideal)).astype(np.int64)
-    q = np.maximum(np.minimum(q, lengths[mi] // MIN_CHUNK), 1)
-    m_start, m_len, m_cost, m_pos0 = _split_pieces(seg_start[mi], lengths[mi], q)
-    si = np.flatnonzero(is_short)
-    s_rank, s_start, s_len, s_cost, s_item = _place_items(
-        np.concatenate([seg_start[si], m_start]),
-        np.concatenate([lengths[si], m_len]),
-        np.concatenate([cost[si], m_cost]),
-        np.concatenate([np.zeros(si.size, dtype=np.int64), m_pos0]),
+    # items: short segments whole, mid segments (heavy, not long) in q pieces of at least MIN_CHUNK tokens and
+    # about SMALL_FRACTION * ideal cost each; in position order
+    if li.size:
+        ii = np.flatnonzero(~is_long)
+        i_start, i_len, i_cost = seg_start[ii], lengths[ii], cost[ii]
+    else:
+        ii = None  # every segment
+        i_start, i_len, i_cost = seg_start, lengths, cost
+    i_seg = np.arange(lengths.size, dtype=np.int64) if ii is None else ii
+    i_pos0 = np.zeros(i_len.size, dtype=np.int64)
+    mid = np.flatnonzero(heavy[~is_long] & (i_len >= 2 * MIN_CHUNK) if li.size else heavy & (i_len >= 2 * MIN_CHUNK))
+    if mid.size:  # the mid item becomes its first piece, the other pieces follow it
+        q = np.ceil(i_cost[mid] / (SMALL_FRACTION * ideal)).astype(np.int64)
+        q = np.maximum(np.minimum(q, i_len[mid] // MIN_CHUNK), 1)
+        m_start, m_len, m_cost, m_pos0, m_owner = _split_pieces(i_start[mid], i_len[mid], q)
+        is_first = m_pos0 == 0
+        more = ~is_first
+        at = mid[m_owner[more]] + 1
+        i_start, i_len, i_cost, i_pos0 = (arr.copy() for arr in (i_start, i_len, i_cost, i_pos0))
+        for arr, val in ((i_start, m_start), (i_len, m_len), (i_cost, m_cost), (i_pos0, m_pos0)):
+            arr[mid] = val[is_first]
+        i_start, i_len, i_cost, i_pos0, i_seg = _insert_sorted(
+            at,
+            [(i_start, m_start[more]), (i_len, m_len[more]), (i_cost, m_cost[more]), (i_pos0, m_pos0[more]),
+             (i_seg, i_seg[mid][m_owner[more]])],
+        )
+    item_rank, x_item, x_off, x_rank, item_cost = _place_items(
+        i_len,
+        i_cost,
+        i_pos0,
         t_local - long_tokens,  # >= 0: long_tokens are floor / ceil of (long total) / cp <= T_local
         ideal - long_cost,
         ideal,
@@ -375,38 +415,46 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     )
 
     # safety net for tiny maps, where pieces are coarse: never worse than contiguous (also a valid plan)
-    rank_cost = long_cost + np.bincount(s_rank, weights=s_cost, minlength=cp)
     seg_end_cost = np.cumsum(cost)
     bounds = np.arange(cp + 1, dtype=np.int64) * t_local
     k = np.searchsorted(seg_start, bounds, side="right") - 1  # segment holding each rank boundary
     p = bounds - seg_start[k]
     prefix = np.where(k > 0, seg_end_cost[k - 1], 0) + p * (p + 1) // 2  # cost of the stream before the boundary
-    if np.diff(prefix).max() < rank_cost.max():
+    if np.diff(prefix).max() < (long_cost + item_cost).max():
         return _contiguous_plan(seg_start, lengths, total, cp)
 
-    run_rank = np.concatenate([l_rank, s_rank])
-    run_start = np.concatenate([l_start, s_start])
-    run_len = np.concatenate([l_len, s_len])
-    nz = run_len > 0
-    # by rank, then global position: the keys are unique (runs do not overlap), so any sort gives this order
-    o = np.argsort((run_rank * (total + 1) + run_start)[nz])
-    run_rank, run_start, run_len = run_rank[nz][o], run_start[nz][o], run_len[nz][o]
-    if mi.size:  # merge touching pieces of one mid segment on one rank
-        owner = np.full(l_len.size + s_len.size, -1, dtype=np.int64)
-        is_piece = s_item >= si.size
-        owner[l_len.size :][is_piece] = np.repeat(np.arange(mi.size), q)[s_item[is_piece] - si.size]
-        owner = owner[nz][o]
-        joins = np.zeros(run_len.size, dtype=bool)
-        joins[1:] = (
-            (owner[1:] >= 0)
-            & (owner[1:] == owner[:-1])
-            & (run_rank[1:] == run_rank[:-1])
-            & (run_start[1:] == run_start[:-1] + run_len[:-1])
+    # item pieces in position order: each item, then the extra pieces its cuts made (few: at most STRATA * cp)
+    if x_item.size:
+        o = np.lexsort((x_off, x_item))  # by position (few)
+        x_item, x_off, x_rank = x_item[o], x_off[o], x_rank[o]
+        at = x_item + 1
+        same_next = np.append(x_item[1:] == x_item[:-1], False)  # the cuts of one item are consecutive
+        x_len = np.where(same_next, np.append(x_off[1:], 0), i_len[x_item]) - x_off
+        first_cut = np.append(True, x_item[1:] != x_item[:-1])
+        i_len = i_len.copy()
+        i_len[x_item[first_cut]] = x_off[first_cut]  # the item's first piece ends at its first cut
+        run_start, run_len, run_rank, run_seg = _insert_sorted(
+            at, [(i_start, i_start[x_item] + x_off), (i_len, x_len), (item_rank, x_rank), (i_seg, i_seg[x_item])]
         )
-        if joins.any():
-            first = np.flatnonzero(~joins)
-            run_len = np.add.reduceat(run_len, first)
-            run_rank, run_start = run_rank[first], run_start[first]
+    else:
+        run_start, run_len, run_rank, run_seg = i_start, i_len, item_rank, i_seg
+    if li.size:  # the long runs go in by position too (both lists are sorted by start)
+        keep = l_len > 0
+        l_start, l_len, l_rank = l_start[keep], l_len[keep], l_rank[keep]
+        at = np.searchsorted(run_start, l_start)
+        run_start, run_len, run_rank, run_seg = _insert_sorted(
+            at, [(run_start, l_start), (run_len, l_len), (run_rank, l_rank), (run_seg, np.repeat(li, 2 * cp - 1)[keep])]
+        )
+    # neighbouring runs (in position order) of one segment on one rank touch: merge them (pieces of a mid segment)
+    joins = np.zeros(run_len.size, dtype=bool)
+    joins[1:] = (run_seg[1:] == run_seg[:-1]) & (run_rank[1:] == run_rank[:-1])
+    if joins.any():
+        first = np.flatnonzero(~joins)
+        run_len = np.add.reduceat(run_len, first)
+        run_rank, run_start = run_rank[first], run_start[first]
+    # group by rank, keeping position order inside a rank (a stable radix sort of a small int: O(R))
+    o = np.argsort(run_rank.astype(np.int16 if cp < 2**15 else np.int32), kind="stable")
+    run_start, run_len, run_rank = run_start[o], run_len[o], run_rank[o]
     offsets = np.searchsorted(run_rank, np.arange(cp + 1), side="left").astype(np.int64)
     return offsets, run_start, run_len
 
