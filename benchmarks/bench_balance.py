@@ -48,7 +48,7 @@ def balance_tables(shape, seeds, cps) -> list[str]:
         lines.append(f"\n{kind}: [{shape[0]}, {shape[1]}], seeds {list(seeds)} (worst busiest/mean over the seeds)")
         header = (
             f"{'cp':>3} {'contiguous':>10} {'rowzigzag':>9} {'zigzag':>7} {'zz/ideal':>8} {'zz pad':>7} "
-            f"{'balanced':>8} {'auto':>18} {'bal runs/rank':>13}"
+            f"{'balanced':>8} {'auto':>30} {'bal runs/rank':>13}"
         )
         lines.append(header)
         for cp in cps:
@@ -72,7 +72,7 @@ def balance_tables(shape, seeds, cps) -> list[str]:
             auto = f"{worst['auto']:.4f} ({'/'.join(sorted(picks))})"
             lines.append(
                 f"{cp:>3} {worst['contiguous']:>10.4f} {worst['rowzigzag']:>9.4f} {worst['zigzag']:>7.4f} "
-                f"{worst['zz_ideal']:>8.4f} {100 * worst['zz_pad']:>6.2f}% {worst['balanced']:>8.4f} {auto:>18} "
+                f"{worst['zz_ideal']:>8.4f} {100 * worst['zz_pad']:>6.2f}% {worst['balanced']:>8.4f} {auto:>30} "
                 f"{runs:>13d}"
             )
     lines.append(f"\nworst balanced busiest/mean over the whole suite: {worst_balanced:.4f}")
