@@ -55,6 +55,7 @@ __all__ = [
     "CPGroup",
     "DOC_IDS_KEY",
     "HEADER_LEN",
+    "as_process_group",
     "resolve_cp_group",
     "distribute_packed_seq_params",
     "distribute_batch",
@@ -138,6 +139,37 @@ def _device_mesh_class():
     return DeviceMesh
 
 
+def as_process_group(group: Any, *, name: str = "group") -> Any:
+    """The one place a user's group argument is interpreted: a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a DP x CP
+    mesh) -> its ``ProcessGroup``; a ``ProcessGroup`` -> itself; ``None`` -> ``None`` (callers decide what ``None``
+    means: the default group for the distribute/attention functions, "no CP" for the loss). Local, no communication.
+
+    Raises:
+        ValueError: a mesh with more than one dimension; ``GroupMember.NON_GROUP_MEMBER`` (what ``dist.new_group``
+            returns on a process outside the group).
+        TypeError: anything else.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    mesh_cls = _device_mesh_class()
+    if mesh_cls is not None and isinstance(group, mesh_cls):
+        if group.ndim != 1:
+            names = getattr(group, "mesh_dim_names", None)
+            raise ValueError(
+                f"{name} is a {group.ndim}-D DeviceMesh (dims {names}, shape {tuple(group.mesh.shape)}); pass its "
+                "context-parallel dimension as a 1-D mesh, e.g. mesh['cp']"
+            )
+        return group.get_group()
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of {name} (dist.new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here); call this only on the group's ranks"
+        )
+    raise TypeError(
+        f"{name} must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
+    )
+
+
 def resolve_cp_group(group: Any = None) -> CPGroup:
     """Resolve the CP group argument of the ``distribute_*`` functions (pure local calls, no communication).
 
@@ -156,29 +188,9 @@ def resolve_cp_group(group: Any = None) -> CPGroup:
             "does the rendezvous), or use cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=...) in a "
             "single process"
         )
-    mesh_cls = _device_mesh_class()
-    if group is None:
+    pg = as_process_group(group)
+    if pg is None:
         pg = dist.group.WORLD
-    elif mesh_cls is not None and isinstance(group, mesh_cls):
-        if group.ndim != 1:
-            names = getattr(group, "mesh_dim_names", None)
-            raise ValueError(
-                f"group is a {group.ndim}-D DeviceMesh (dims {names}, shape {tuple(group.mesh.shape)}); pass its "
-                "context-parallel dimension as a 1-D mesh, e.g. mesh['cp']"
-            )
-        pg = group.get_group()
-    elif isinstance(group, dist.ProcessGroup):
-        pg = group
-    elif isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(  # what dist.new_group(ranks) returns on a process that is not in `ranks`
-            f"this process (global rank {dist.get_rank()}) is not a member of the CP group (dist.new_group returned "
-            "GroupMember.NON_GROUP_MEMBER here); call the distribute functions only on the group's ranks"
-        )
-    else:
-        raise TypeError(
-            f"group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None (the default group), got "
-            f"{type(group).__name__}"
-        )
     rank = dist.get_rank(pg)
     if rank < 0:
         raise ValueError(

@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 import torch
 
+from cp_packing.distributed import as_process_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
@@ -247,18 +248,6 @@ def cp_attention_forward(
     return out.unsqueeze(0), None  # [1, T_local, H, D]
 
 
-def _resolve_group(group: Any) -> Any:
-    """A 1-D DeviceMesh (or a mesh dimension) -> its ProcessGroup; a ProcessGroup or None unchanged."""
-    get_group = getattr(group, "get_group", None)
-    if group is not None and callable(get_group):
-        if getattr(group, "ndim", 1) != 1:
-            raise ValueError(
-                f"cp_group is a {group.ndim}-D DeviceMesh; pass its CP dimension, e.g. mesh['cp']"
-            )
-        return get_group()
-    return group
-
-
 def cp_model_inputs(
     local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
     sharded: ShardedPackedSeqParams | PackedSeqParams,
@@ -325,7 +314,7 @@ def cp_model_inputs(
             f"but this rank holds T_local={T_local} tokens (cp_rank={sharded.cp_rank} of {sharded.cp_size}); "
             f"expected [1, {want}] or [{want}] (this rank's shard)"
         )
-    group = _resolve_group(group)
+    group = as_process_group(group, name="group")
     if sharded.cp_size > 1 and group is None:
         raise ValueError(
             f"sharded is one of cp_size={sharded.cp_size} shards but group is None; pass the CP process group"

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cp_packing.distributed import as_process_group
 from cp_packing.packed_seq import _INTEGER_DTYPES, PackedSeqParams, _check_doc_ids
 
 __all__ = ["next_token_labels", "packed_cross_entropy", "reduce_loss_for_logging"]
@@ -122,14 +123,9 @@ def next_token_labels(
 
 def _resolve_group(group: Any, name: str):
     """``None`` -> None; a 1-D DeviceMesh -> its ProcessGroup; a ProcessGroup -> itself (checked usable)."""
+    group = as_process_group(group, name=name)
     if group is None:
         return None
-    if hasattr(group, "get_group") and not isinstance(group, dist.ProcessGroup):  # a DeviceMesh
-        if getattr(group, "ndim", 1) != 1:
-            raise ValueError(
-                f"{name} is a {group.ndim}-D DeviceMesh; pass the 1-D sub-mesh of that dimension, e.g. mesh['cp']"
-            )
-        group = group.get_group()
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"{name} was given but torch.distributed is not initialized; call dist.init_process_group(...) first, "

@@ -26,6 +26,33 @@ from cp_packing.packed_seq import PackedSeqParams
 __all__ = ["ShardedPackedSeqParams", "shard_packed_seq_params", "ring_flash_attn_kwargs", "transformer_engine_kwargs"]
 
 
+class _SharedCache:
+    """Per-step derived metadata (the all-gather key index, every rank's token order), computed once and reused by
+    every layer. Deliberately NOT a dict: tree-mapping utilities (FSDP2's ``cast_forward_inputs``,
+    ``torch.utils._pytree``-style walkers) rebuild dicts, lists and dataclasses when they copy a module's inputs, so
+    a dict cache would be emptied in every layer; an opaque object is passed through and shared by the copies."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict = {}
+
+    def get(self, key, default=None):
+        return self._data.get(key, default)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._data[key] = value
+
+    def __contains__(self, key) -> bool:
+        return key in self._data
+
+    def __repr__(self) -> str:
+        return f"_SharedCache({list(self._data)})"
+
+
 @dataclass(frozen=True)
 class ShardedPackedSeqParams:
     """One CP rank's share of a packed batch (see module docstring).
@@ -63,7 +90,7 @@ class ShardedPackedSeqParams:
     local_k_slice: slice | None
     run_cu_seqlens: torch.Tensor
     run_key_start: torch.Tensor
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _cache: "_SharedCache" = field(default_factory=lambda: _SharedCache(), repr=False, compare=False)
 
     @property
     def num_local_tokens(self) -> int:

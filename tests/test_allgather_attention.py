@@ -126,8 +126,15 @@ def _cases(cp_size):
 
 
 def _dist_allgather(rank, world_size):
-    return {name: compare(doc_ids, layout, world_size, rank, seed=i)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    errs = {name: compare(doc_ids, layout, world_size, rank, seed=i)
             for i, (name, doc_ids, layout) in enumerate(_cases(world_size))}
+    # the group may be given as a 1-D DeviceMesh (the CP dimension of a DP x CP mesh), as everywhere else
+    mesh = init_device_mesh(_device().type, (world_size,), mesh_dim_names=("cp",))
+    name, doc_ids, _ = _cases(world_size)[3]
+    errs["zigzag via a DeviceMesh group"] = compare(doc_ids, "zigzag", world_size, rank, group=mesh["cp"])
+    return errs
 
 
 @pytest.mark.distributed
@@ -137,7 +144,7 @@ def test_allgather_matches_full_attention(cp_size):
     GQA (H=4, H_kv=2), float32, documents across shard edges, all-padding ranks."""
     per_rank = run_distributed(_dist_allgather, cp_size)
     for rank, errs in enumerate(per_rank):
-        assert set(errs) == {name for name, _, _ in _cases(cp_size)}
+        assert set(errs) == {name for name, _, _ in _cases(cp_size)} | {"zigzag via a DeviceMesh group"}
         for name, e in errs.items():
             assert max(e.values()) < 2e-5, f"cp={cp_size} rank {rank} {name}: {e}"
 

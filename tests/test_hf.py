@@ -231,22 +231,25 @@ def test_cp_model_inputs_shapes_and_errors():
     params = packed_seq_params_from_doc_ids(case["doc"])
     two = shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="contiguous")
     local = two.shard(case["ids"])  # [30]
-    out = cp_model_inputs({"input_ids": local.unsqueeze(0), "labels": local}, two, group=object())
+    group = dist.ProcessGroup(dist.HashStore(), 1, 2)  # a group object; nothing is communicated here
+    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+        cp_model_inputs(local, two, group=object())
+    out = cp_model_inputs({"input_ids": local.unsqueeze(0), "labels": local}, two, group=group)
     assert out["input_ids"].shape == (1, 30) and out["position_ids"].shape == (1, 30)
     assert torch.equal(out["position_ids"][0], two.position_ids)
     assert out["use_cache"] is False and "attention_mask" not in out and "labels" not in out
     assert out["cp_sharded"] is two
-    assert torch.equal(cp_model_inputs(local, two, group=object())["input_ids"], out["input_ids"])
-    emb = cp_model_inputs({"inputs_embeds": torch.randn(30, 8)}, two, group=object(), input_key="inputs_embeds")
+    assert torch.equal(cp_model_inputs(local, two, group=group)["input_ids"], out["input_ids"])
+    emb = cp_model_inputs({"inputs_embeds": torch.randn(30, 8)}, two, group=group, input_key="inputs_embeds")
     assert emb["inputs_embeds"].shape == (1, 30, 8)
     with pytest.raises(ValueError, match="T_local=30"):
-        cp_model_inputs(case["ids"], two, group=object())
+        cp_model_inputs(case["ids"], two, group=group)
     with pytest.raises(ValueError, match="group is None"):
         cp_model_inputs(local, two)
     with pytest.raises(ValueError, match="no 'input_ids'"):
-        cp_model_inputs({"ids": local}, two, group=object())
+        cp_model_inputs({"ids": local}, two, group=group)
     with pytest.raises(ValueError, match="input_key"):
-        cp_model_inputs(local, two, group=object(), input_key="tokens")
+        cp_model_inputs(local, two, group=group, input_key="tokens")
     with pytest.raises(TypeError, match="ShardedPackedSeqParams"):
         cp_model_inputs(local, case["doc"])
 

@@ -221,9 +221,11 @@ def test_loss_errors():
     params = packed_seq_params_from_doc_ids(torch.ones(1, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="4 local tokens but labels hold 6"):
         packed_cross_entropy(logits, labels, reduction="document", sharded=params)
+    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+        packed_cross_entropy(logits, labels, group=object())
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="not initialized"):
-            packed_cross_entropy(logits, labels, group=object())
+            packed_cross_entropy(logits, labels, group=dist.ProcessGroup(dist.HashStore(), 0, 2))
 
 
 def test_sharded_for_cp_without_group_is_an_error():

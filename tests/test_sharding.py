@@ -265,3 +265,17 @@ def test_sharded_is_frozen_and_deterministic():
     assert torch.equal(a.token_index, b.token_index) and torch.equal(a.cu_seqlens, b.cu_seqlens)
     with pytest.raises(Exception):
         a.cp_rank = 0  # frozen
+
+
+def test_derived_metadata_cache_survives_input_tree_mapping():
+    """FSDP2 (cast_forward_inputs) and similar utilities rebuild dataclasses and dicts when they copy a module's
+    inputs; the per-step cache (all-gather key index, token order) must be shared by the copies, or every layer
+    recomputes it."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 2, 0, 0]]))
+    s = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    order = s.global_token_order()
+    copy = _apply_to_tensors(lambda t: t.clone(), s)
+    assert copy is not s and copy._cache is s._cache
+    assert copy.global_token_order() is order

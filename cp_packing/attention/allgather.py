@@ -38,7 +38,7 @@ from cp_packing.attention import kernels
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_cp_group",
+__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_attention_group",
            "resolve_kernel"]
 
 
@@ -192,15 +192,18 @@ def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def resolve_cp_group(group: Any, sharded: ShardedPackedSeqParams, device: torch.device):
+def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device: torch.device):
     """The process group to communicate over, checked against ``sharded`` (``None`` when ``cp_size == 1``: no
     communication; the default group object when ``group`` is ``None`` and ``cp_size > 1``).
 
-    ``group=None`` means the default (world) group. The group's size must equal ``sharded.cp_size`` and this
+    ``group=None`` means the default (world) group; a 1-D ``DeviceMesh`` means its process group. The group's size must equal ``sharded.cp_size`` and this
     process's rank in it must equal ``sharded.cp_rank``; NCCL needs CUDA tensors.
     """
     import torch.distributed as dist
 
+    from cp_packing.distributed import as_process_group
+
+    group = as_process_group(group)
     initialized = dist.is_available() and dist.is_initialized()
     if sharded.cp_size == 1:
         if group is not None and initialized and dist.get_world_size(group) != 1:
@@ -355,6 +358,6 @@ def allgather_attention(
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
     name = resolve_kernel(kernel, q)
-    group = resolve_cp_group(group, sharded, q.device)
+    group = resolve_attention_group(group, sharded, q.device)
     keys = allgather_keys(sharded, causal=causal, device=q.device)
     return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name)

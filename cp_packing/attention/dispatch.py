@@ -132,8 +132,8 @@ def context_parallel_attention(
         q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` with ``H % H_kv == 0`` (GQA): this rank's tokens in
             ``sharded``'s local order (``sharded.shard(x)``), one floating dtype, one device.
         sharded: this rank's ``ShardedPackedSeqParams`` (``shard_packed_seq_params``).
-        group: the CP ``ProcessGroup`` (``None`` = the default group); size ``sharded.cp_size``, this process's
-            rank ``sharded.cp_rank``. With ``cp_size == 1`` (and the allgather backend) nothing is communicated
+        group: the CP ``ProcessGroup`` or a 1-D ``DeviceMesh`` (``None`` = the default group); size
+            ``sharded.cp_size``, this process's rank ``sharded.cp_rank``. With ``cp_size == 1`` (and the allgather backend) nothing is communicated
             and no process group is needed.
         causal: causal within each segment (default). ``False``: every token attends its whole segment
             (allgather backend only).

@@ -184,6 +184,9 @@ def ring_attention(
             "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
             "in float32) or cp-packing's built-in all-gather attention"
         )
+    from cp_packing.distributed import as_process_group
+
+    group = as_process_group(group)  # a 1-D DeviceMesh -> its ProcessGroup
     _check_group(group, sharded)
     kwargs = ring_flash_attn_kwargs(sharded)
     rfa = import_ring_flash_attn()
