@@ -20,7 +20,7 @@ The plan, for ``cu_seqlens`` with ``T % cp == 0`` (exactly ``T_local = T / cp`` 
    consecutive pieces (``q`` as needed for ``SMALL_FRACTION``, each piece at least ``MIN_CHUNK`` tokens) that are
    placed like short segments.
 3. Short segments (and mid pieces), the *items*, stay whole where possible (see ``_place_items``): the costliest
-   go first, a round of ``cp`` at a time, each to the rank with the lowest cost so far (LPT); the rest is shared
+   go first, a round of ``cp`` at a time, each to the rank with the most cost still to fill (LPT); the rest is shared
    by *tilted strata*: sorted by cost per token and cut into ``STRATA`` strata, every rank takes one contiguous
    range of every stratum, sized so that its token count is exact and its cost meets its need (a rank that got a
    costly item takes more of the light strata). A range end splits at most one item, so there are at most
@@ -32,7 +32,10 @@ Result, per rank: its runs ordered by global position, each inside one segment: 
 
 The whole plan (every rank's runs) is computed once per ``(cu_seqlens content, cp_size)`` and cached (a small LRU),
 so the ``cp`` calls of ``balanced_runs`` (one per rank, or all ranks for an all-gather order) cost one plan. It runs
-in NumPy on the host: a CUDA ``cu_seqlens`` is copied to the host (one host sync per call).
+in NumPy on the host: a CUDA ``cu_seqlens`` is copied to the host (one host sync per call). Determinism: the plan is
+a function of the ``cu_seqlens`` values and ``cp`` (integer math, stable/radix sorts, and a few float64 steps whose
+results are identical wherever the same NumPy runs); ranks on mixed software stacks should compute it on one rank
+and ship it (``ShardedPackedSeqParams.global_token_order()``).
 """
 
 from __future__ import annotations
