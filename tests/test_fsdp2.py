@@ -91,10 +91,8 @@ def fsdp2_step(dp: int, cp: int, variant: str) -> dict:
     model = make_model(register_cp_attention()).to(device)
     fsdp_kwargs = {"mesh": dp_cp_mesh}
     if variant == "mixed_bf16":
-        # cast_forward_inputs=False: FSDP2 would otherwise rebuild every dataclass among each unit's inputs
-        # (dataclasses.replace), handing each layer a fresh copy of cp_sharded with an empty per-step cache.
-        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                        cast_forward_inputs=False)
+        # the default cast_forward_inputs=True copies cp_sharded for every unit; the copies share its cache
+        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
