@@ -154,44 +154,59 @@ def test_all_ranks_cost_one_plan():
     assert (info.misses, info.hits) == (1, 15)
 
 
-def test_balanced_sharding_attention_from_local_metadata_equals_full_attention():
+def _check_balanced_attention(doc_ids, cp):
+    T = doc_ids.numel()
+    if T == 0:
+        return
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = _full_attention(q, k, v, doc_ids)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    shards = [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="balanced") for r in range(cp)]
+    ref_pos = _reference_positions(doc_ids)
+    k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
+    v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
+    assert torch.equal(k_glob, k)
+    for s in shards:
+        assert s.layout == "balanced" and s.num_local_tokens == T // cp
+        assert torch.equal(s.position_ids, ref_pos[s.token_index])
+        q_loc = s.shard(q)
+        out = torch.empty_like(q_loc)
+        cu = s.run_cu_seqlens.tolist()
+        for i, key_start in enumerate(s.run_key_start.tolist()):
+            run_end = int(s.token_index[cu[i + 1] - 1]) + 1
+            out[cu[i] : cu[i + 1]] = _causal_attention(
+                q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
+            )
+        torch.testing.assert_close(out, ref[s.token_index])
+        # the concatenated key ranges of cu_seqlens_k are those of the runs
+        key_len = torch.diff(s.cu_seqlens_k.to(torch.int64))
+        run_end_all = s.token_index[s.run_cu_seqlens[1:].long() - 1] + 1
+        assert torch.equal(key_len, run_end_all - s.run_key_start)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(maps_and_cp())
+def test_balanced_sharding_attention_from_local_metadata_equals_full_attention(case):
     """Same check as tests/test_sharding.py for the other layouts: each rank runs causal attention from ITS runs and
     key starts (keys all-gathered): the result equals full attention per segment; shard/unshard is exact."""
+    _check_balanced_attention(*case)
 
-    @SETTINGS
-    @given(maps_and_cp())
-    def check(case):
-        doc_ids, cp = case
-        T = doc_ids.numel()
-        if T == 0:
-            return
-        g = torch.Generator().manual_seed(T)
-        q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        ref = _full_attention(q, k, v, doc_ids)
-        params = packed_seq_params_from_doc_ids(doc_ids)
-        shards = [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="balanced") for r in range(cp)]
-        ref_pos = _reference_positions(doc_ids)
-        k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
-        v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
-        assert torch.equal(k_glob, k)
-        for s in shards:
-            assert s.layout == "balanced" and s.num_local_tokens == T // cp
-            assert torch.equal(s.position_ids, ref_pos[s.token_index])
-            q_loc = s.shard(q)
-            out = torch.empty_like(q_loc)
-            cu = s.run_cu_seqlens.tolist()
-            for i, key_start in enumerate(s.run_key_start.tolist()):
-                run_end = int(s.token_index[cu[i + 1] - 1]) + 1
-                out[cu[i] : cu[i + 1]] = _causal_attention(
-                    q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
-                )
-            torch.testing.assert_close(out, ref[s.token_index])
-            # the concatenated key ranges of cu_seqlens_k are those of the runs
-            key_len = torch.diff(s.cu_seqlens_k.to(torch.int64))
-            run_end_all = s.token_index[s.run_cu_seqlens[1:].long() - 1] + 1
-            assert torch.equal(key_len, run_end_all - s.run_key_start)
 
-    check()
+@pytest.mark.parametrize("kind", ["lognormal", "huge", "padded"])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balanced_attention_with_cut_documents(kind, cp):
+    """Maps large enough that the planner cuts documents (long ones zigzag-style, mid ones in pieces, strata
+    boundaries): attention from the local metadata still equals full attention per segment."""
+    doc_ids = synthetic_doc_ids(kind, batch=2, seqlen=1024, seed=cp)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    owners = torch.empty(doc_ids.numel(), dtype=torch.int64)
+    for r in range(cp):
+        owners[shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="balanced").token_index] = r
+    cu = params.cu_seqlens.tolist()
+    split = sum(len(set(owners[a:b].tolist())) > 1 for a, b in zip(cu[:-1], cu[1:]))
+    assert split > 0, "the map should make the planner cut at least one document across ranks"
+    _check_balanced_attention(doc_ids, cp)
 
 
 # -- choose_layout ---------------------------------------------------------------------------------------------
