@@ -47,6 +47,8 @@ import math
 import numpy as np
 import torch
 
+from cp_packing.layouts import _check_divisible, check_cp
+
 __all__ = ["balanced_runs", "balanced_plan", "choose_layout", "AUTO_LAYOUTS"]
 
 logger = logging.getLogger("cp_packing")
@@ -75,10 +77,7 @@ _CACHE_SIZE = 16
 
 
 def _check_cp_size(cp_size) -> int:
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool):
-        raise TypeError(f"cp_size must be an int, got {cp_size!r} ({type(cp_size).__name__})")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    check_cp(cp_size)
     return cp_size
 
 
@@ -104,15 +103,6 @@ def _cu_numpy(cu_seqlens) -> np.ndarray:
             f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
         )
     return np.ascontiguousarray(cu)
-
-
-def _check_divisible(total: int, cp_size: int) -> None:
-    if total % cp_size:
-        raise ValueError(
-            f"the batch has T = B*S = {total} tokens, not a multiple of cp_size={cp_size}; every rank must hold the "
-            f"same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
-            f"multiple=...) pads rows and documents)"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

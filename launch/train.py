@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import os
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,6 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cp_packing import packed_seq_params_from_doc_ids  # noqa: E402
+from cp_packing._launch import run_ranks  # noqa: E402
 from cp_packing.cost import causal_cost  # noqa: E402
 from cp_packing.distributed import distribute_batch  # noqa: E402
 from cp_packing.hf import cp_model_inputs, register_cp_attention  # noqa: E402
@@ -406,55 +405,11 @@ def _run(args, rank: int, world: int, device: torch.device) -> int:
         return 2
 
 
-def _spawned_rank(rank: int, world: int, store_path: str, args, results) -> None:
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        try:
-            code = _run(args, rank, world, torch.device("cpu"))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported, the exit status says it failed
-        traceback.print_exc()
-    results[rank] = code
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
-        if args.nproc is not None:
-            print("--nproc is for runs without torchrun; torchrun sets the world size", file=sys.stderr)
-            return 2
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl")
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo")
-        try:
-            return _run(args, dist.get_rank(), dist.get_world_size(), device)
-        finally:
-            dist.destroy_process_group()
+    import transformers  # noqa: F401 - imported once here, inherited by forked ranks
 
-    nproc = args.nproc or 2
-    import multiprocessing as mp
-
-    import transformers  # noqa: F401 - imported once here, inherited by the forked ranks
-
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [ctx.Process(target=_spawned_rank, args=(r, nproc, os.path.join(tmp, "store"), args, results))
-                 for r in range(nproc)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        codes = [results.get(r, 1) if proc.exitcode == 0 else 1 for r, proc in enumerate(procs)]
-    return max(codes)
+    return run_ranks(functools.partial(_run, args), args.nproc)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
-import tempfile
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params  # noqa: E402
+from cp_packing._launch import run_ranks  # noqa: E402
 from cp_packing.attention import kernels  # noqa: E402
 from cp_packing.attention.dispatch import context_parallel_attention  # noqa: E402
 
@@ -284,49 +284,13 @@ def _finish_args(args, cp_size: int, device: torch.device):
     return args
 
 
-def _spawned_rank(rank: int, world_size: int, store_path: str, args, results) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        code = verify(_finish_args(args, world_size, torch.device("cpu")), rank, world_size, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-    results[rank] = code
+def _run(args, rank: int, world: int, device: torch.device) -> int:
+    return verify(_finish_args(args, world, device), rank, world, device)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
-        if args.nproc is not None:
-            print("--nproc is for runs without torchrun; torchrun sets the world size", file=sys.stderr)
-            return 2
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl")
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo")
-        try:
-            world = dist.get_world_size()
-            return verify(_finish_args(args, world, device), dist.get_rank(), world, device)
-        finally:
-            dist.destroy_process_group()
-    nproc = args.nproc or 2
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [ctx.Process(target=_spawned_rank, args=(r, nproc, os.path.join(tmp, "store"), args, results))
-                 for r in range(nproc)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        codes = [results.get(r, 1) if proc.exitcode == 0 else 1 for r, proc in enumerate(procs)]
-    return max(codes)
+    return run_ranks(functools.partial(_run, args), args.nproc)
 
 
 if __name__ == "__main__":

@@ -161,33 +161,14 @@ def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
             f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
             "cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
         )
+    kernels.check_qkv(q, k, v)  # types, [T, H, D] shapes, GQA heads, one dtype
     T_local = sharded.num_local_tokens
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [T_local, heads, head_dim], got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(
-                f"{name} must be 3-D [T_local, heads, head_dim] (this rank's tokens, batch flattened), got shape "
-                f"{tuple(x.shape)}; for a [1, T_local, H, D] tensor pass x[0], for [B, H, S, D] transpose first"
-            )
         if x.shape[0] != T_local:
             raise ValueError(
                 f"{name} has {x.shape[0]} tokens (shape {tuple(x.shape)}) but this rank holds T_local={T_local} "
                 f"tokens (sharded.num_local_tokens); shard the projections' inputs with sharded.shard(...)"
             )
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [T_local, H_kv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must have the same head_dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    H, H_kv = q.shape[1], k.shape[1]
-    if H_kv == 0 or H % H_kv:
-        raise ValueError(
-            f"q has {H} heads and k/v have {H_kv}: the query heads must be a multiple of the key/value heads (GQA)"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 

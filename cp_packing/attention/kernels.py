@@ -121,7 +121,9 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype | None = None) 
 # ------------------------------------------------------------------------------------------------------ checking
 
 
-def _check_qkv(q: Any, k: Any, v: Any) -> None:
+def check_qkv(q: Any, k: Any, v: Any) -> None:
+    """Raise a clear TypeError / ValueError unless q ``[T, H, D]`` and k/v ``[Tk, H_kv, D]`` are floating tensors of
+    one dtype with ``H % H_kv == 0``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [T, heads, head_dim], got {type(x).__name__}")
@@ -526,7 +528,7 @@ def varlen_attention_forward(
     The reference kernel computes in float32 (float64 for float64 inputs) and syncs once with the host to read
     ``cu_seqlens``; the flash-attn and torch-varlen kernels are sync-free.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     name = _resolve_kernel(kernel, q)
     scale = _scale(softmax_scale, q.shape[2])
@@ -562,7 +564,7 @@ def varlen_attention_backward(
         ``dq [Tq, H, D]``, ``dk [Tk, H_kv, D]``, ``dv [Tk, H_kv, D]`` in the inputs' dtype (GQA gradients summed
         over each key/value head's query heads); zero for tokens outside every sequence.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _check_grad_inputs(dout, out, lse, q)
     name = _resolve_kernel(kernel, q)
@@ -609,7 +611,7 @@ def varlen_attention(
     Backward runs the same kernel's backward from the saved ``out`` and ``lse`` (no recomputation of the forward);
     with GQA, ``k.grad``/``v.grad`` are ``[Tk, H_kv, D]``, summed over the query heads sharing each head.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     name = _resolve_kernel(kernel, q)
     scale = _scale(softmax_scale, q.shape[2])
