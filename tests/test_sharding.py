@@ -169,43 +169,48 @@ def _full_attention(q, k, v, doc_ids):
     return out
 
 
+def assert_local_attention_equals_full(doc_ids, shards):
+    """Each rank runs causal attention from ITS metadata only (runs + key starts; keys gathered from all ranks) and
+    must get full attention per segment; where the layout gives llama3 metadata (``local_k_slice``), that too."""
+    T = doc_ids.numel()
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = _full_attention(q, k, v, doc_ids)
+    # the all-gather: every rank's k/v in rank order, put back in global order
+    k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
+    v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
+    for s in shards:
+        q_loc = s.shard(q)
+        out = torch.empty_like(q_loc)
+        cu = s.run_cu_seqlens.tolist()
+        for i, key_start in enumerate(s.run_key_start.tolist()):
+            run_end = int(s.token_index[cu[i + 1] - 1]) + 1
+            out[cu[i] : cu[i + 1]] = _causal_attention(
+                q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
+            )
+        torch.testing.assert_close(out, ref[s.token_index])
+        if s.local_k_slice is not None:  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
+            k_sl, v_sl = k_glob[s.local_k_slice], v_glob[s.local_k_slice]
+            cq, ck = s.cu_seqlens.tolist(), s.cu_seqlens_k.tolist()
+            out2 = torch.cat(
+                [
+                    _causal_attention(q_loc[cq[i] : cq[i + 1]], k_sl[ck[i] : ck[i + 1]], v_sl[ck[i] : ck[i + 1]])
+                    for i in range(len(cq) - 1)
+                ]
+            )
+            torch.testing.assert_close(out2, ref[s.token_index])
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_local_metadata_attention_equals_full_attention(layout):
-    """Each rank runs causal attention from ITS metadata only (runs + key starts; keys gathered from all ranks):
-    the result equals full attention per segment, so no token attends across a document or a shard edge."""
+    """Causal attention from each rank's local metadata equals full attention per segment, so no token attends
+    across a document or a shard edge."""
 
     @SETTINGS
     @given(_maps_for(layout))
     def check(case):
         doc_ids, cp = case
-        T = doc_ids.numel()
-        g = torch.Generator().manual_seed(T)
-        q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        ref = _full_attention(q, k, v, doc_ids)
-        params, shards = _shards(doc_ids, cp, layout)
-        # the all-gather: every rank's k/v in rank order, put back in global order
-        k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
-        v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
-        for s in shards:
-            q_loc = s.shard(q)
-            out = torch.empty_like(q_loc)
-            cu = s.run_cu_seqlens.tolist()
-            for i, key_start in enumerate(s.run_key_start.tolist()):
-                run_end = int(s.token_index[cu[i + 1] - 1]) + 1
-                out[cu[i] : cu[i + 1]] = _causal_attention(
-                    q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
-                )
-            torch.testing.assert_close(out, ref[s.token_index])
-            if layout == "contiguous":  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
-                k_sl, v_sl = k_glob[s.local_k_slice], v_glob[s.local_k_slice]
-                cq, ck = s.cu_seqlens.tolist(), s.cu_seqlens_k.tolist()
-                out2 = torch.cat(
-                    [
-                        _causal_attention(q_loc[cq[i] : cq[i + 1]], k_sl[ck[i] : ck[i + 1]], v_sl[ck[i] : ck[i + 1]])
-                        for i in range(len(cq) - 1)
-                    ]
-                )
-                torch.testing.assert_close(out2, ref[s.token_index])
+        assert_local_attention_equals_full(doc_ids, _shards(doc_ids, cp, layout)[1])
 
     check()
 
