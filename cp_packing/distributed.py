@@ -445,17 +445,15 @@ def _from_src(
         send_or_recv(payload)
         if header[_H_STATUS] != _STATUS_OK:
             _raise_shipped(header[_H_STATUS], _words_to_json(payload, header[_H_JSON_BYTES])["message"])
-        if header[_H_TAG] != tag:
-            raise ValueError(
-                f"the source (group rank {src}) called {_CALL_NAMES.get(header[_H_TAG], '?')} while this rank "
-                f"called {_CALL_NAMES[tag]}; every rank of the CP group must make the same call"
-            )
         tokens = None
 
+    # The SOURCE's call decides which collectives follow: a rank that made another call still joins them (and
+    # discards what it receives) before it raises, so the source is never left waiting in a scatter.
+    mismatch = header[_H_TAG] != tag
     B, S, nseg = header[_H_B], header[_H_S], header[_H_NSEG]
     T_local = B * S // cp.size
     local_batch = None
-    if tag == _TAG_BATCH:
+    if header[_H_TAG] == _TAG_BATCH:
         specs = _words_to_json(payload[2 * nseg + 1 :], header[_H_JSON_BYTES])["keys"]
         local_batch = {}
         for i, (name, dtype_name, trailing) in enumerate(specs):
@@ -468,6 +466,11 @@ def _from_src(
             local_batch[name] = received.view(dtype).reshape(1, T_local, *trailing)  # [1, T_local, ...]
 
     # Every collective is done: from here on a rank may fail alone without leaving others waiting.
+    if mismatch:
+        raise ValueError(
+            f"the source (group rank {src}) called {_CALL_NAMES.get(header[_H_TAG], '?')} while this rank "
+            f"called {_CALL_NAMES[tag]}; every rank of the CP group must make the same call"
+        )
     if cp.rank == src:
         return sharded, local_batch
     cu = payload[: nseg + 1]  # int64 [num_segments + 1]
@@ -517,9 +520,10 @@ def _fingerprint(tag: int, params: PackedSeqParams, sharded: ShardedPackedSeqPar
     meta = [_int64_sums(params.cu_seqlens), _int64_sums(_segment_doc_index(params))]
     keys_hash = data_hash = 0
     if batch is not None:
-        keys_hash = _mix(list(json.dumps([[k, str(v.dtype), list(v.shape)] for k, v in batch.items()]).encode()))
+        items = sorted(batch.items(), key=lambda kv: kv[0])  # the result does not depend on the dict's key order, nor does the check
+        keys_hash = _mix(list(json.dumps([[k, str(v.dtype), list(v.shape)] for k, v in items]).encode()))
         if batch:
-            data_hash = _mix(torch.cat([_int64_sums(v) for v in batch.values()]).tolist())
+            data_hash = _mix(torch.cat([_int64_sums(v) for _, v in items]).tolist())
     return [tag, B, S, params.num_segments, params.max_seqlen, _doc_dtype_code(params),
             _LAYOUT_CODES[sharded.layout], _mix(torch.cat(meta).tolist()), keys_hash, data_hash]
 

@@ -252,8 +252,10 @@ def _consistency(rank: int, world: int) -> list:
         batch["labels"] = batch["labels"].clone()
         batch["labels"][1, 3] += 1  # one label differs on rank 2
     out.append(_catch(distribute_batch, batch, layout="contiguous", check_consistent=True))
-    # equal batches pass (and the differing tensor was the only problem)
+    # equal batches pass (and the differing tensor was the only problem), whatever each rank's dict key order
     batch["labels"] = _batch(same, 0)["labels"]
+    if rank == 2:
+        batch = dict(reversed(list(batch.items())))
     out.append(_catch(distribute_batch, batch, layout="contiguous", check_consistent=True))
     # the src path: ranks that disagree on src all raise instead of hanging
     out.append(_catch(distribute_batch, batch, src=0 if rank != 2 else 1, layout="contiguous",
@@ -304,6 +306,14 @@ def _errors(rank: int, world: int) -> list:
         _catch(distribute_batch, {"x": torch.zeros(2, 7)} if mine else None, params if mine else None, src=0,
                layout="contiguous"),
     ]
+    # ranks that make different calls (no check_consistent): the others raise, the source is not left waiting in
+    # its scatter (it returns normally, having no way to know)
+    if mine:
+        out.append(_catch(distribute_batch, batch, src=0, layout="contiguous"))
+        out.append(_catch(distribute_packed_seq_params, params, src=0, layout="contiguous"))
+    else:
+        out.append(_catch(distribute_packed_seq_params, None, src=0, layout="contiguous"))
+        out.append(_catch(distribute_batch, None, src=0, layout="contiguous"))
     # the group is still usable afterwards (no half-finished protocol left behind)
     local, sharded = distribute_batch(batch if mine else None, src=0, layout="contiguous")
     want = shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="contiguous")
@@ -329,9 +339,13 @@ def test_errors_are_raised_on_every_rank():
         assert r[7][0] == "TypeError" and "params must be PackedSeqParams" in r[7][1]
         assert r[8][0] == "ValueError" and "not a multiple of 2*cp_size=4" in r[8][1]
         assert r[9][0] == "ValueError" and "batch['x'] has shape (2, 7)" in r[9][1]
+    assert results[0][10] is None and results[0][11] is None  # the source
+    for r in results[1:]:
+        assert r[10][0] == "ValueError" and "called distribute_batch while this rank called distribute_packed" in r[10][1]
+        assert r[11][0] == "ValueError" and "called distribute_packed_seq_params while this rank called distribute_batch" in r[11][1]
     if not under_torchrun():
-        assert results[0][10] is None
-        assert results[1][10][0] == "ValueError" and "not a member" in results[1][10][1]
+        assert results[0][12] is None
+        assert results[1][12][0] == "ValueError" and "not a member" in results[1][12][1]
         # the source and the receivers read the same message
         assert results[0][5] == results[1][5] and results[0][8] == results[1][8]
 
