@@ -28,23 +28,27 @@ __all__ = ["ShardedPackedSeqParams", "shard_packed_seq_params", "ring_flash_attn
 
 class _SharedCache:
     """Per-step derived metadata (the all-gather key index, every rank's token order), computed once and reused by
-    every layer. Deliberately NOT a dict: tree-mapping utilities (FSDP2's ``cast_forward_inputs``,
-    ``torch.utils._pytree``-style walkers) rebuild dicts, lists and dataclasses when they copy a module's inputs, so
-    a dict cache would be emptied in every layer; an opaque object is passed through and shared by the copies."""
+    every layer.
+
+    Deliberately NOT a dict: tree-mapping utilities (FSDP2's ``cast_forward_inputs``, ``_apply_to_tensors``) rebuild
+    dicts, lists and dataclasses when they copy a module's inputs, so a dict cache would be emptied in every layer;
+    an opaque object is passed through and shared by the copies. Each entry remembers the tensors it was derived
+    from and is only returned to a shard holding those very tensors, so a copy made with other metadata
+    (``dataclasses.replace(sharded, token_index=...)``) recomputes instead of reading a stale entry."""
 
     __slots__ = ("_data",)
 
     def __init__(self) -> None:
         self._data: dict = {}
 
-    def get(self, key, default=None):
-        return self._data.get(key, default)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __setitem__(self, key, value) -> None:
-        self._data[key] = value
+    def lookup(self, owner: "ShardedPackedSeqParams", key, compute):
+        sources = owner._cache_sources()
+        entry = self._data.get(key)
+        if entry is not None and len(entry[0]) == len(sources) and all(a is b for a, b in zip(entry[0], sources)):
+            return entry[1]
+        value = compute()
+        self._data[key] = (sources, value)
+        return value
 
     def __contains__(self, key) -> bool:
         return key in self._data
@@ -101,14 +105,21 @@ class ShardedPackedSeqParams:
     def batch_shape(self) -> tuple[int, int]:
         return tuple(self.global_params.doc_ids.shape)
 
+    def _cache_sources(self) -> tuple:
+        return (self.global_params.cu_seqlens, self.token_index, self.run_cu_seqlens, self.run_key_start)
+
+    def cached(self, key, compute):
+        """``compute()``, once per ``key`` for this shard's metadata (shared by copies that hold the same tensors)."""
+        return self._cache.lookup(self, (key, self.layout, self.cp_size, self.cp_rank), compute)
+
     def global_token_order(self) -> torch.Tensor:
         """int64 ``[cp_size, T_local]``: every rank's ``token_index`` (cached; the order of an all-gather)."""
-        order = self._cache.get("global_token_order")
-        if order is None:
-            order = global_token_order(self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout)
-            order = order.to(self.token_index.device)
-            self._cache["global_token_order"] = order
-        return order
+        return self.cached(
+            "global_token_order",
+            lambda: global_token_order(self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout).to(
+                self.token_index.device
+            ),
+        )
 
     def _flat(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

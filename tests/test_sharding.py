@@ -281,6 +281,25 @@ def test_derived_metadata_cache_survives_input_tree_mapping():
     params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 2, 0, 0]]))
     s = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
     order = s.global_token_order()
-    copy = _apply_to_tensors(lambda t: t.clone(), s)
+    # what FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) applies to every tensor among the inputs
+    copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, s)
     assert copy is not s and copy._cache is s._cache
     assert copy.global_token_order() is order
+
+
+def test_cache_is_not_reused_by_a_copy_with_other_metadata():
+    """dataclasses.replace shares the cache object; a copy holding another batch's metadata must not read the
+    original's cached token order (unshard would put tokens in the wrong places)."""
+    import dataclasses
+
+    a = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]))
+    b = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1]]))
+    sa = shard_packed_seq_params(a, cp_size=2, cp_rank=0, layout="zigzag")
+    sb = [shard_packed_seq_params(b, cp_size=2, cp_rank=r, layout="zigzag") for r in range(2)]
+    sa.global_token_order()
+    fields = {f: getattr(sb[0], f) for f in ("global_params", "token_index", "doc_ids", "position_ids", "cu_seqlens",
+                                              "max_seqlen", "run_cu_seqlens", "run_key_start")}
+    sc = dataclasses.replace(sa, **fields)
+    assert torch.equal(sc.global_token_order(), sb[0].global_token_order())
+    x = torch.arange(8)
+    assert torch.equal(sc.unshard([s.shard(x) for s in sb]).reshape(-1), x)

@@ -8,7 +8,7 @@ are the global tokens of its segment up to itself (causal), and they may live on
 2. picks, for every local *run* (``sharded.run_cu_seqlens``: a maximal piece of consecutive global tokens of one
    segment), the run's keys: global tokens ``[run_key_start, run_last + 1)`` (the whole segment when
    ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
-   cached in ``sharded._cache``: it is a per-step constant reused by every layer). When that index is one range
+   cached on ``sharded`` (``sharded.cached``): it is a per-step constant reused by every layer). When that index is one range
    (the ``contiguous`` layout, and any layout with ``cp_size == 1``) the keys are a slice of the gathered buffer:
    a view, no copy;
 3. runs varlen attention of each run's queries against its keys, causal aligned bottom-right
@@ -104,20 +104,17 @@ def allgather_keys(
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}")
     device = torch.device(device) if device is not None else sharded.token_index.device
-    cache_key = ("allgather_keys", bool(causal), str(device))
-    cached = sharded._cache.get(cache_key)
-    if cached is not None:
-        return cached
+    return sharded.cached(("allgather_keys", bool(causal), str(device)), lambda: _build_keys(sharded, causal, device))
 
+
+def _build_keys(sharded: ShardedPackedSeqParams, causal: bool, device: torch.device) -> AllGatherKeys:
     token_index = sharded.token_index.to(device)  # [T_local] int64
     run_cu = sharded.run_cu_seqlens.to(device=device, dtype=torch.int64)  # [R + 1]
     key_start = sharded.run_key_start.to(device=device, dtype=torch.int64)  # [R]
     run_len = run_cu[1:] - run_cu[:-1]  # [R]
     if run_len.numel() == 0:  # an empty batch: no runs, no keys
         empty_cu = torch.zeros(1, dtype=torch.int32, device=device)
-        keys = AllGatherKeys(None, slice(0, 0), empty_cu, empty_cu, 0, 0, 0)
-        sharded._cache[cache_key] = keys
-        return keys
+        return AllGatherKeys(None, slice(0, 0), empty_cu, empty_cu, 0, 0, 0)
     if causal:
         key_end = token_index[run_cu[1:] - 1] + 1  # [R] one past each run's last global token
     else:
@@ -146,7 +143,6 @@ def allgather_keys(
         max_seqlen_k=int(max_k),
         num_keys=int(num_keys),
     )
-    sharded._cache[cache_key] = keys
     return keys
 
 
