@@ -10,9 +10,11 @@ shard edges, row padding; for ``zigzag`` every document padded to a multiple of 
 segment on the whole global stream (the pure-torch varlen reference in float32, or float64 for float64 runs) and
 its gradients, shards them, and compares its context-parallel output and q/k/v gradients. Rank 0 prints one row
 per (layout, backend, kernel, dtype) with the largest errors over all ranks and trials, and PASS/FAIL against
-tolerances scaled to the dtype; the process exits 1 on any FAIL (2 on a usage error). Combinations that cannot run
-here (ring-flash-attn not installed, a CUDA-only kernel on CPU, float32 zigzag through ring-flash-attn, whose
-float32 backward is wrong upstream) are listed as SKIP with the reason.
+tolerances scaled to the dtype; the process exits 1 on any FAIL (2 on a usage error). A NaN anywhere in an
+output or gradient counts as an infinite error (FAIL). Combinations that cannot run here or that a backend refuses
+by design (ring-flash-attn not installed, a CUDA-only kernel on CPU, float32 through the real flash-attn, which runs
+fp16/bf16 only, float32 zigzag through ring-flash-attn, whose float32 backward is wrong upstream) are listed as
+SKIP with the reason.
 
 The whole world is the CP group (cp_size = world size).
 """
@@ -111,6 +113,8 @@ class Row:
             self.error is None
             and math.isfinite(self.err_out)
             and math.isfinite(self.err_grad)
+            and math.isfinite(self.ref_out)  # a non-finite reference would scale the tolerance to inf
+            and math.isfinite(self.ref_grad)
             and self.err_out <= tol_out * max(1.0, self.ref_out)
             and self.err_grad <= tol_grad * max(1.0, self.ref_grad)
         )
@@ -118,18 +122,21 @@ class Row:
 
 
 def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when the ring backend can run this combination here, else why not."""
+    """None when the ring backend can run this combination here, else why not: the combinations that
+    ``ring_attention`` refuses by design are SKIP rows (with its reason), not FAIL rows."""
     if layout not in ("zigzag", "contiguous"):
         return f"ring-flash-attn has no kernel for layout {layout!r}"
     if layout == "zigzag" and dtype not in (torch.float16, torch.bfloat16):
         return "ring-flash-attn 0.1.8's float32 zigzag backward is wrong upstream (refused)"
     try:
-        from cp_packing.attention.ring import import_ring_flash_attn
+        from cp_packing.attention.ring import _dtype_refusal, _flash_attn_is_test_stub, import_ring_flash_attn
 
         import_ring_flash_attn()
     except Exception as e:  # noqa: BLE001
         return f"ring-flash-attn not importable: {str(e).split(';')[0]}"
-    if device.type != "cuda" and not getattr(sys.modules.get("flash_attn"), "IS_CP_PACKING_STUB", False):
+    if _dtype_refusal(layout, dtype) is not None:
+        return f"flash-attn runs fp16/bf16 only, not {str(dtype).replace('torch.', '')} (refused)"
+    if device.type != "cuda" and not _flash_attn_is_test_stub():
         return "ring-flash-attn runs on CUDA"
     return None
 
@@ -178,12 +185,13 @@ def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, tr
     out = context_parallel_attention(*local, sharded, backend=row.backend, kernel=row.kernel)
     (out * sharded.shard(dout)).sum().backward()
 
+    # NaN -> inf before max: a NaN must FAIL, and Python's max(0.0, nan) is 0.0 (NaN compares False).
     def err(got, want):
         diff = got.detach().to(ref_dtype) - sharded.shard(want.detach())
-        return float(diff.abs().max()) if diff.numel() else 0.0
+        return float(torch.nan_to_num(diff.abs(), nan=math.inf).max()) if diff.numel() else 0.0
 
     def mag(want):
-        return float(want.detach().abs().max()) if want.numel() else 0.0
+        return float(torch.nan_to_num(want.detach().abs(), nan=math.inf).max()) if want.numel() else 0.0
 
     row.err_out = max(row.err_out, err(out, ref))
     row.err_grad = max(row.err_grad, *(err(x.grad, r.grad) for x, r in zip(local, ref_in)))

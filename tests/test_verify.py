@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERIFY = os.path.join(ROOT, "launch", "verify.py")
@@ -53,3 +54,52 @@ def test_verify_rejects_bad_arguments():
     proc = run_verify("--heads", "3", "--kv-heads", "2")
     assert proc.returncode == 2
     assert "--heads 3 must be a multiple of --kv-heads 2" in proc.stderr
+
+
+def _nan_in_output(orig):
+    def attention(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        return out * torch.where(torch.arange(out.shape[0]) == 1, float("nan"), 1.0)[:, None, None]
+    return attention
+
+
+def _nan_in_gradients(orig):
+    def attention(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        out.register_hook(lambda g: g * torch.where(torch.arange(g.shape[0]) == 1, float("nan"), 1.0)[:, None, None])
+        return out
+    return attention
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", [_nan_in_output, _nan_in_gradients], ids=["output", "gradients"])
+def test_verify_fails_on_nan(monkeypatch, capfd, fault):
+    """A NaN in the CP output or in one gradient is a FAIL with a non-zero exit, never a PASS (max(0, nan) == 0)."""
+    import launch.verify as V
+
+    monkeypatch.setattr(V, "context_parallel_attention", fault(V.context_parallel_attention))
+    code = V.main(["--nproc", "1", "--layouts", "contiguous", "--backends", "allgather", "--dtype", "float32",
+                   "--trials", "1", "--seq-len", "32"])
+    out = capfd.readouterr().out
+    assert code == 1, out
+    assert table_rows(out)[("contiguous", "allgather", "torch")] == "FAIL", out
+    assert "PASS" not in table_rows(out).values(), out
+
+
+def test_verify_skips_what_the_real_flash_attn_refuses(ring_flash_attn, monkeypatch):
+    """On a CUDA box with the real flash-attn (fp16/bf16 only), the default dtypes (bf16 + float32) plan the
+    ring/contiguous/float32 row as SKIP with the reason, not as a row that would FAIL inside flash-attn."""
+    import flash_attn
+
+    import launch.verify as V
+
+    monkeypatch.setattr(flash_attn, "IS_CP_PACKING_STUB", False)  # pretend: the real flash-attn
+    rows = V.plan_rows(["contiguous", "zigzag"], ["ring_flash_attn"], [torch.bfloat16, torch.float32],
+                       torch.device("cuda"))
+    skips = {(r.layout, r.dtype): r.skip for r in rows}
+    assert skips[("contiguous", torch.bfloat16)] is None and skips[("zigzag", torch.bfloat16)] is None
+    assert "fp16/bf16 only" in skips[("contiguous", torch.float32)]
+    assert skips[("zigzag", torch.float32)] is not None
+    monkeypatch.setattr(flash_attn, "IS_CP_PACKING_STUB", True)  # the test stand-in runs float32 contiguous
+    rows = V.plan_rows(["contiguous"], ["ring_flash_attn"], [torch.float32], torch.device("cpu"))
+    assert rows[0].skip is None
