@@ -242,3 +242,75 @@ def test_import_works_around_transformers_5_4_and_stub_signatures_fit(ring_flash
                fai._flash_attn_backward):
         args = get_default_args(fn)
         assert "window_size_left" in args and "window_size" not in args and args["softcap"] == 0.0
+
+
+def _contiguous_shard(cp=2, rank=0):
+    from cp_packing.sharding import shard_packed_seq_params
+
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+    return shard_packed_seq_params(packed_seq_params_from_doc_ids(doc_ids), cp_size=cp, cp_rank=rank,
+                                   layout="contiguous")
+
+
+@pytest.fixture
+def spy_ring(monkeypatch):
+    """ring_attention up to the kernel call, without ring-flash-attn or a process group: the kernels are spies that
+    record their kwargs; ``set_flash_attn(stub=...)`` installs a fake ``flash_attn`` (the real one or the stand-in)."""
+    import types
+
+    import cp_packing.attention.ring as ring
+
+    calls = []
+
+    def kernel(name):
+        def fn(q, k, v, **kwargs):
+            calls.append((name, q, kwargs))
+            return q.new_zeros(q.shape)
+        return fn
+
+    fake = types.SimpleNamespace(zigzag_ring_flash_attn_varlen_func=kernel("zigzag"),
+                                 llama3_flash_attn_varlen_func=kernel("llama3"))
+    monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: fake)
+    monkeypatch.setattr(ring, "_check_group", lambda group, sharded: None)
+
+    def set_flash_attn(stub: bool):
+        module = types.ModuleType("flash_attn")
+        if stub:
+            module.IS_CP_PACKING_STUB = True
+        monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+    set_flash_attn(stub=False)
+    return types.SimpleNamespace(calls=calls, set_flash_attn=set_flash_attn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ring_attention_refuses_non_half_dtypes_with_real_flash_attn(spy_ring, dtype):
+    """flash-attn's CUDA kernels run fp16/bf16 only: with the real package, float32 contiguous is refused up front
+    with the fix (not a crash inside flash-attn); the test stand-in runs it."""
+    from cp_packing.attention.ring import ring_attention
+
+    sharded = _contiguous_shard()
+    q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=dtype)
+    with pytest.raises(TypeError, match=r"float16 / torch\.bfloat16 only.*allgather"):
+        ring_attention(q, q, q, sharded, group=None)
+    assert spy_ring.calls == []
+    ring_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), sharded, group=None)  # half: runs
+    spy_ring.set_flash_attn(stub=True)
+    ring_attention(q, q, q, sharded, group=None)
+    assert [c[0] for c in spy_ring.calls] == ["llama3", "llama3"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_attention_moves_the_metadata_to_q_device(spy_ring, layout):
+    """The shard's cu_seqlens live on the CPU; the kernel gets them on q's device (here "meta", a device that is
+    not the CPU and needs no GPU)."""
+    from cp_packing.attention.ring import ring_attention
+
+    sharded = _zigzag_shard() if layout == "zigzag" else _contiguous_shard()
+    q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=torch.bfloat16, device="meta")
+    ring_attention(q, q, q, sharded, group=None)
+    (_, _, kwargs), = spy_ring.calls
+    tensors = {name: value for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+    assert {"cu_seqlens"} <= set(tensors) if layout == "zigzag" else {"cu_seqlens_q", "cu_seqlens_k"} <= set(tensors)
+    assert all(value.device.type == "meta" for value in tensors.values()), {n: v.device for n, v in tensors.items()}
+    assert all(value.dtype == torch.int32 for value in tensors.values())

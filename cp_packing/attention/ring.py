@@ -24,7 +24,9 @@ its float32 accumulators with ``dq = dq_buffer.to(torch.float32)``, which for a 
 itself, so the next block's kernel call overwrites the running sum (same for dk/dv). In bf16/fp16 ``.to`` copies
 and the result is right. So float32 + zigzag is refused. The llama3 (all-gather) backward writes each head group's
 gradients straight into fresh tensors and reduce-scatters them, without that aliasing; it is right in float32
-(checked against full attention in ``tests/test_ring_flash_attn.py``).
+(checked against full attention in ``tests/test_ring_flash_attn.py``, on the test stand-in). The real flash-attn
+runs fp16/bf16 only, so with it every other dtype is refused up front, with the fix, instead of failing inside
+flash-attn.
 """
 
 from __future__ import annotations
@@ -94,6 +96,40 @@ def _loaded_ring_flash_attn() -> ModuleType | None:
     return None
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _flash_attn_is_test_stub() -> bool:
+    """Whether the imported ``flash_attn`` is cp-packing's pure-torch test stand-in (``tests/flash_attn_stub``, which
+    sets ``IS_CP_PACKING_STUB = True``) rather than the real CUDA package."""
+    return bool(getattr(sys.modules.get("flash_attn"), "IS_CP_PACKING_STUB", False))
+
+
+def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
+    """Why ``ring_attention`` refuses ``dtype`` with ``layout`` by design, or None when it runs it.
+
+    float32 zigzag: ring-flash-attn 0.1.8's float32 backward is wrong (module docstring). Any non-fp16/bf16 dtype
+    with the real flash-attn: its CUDA kernels run fp16/bf16 only (they would fail deep inside flash-attn); only
+    the test stand-in runs float32/float64. Call after :func:`import_ring_flash_attn` (which imports flash_attn).
+    """
+    if dtype in _HALF:
+        return None
+    if layout == "zigzag":
+        return (
+            f"zigzag ring attention got {dtype}; ring-flash-attn 0.1.8's zigzag backward returns WRONG gradients "
+            "in float32 (its float32 accumulator aliases the kernel's output buffer, which the next step "
+            "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
+            "in float32 on the test stand-in) or cp-packing's built-in all-gather attention"
+        )
+    if not _flash_attn_is_test_stub():
+        return (
+            f"ring attention got {dtype}, but flash-attn's kernels run torch.float16 / torch.bfloat16 only; cast "
+            "q/k/v to torch.bfloat16 or torch.float16 (e.g. under torch.autocast), or use cp-packing's built-in "
+            "all-gather attention (backend='allgather', any dtype)"
+        )
+    return None
+
+
 def _check_tensors(q: Any, k: Any, v: Any, sharded: Any) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -146,7 +182,8 @@ def ring_attention(
 
     Args:
         q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` (``H % H_kv == 0``), this rank's tokens in the order
-            of ``sharded.shard(...)``; fp16/bf16 (float32 only with the contiguous layout).
+            of ``sharded.shard(...)``; fp16/bf16 (flash-attn's dtypes; float32 with the contiguous layout only on
+            the pure-torch test stand-in of flash_attn).
         sharded: this rank's ``ShardedPackedSeqParams``; ``layout="zigzag"`` runs
             ``zigzag_ring_flash_attn_varlen_func`` (KV passed around the ring), ``"contiguous"`` runs
             ``llama3_flash_attn_varlen_func`` (KV all-gathered). Other layouts have no ring-flash-attn kernel.
@@ -160,7 +197,8 @@ def ring_attention(
         ``out [T_local, H, D]``, differentiable (ring-flash-attn's autograd functions).
 
     Raises:
-        TypeError: float32 (or another unsupported dtype) with the zigzag layout; see the module docstring.
+        TypeError: a dtype other than fp16/bf16 (real flash-attn runs only those; float32 zigzag is refused
+            even on the test stand-in, see the module docstring).
         ValueError: shapes that do not match the shard, an unknown layout, a group that is not the shard's.
         ImportError: ring-flash-attn / flash_attn / transformers missing (see ``import_ring_flash_attn``).
     """
@@ -177,19 +215,22 @@ def ring_attention(
             f"ring-flash-attn has no kernel for layout {sharded.layout!r}; shard with layout='zigzag' or "
             "'contiguous', or use cp-packing's built-in all-gather attention for this layout"
         )
-    if sharded.layout == "zigzag" and q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(
-            f"zigzag ring attention got {q.dtype}; ring-flash-attn 0.1.8's zigzag backward returns WRONG gradients "
-            "in float32 (its float32 accumulator aliases the kernel's output buffer, which the next step "
-            "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
-            "in float32) or cp-packing's built-in all-gather attention"
-        )
+    if sharded.layout == "zigzag" and q.dtype not in _HALF:
+        raise TypeError(_dtype_refusal(sharded.layout, q.dtype))  # independent of which flash_attn: no import yet
+    rfa = import_ring_flash_attn()
+    refusal = _dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
+    if refusal is not None:
+        raise TypeError(refusal)
     from cp_packing.distributed import as_process_group
 
     group = as_process_group(group)  # a 1-D DeviceMesh -> its ProcessGroup
     _check_group(group, sharded)
-    kwargs = ring_flash_attn_kwargs(sharded)
-    rfa = import_ring_flash_attn()
+    # The shard's metadata lives where it was built (often CPU); the kernels need it on q's device (the all-gather
+    # path does the same). A no-op when it is already there.
+    kwargs = {
+        name: value.to(q.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        for name, value in ring_flash_attn_kwargs(sharded).items()
+    }
     if sharded.layout == "zigzag":
         return rfa.zigzag_ring_flash_attn_varlen_func(
             q, k, v, softmax_scale=softmax_scale, causal=True, group=group, **kwargs
