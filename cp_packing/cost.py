@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cp_packing.layouts import cu_seqlens_numpy
+
 __all__ = ["LayoutCost", "layout_cost", "causal_cost", "COST_LAYOUTS"]
 
 #: Layouts ``layout_cost`` knows: ours (``auto`` resolves through ``choose_layout``) plus the ``rowzigzag`` reference.
@@ -110,7 +112,7 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
     Returns:
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
     """
-    cu = _np64(cu_seqlens, "cu_seqlens")
+    cu = cu_seqlens_numpy(cu_seqlens)
     s = _np64(start, "start")
     n = _np64(length, "length")
     if s.shape != n.shape:

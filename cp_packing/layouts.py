@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["LAYOUTS", "check_cp", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
+__all__ = ["LAYOUTS", "check_cp", "cu_seqlens_numpy", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 
@@ -52,6 +52,34 @@ def check_layout(layout) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     return layout
+
+
+def cu_seqlens_numpy(cu_seqlens) -> np.ndarray:
+    """Validated int64 NumPy copy ``[N + 1]`` of ``cu_seqlens`` (a host sync for a device tensor).
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: not 1-D and non-empty, not starting at 0, or decreasing somewhere.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cu_seqlens must be a torch.Tensor (int, [num_segments + 1]), got {type(cu_seqlens).__name__}; "
+            "take it from packed_seq_params_from_doc_ids(doc_ids).cu_seqlens"
+        )
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}"
+        )
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
+        shown = cu[:8].tolist()
+        raise ValueError(
+            f"cu_seqlens must start at 0 and never decrease (cumulative segment lengths), got {shown}"
+            f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    return np.ascontiguousarray(cu)
 
 
 def _check_divisible(total: int, cp_size: int) -> None:
@@ -98,6 +126,8 @@ def _zigzag_runs(cu: torch.Tensor, cp_size: int, cp_rank: int):
     seg_start = cu[:-1]
     chunk = (cu[1:] - seg_start) // (2 * cp_size)
     head = seg_start + cp_rank * chunk
+    if cp_rank == cp_size - 1:  # chunks cp-1 and cp touch: one run per segment (runs are maximal pieces)
+        return head, 2 * chunk
     tail = seg_start + (2 * cp_size - 1 - cp_rank) * chunk
     run_start = torch.stack([head, tail], dim=1).reshape(-1)
     run_len = torch.stack([chunk, chunk], dim=1).reshape(-1)
@@ -118,8 +148,8 @@ def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout:
     """
     check_cp(cp_size, cp_rank)
     check_layout(layout)
+    total = int(cu_seqlens_numpy(cu_seqlens)[-1])
     cu = cu_seqlens.to(torch.int64)
-    total = int(cu[-1]) if cu.numel() else 0
     _check_divisible(total, cp_size)
     if layout == "contiguous":
         return _contiguous_runs(cu, total, cp_size, cp_rank)

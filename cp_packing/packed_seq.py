@@ -44,9 +44,11 @@ for _name in ("uint16", "uint32", "uint64"):
         _INTEGER_DTYPES.add(getattr(torch, _name))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedSeqParams:
     """Packed-sequence metadata derived from a neat-packing document map.
+
+    Compared by identity (``eq=False``): tensor fields have no single truth value.
 
     Attributes:
         cu_seqlens: int32 ``[num_segments + 1]``. Cumulative token counts over the flattened ``[B * S]`` axis,

@@ -193,6 +193,37 @@ def _position_in_padding_runs(
     return in_run.index_copy_(0, sep_pos, ar - torch.repeat_interleave(sep_excl, sep_len, output_size=total_sep))
 
 
+def _check_fill_fits(name: str, fill: Any, dtype: torch.dtype) -> None:
+    """A pad value must be exactly representable: torch silently wraps ``-100`` to ``156`` in ``uint8`` (a real
+    class id that the loss would then count)."""
+    problem = None
+    if dtype == torch.bool:
+        if fill not in (0, 1, True, False):
+            problem = "bool tensors take only 0/1/True/False"
+    elif not (dtype.is_floating_point or dtype.is_complex):
+        if isinstance(fill, float) and not float(fill).is_integer():
+            problem = "an integer tensor cannot hold a fractional value"
+        else:
+            info = torch.iinfo(dtype)
+            try:
+                value = int(fill)
+            except (TypeError, ValueError):
+                problem = "not a number"
+            else:
+                if not info.min <= value <= info.max:
+                    problem = f"{dtype} holds [{info.min}, {info.max}]"
+    else:
+        try:
+            torch.full((), fill, dtype=dtype)
+        except (RuntimeError, TypeError) as exc:
+            problem = str(exc)
+    if problem:
+        raise ValueError(
+            f"the pad value {fill!r} for tensors[{name!r}] does not fit its dtype {dtype} ({problem}); pass a "
+            f"representable value in pad_values[{name!r}] or convert the tensor (labels: a signed dtype for -100)"
+        )
+
+
 def _check_multiple(multiple: Any) -> int:
     if isinstance(multiple, bool) or not hasattr(multiple, "__index__"):
         raise TypeError(
@@ -405,13 +436,7 @@ def pad_segments(
             fill = ignore_index
         else:
             fill = 0
-        try:
-            torch.full((), fill, dtype=x.dtype)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(
-                f"the pad value {fill!r} for tensors[{name!r}] does not fit its dtype {x.dtype} ({exc}); pass a "
-                f"representable value in pad_values[{name!r}] or convert the tensor"
-            ) from None
+        _check_fill_fits(name, fill, x.dtype)
         out = _scatter_real(x_flat, src, dst, Tp, fill)
         if name in position_keys and name not in pad_values:
             if pad_run_pos is None:

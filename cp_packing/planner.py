@@ -47,7 +47,7 @@ import math
 import numpy as np
 import torch
 
-from cp_packing.layouts import _check_divisible, check_cp
+from cp_packing.layouts import _check_divisible, check_cp, cu_seqlens_numpy
 
 __all__ = ["balanced_runs", "balanced_plan", "choose_layout", "AUTO_LAYOUTS"]
 
@@ -81,28 +81,7 @@ def _check_cp_size(cp_size) -> int:
     return cp_size
 
 
-def _cu_numpy(cu_seqlens) -> np.ndarray:
-    """int64 NumPy ``[N + 1]`` copy of ``cu_seqlens`` (a host sync for a device tensor), validated."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(
-            f"cu_seqlens must be a torch.Tensor (int, [num_segments + 1]), got {type(cu_seqlens).__name__}; "
-            "take it from packed_seq_params_from_doc_ids(doc_ids).cu_seqlens"
-        )
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(
-            f"cu_seqlens must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}"
-        )
-    cu = cu_seqlens.detach()
-    cu = (cu.numpy() if cu.device.type == "cpu" else cu.cpu().numpy()).astype(np.int64)  # a copy
-    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
-        shown = cu[:8].tolist()
-        raise ValueError(
-            f"cu_seqlens must start at 0 and never decrease (cumulative segment lengths), got {shown}"
-            f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
-        )
-    return np.ascontiguousarray(cu)
+_cu_numpy = cu_seqlens_numpy
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -452,8 +431,13 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     return offsets, run_start, run_len
 
 
+def _tuning() -> tuple:
+    """The module's tuning constants: part of every cache key, so a changed knob never returns an old plan."""
+    return (SMALL_FRACTION, MIN_CHUNK, TOP_ROUNDS, TOP_FRACTION, STRATA)
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_plan(cu_bytes: bytes, cp: int):
+def _cached_plan(cu_bytes: bytes, cp: int, tuning: tuple):
     offsets, run_start, run_len = _plan_numpy(np.frombuffer(cu_bytes, dtype=np.int64), cp)
     return offsets, torch.from_numpy(run_start), torch.from_numpy(run_len)
 
@@ -477,7 +461,7 @@ def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int):
     cp = _check_cp_size(cp_size)
     cu = _cu_numpy(cu_seqlens)
     _check_divisible(int(cu[-1]), cp)
-    return _cached_plan(cu.tobytes(), cp)
+    return _cached_plan(cu.tobytes(), cp, _tuning())
 
 
 def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int):
@@ -553,7 +537,7 @@ def choose_layout(params, *, cp_size: int, rtol: float = 0.01) -> str:
             f"layout gives each rank T / cp_size tokens); pad the rows to a multiple of {cp} (or of {2 * cp} for "
             f"zigzag: cp_packing.pad_segments(doc_ids, multiple={2 * cp}))"
         )
-    name, table = _cached_choice(cu.tobytes(), cp, float(rtol))
+    name, table = _cached_choice(cu.tobytes(), cp, float(rtol), _tuning())
     if logger.isEnabledFor(logging.DEBUG):
         rows = ", ".join(f"{k}: busiest/mean {im:.4f}, kv {kv / 2**20:.1f} MiB" for k, _, im, kv in table)
         logger.debug("layout='auto' with cp_size=%d picks %r (%s)", cp, name, rows)
@@ -561,7 +545,7 @@ def choose_layout(params, *, cp_size: int, rtol: float = 0.01) -> str:
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_choice(cu_bytes: bytes, cp: int, rtol: float):
+def _cached_choice(cu_bytes: bytes, cp: int, rtol: float, tuning: tuple):
     from cp_packing.cost import _runs_cost_summary
 
     cu = torch.from_numpy(np.frombuffer(cu_bytes, dtype=np.int64).copy())

@@ -57,7 +57,7 @@ class _SharedCache:
         return f"_SharedCache({list(self._data)})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardedPackedSeqParams:
     """One CP rank's share of a packed batch (see module docstring).
 
@@ -121,24 +121,28 @@ class ShardedPackedSeqParams:
             ),
         )
 
-    def _flat(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _flat(self, x: torch.Tensor, name: str, flat: bool | None = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         B, S = self.batch_shape
         T = B * S
-        if x.dim() >= 2 and tuple(x.shape[:2]) == (B, S):
+        batch_shaped = x.dim() >= 2 and tuple(x.shape[:2]) == (B, S)
+        if flat is not True and batch_shaped:
             return x.reshape(T, *x.shape[2:])
-        if x.dim() >= 1 and x.shape[0] == T:
+        if flat is not False and x.dim() >= 1 and x.shape[0] == T:
             return x
-        raise ValueError(
-            f"{name} has shape {tuple(x.shape)}; expected [B, S, ...] = [{B}, {S}, ...] or flat [B*S, ...] = "
-            f"[{T}, ...] to match the doc map"
-        )
+        want = {None: f"[B, S, ...] = [{B}, {S}, ...] or flat [B*S, ...] = [{T}, ...]",
+                True: f"flat [B*S, ...] = [{T}, ...]", False: f"[B, S, ...] = [{B}, {S}, ...]"}[flat]
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {want} to match the doc map")
 
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
-        """Map a ``[B, S, ...]`` (or flat ``[B*S, ...]``) tensor to this rank's ``[T_local, ...]`` (a copy)."""
-        flat = self._flat(x, "x")
-        return flat.index_select(0, self.token_index.to(flat.device))
+    def shard(self, x: torch.Tensor, *, flat: bool | None = None) -> torch.Tensor:
+        """Map a ``[B, S, ...]`` (or flat ``[B*S, ...]``) tensor to this rank's ``[T_local, ...]`` (a copy).
+
+        ``flat=None`` reads ``x`` as ``[B, S, ...]`` when its first two dims are ``(B, S)``, else as flat. With
+        ``S == 1`` a flat ``[T, 1, ...]`` tensor (e.g. q with one head) looks like ``[B, S, ...]``: pass ``flat=True``.
+        """
+        flat_x = self._flat(x, "x", flat)
+        return flat_x.index_select(0, self.token_index.to(flat_x.device))
 
     def unshard(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``shard``: every rank's ``[T_local, ...]`` tensor, in rank order -> ``[B, S, ...]``."""

@@ -235,7 +235,8 @@ def test_key_index_contiguous_is_a_view_of_the_gathered_buffer():
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 def test_key_index_zigzag_reaches_back_to_the_segment_start(cp_size):
-    """Run i's keys are the global tokens from its segment start to its last token; in total (1 + 1/2cp) * T."""
+    """Run i's keys are the global tokens from its segment start to its last token: (1 + 1/2cp) * T_segment keys in
+    total on every rank but the last, whose two chunks of a segment touch (one run): (1/2 + 1/2cp) * T."""
     from cp_packing.attention.allgather import allgather_keys
 
     m = 2 * cp_size
@@ -245,9 +246,11 @@ def test_key_index_zigzag_reaches_back_to_the_segment_start(cp_size):
     for rank in range(cp_size):
         sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=rank, layout="zigzag")
         keys = allgather_keys(sharded)
-        assert keys.num_keys * 2 * cp_size == T * (2 * cp_size + 1)
+        last_rank = rank == cp_size - 1
+        assert keys.num_keys * 2 * cp_size == T * ((cp_size + 1) if last_rank else (2 * cp_size + 1))
         order = sharded.global_token_order().reshape(-1)  # gathered row -> global position
-        global_keys = order[keys.key_index]
+        key_rows = keys.key_index if keys.key_index is not None else torch.arange(T)[keys.key_slice]
+        global_keys = order[key_rows]
         run_cu = sharded.run_cu_seqlens.tolist()
         cu_k = keys.cu_seqlens_k.tolist()
         for i, start in enumerate(sharded.run_key_start.tolist()):

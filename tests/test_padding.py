@@ -396,3 +396,16 @@ def test_bad_inputs():
         pad_segments(torch.tensor([[1, -1]]), 2)
     with pytest.raises(ValueError, match=r"unpad expects a tensor of shape \[B, S', \.\.\.\] = \[1, 4"):
         pad_segments(doc_ids, 2).unpad(torch.zeros(1, 3))
+
+
+def test_pad_value_that_does_not_fit_the_dtype_is_refused():
+    """torch wraps -100 to 156 in uint8: a real class id the loss would count."""
+    doc_ids = torch.tensor([[1, 1, 1, 2]])
+    with pytest.raises(ValueError, match=r"-100 for tensors\['labels'\] does not fit its dtype torch.uint8"):
+        pad_segments(doc_ids, 4, {"labels": torch.ones(1, 4, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="bool"):
+        pad_segments(doc_ids, 4, {"mask": torch.ones(1, 4, dtype=torch.bool)}, pad_values={"mask": 2})
+    with pytest.raises(ValueError, match="fractional"):
+        pad_segments(doc_ids, 4, {"ids": torch.ones(1, 4, dtype=torch.int32)}, pad_values={"ids": 0.5})
+    out = pad_segments(doc_ids, 4, {"labels": torch.ones(1, 4, dtype=torch.int16)})
+    assert int((out.tensors["labels"] == -100).sum()) == out.doc_ids.numel() - 4

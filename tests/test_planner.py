@@ -297,3 +297,14 @@ def test_balanced_is_never_busier_than_contiguous(case):
             for r in range(cp)
         ) if T else 0
     assert busiest["balanced"] <= busiest["contiguous"]
+
+
+def test_plan_cache_follows_the_tuning_constants(monkeypatch):
+    """A changed knob must never return a plan cached under the old one (ranks would disagree)."""
+    cu = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", batch=2, seqlen=4096, seed=3)).cu_seqlens
+    before = planner.balanced_plan(cu, cp_size=4)
+    monkeypatch.setattr(planner, "SMALL_FRACTION", 0.5)
+    after = planner.balanced_plan(cu, cp_size=4)
+    fresh = planner._plan_numpy(cu.numpy().astype(np.int64), 4)
+    assert torch.equal(after[1], torch.from_numpy(fresh[1])) and torch.equal(after[2], torch.from_numpy(fresh[2]))
+    assert not (before[1].numel() == after[1].numel() and torch.equal(before[1], after[1]))

@@ -94,6 +94,8 @@ def test_zigzag_placement_and_metadata(case):
     params, shards = _shards(doc_ids, cp, "zigzag")
     for r, s in enumerate(shards):
         assert torch.equal(s.token_index, _reference_zigzag_index(doc_ids, cp, r))
+        # runs are maximal: two per segment, one on the last rank (its chunks cp-1 and cp touch)
+        assert s.run_cu_seqlens.numel() - 1 == params.num_segments * (1 if r == cp - 1 else 2)
         # ring-flash-attn zigzag varlen / TE THD convention
         assert s.cu_seqlens.dtype == torch.int32
         assert torch.equal(s.cu_seqlens, params.cu_seqlens // cp)
@@ -303,3 +305,41 @@ def test_cache_is_not_reused_by_a_copy_with_other_metadata():
     assert torch.equal(sc.global_token_order(), sb[0].global_token_order())
     x = torch.arange(8)
     assert torch.equal(sc.unshard([s.shard(x) for s in sb]).reshape(-1), x)
+
+
+def test_flat_input_with_one_token_rows():
+    """With S == 1 a flat [T, 1, D] tensor (one head) looks like [B, S, D]: flat=True says which it is."""
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1], [2], [3], [4]]))
+    s = shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="contiguous")
+    q = torch.randn(4, 1, 5)
+    assert s.shard(q, flat=True).shape == (2, 1, 5)
+    assert torch.equal(s.shard(q, flat=True), q[2:])
+    assert s.shard(q).shape == (2, 5)  # the default reads [B, S, ...] when the first dims match
+    with pytest.raises(ValueError, match=r"expected flat \[B\*S, \.\.\.\] = \[4, \.\.\.\]"):
+        s.shard(torch.randn(3, 5), flat=True)
+    with pytest.raises(ValueError, match=r"expected \[B, S, \.\.\.\] = \[4, 1, \.\.\.\]"):
+        s.shard(torch.randn(4, 5), flat=False)
+
+
+def test_metadata_objects_compare_by_identity():
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2]]))
+    assert params == params and params != packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2]]))
+    s = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    assert s == s and s in [s]
+
+
+@pytest.mark.parametrize(
+    "cu, exc, pattern",
+    [
+        ([0, 4], TypeError, "must be a torch.Tensor"),
+        (torch.tensor([0.0, 4.0]), TypeError, "integer tensor"),
+        (torch.tensor([[0, 4]]), ValueError, "1-D"),
+        (torch.tensor([0, 6, 2, 8]), ValueError, "never decrease"),
+        (torch.tensor([1, 8]), ValueError, "start at 0"),
+    ],
+)
+def test_layout_runs_rejects_bad_cu_seqlens(cu, exc, pattern):
+    from cp_packing.layouts import layout_runs
+
+    with pytest.raises(exc, match=pattern):
+        layout_runs(cu, cp_size=2, cp_rank=0, layout="contiguous")
