@@ -167,15 +167,54 @@ def _flatten_inputs(logits: Any, labels: Any, ignore_index: int) -> tuple[torch.
     return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(torch.int64)
 
 
-def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """One host sync: an out-of-range label would otherwise crash deep in torch (or device-assert on CUDA)."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+def _bad_label_slots(labels: torch.Tensor, vocab: int, ignore_index: int, cp_size: int, cp_rank: int):
+    """Out-of-range labels (``!= ignore_index`` and outside ``[0, vocab)``): the bool mask ``[T_local]`` and an int64
+    ``[cp_size]`` vector holding their count at ``cp_rank``. The vector rides along the loss's count all-reduce (no
+    extra collective), so every rank learns that some rank has one, and which CP rank(s), and raises: a rank that
+    raised alone would leave the others waiting in that all-reduce."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))  # [T_local] bool
+    slots = torch.zeros(cp_size, dtype=torch.int64, device=labels.device)  # [cp_size]
+    slots[cp_rank] = bad.sum()
+    return bad, slots
+
+
+def _with_dp_slots(stats: torch.Tensor, dp_group) -> torch.Tensor:
+    """Append ``[dp_size]`` slots to ``stats = [x, cp bad slots...]`` (already reduced over the CP group), this
+    replica's bad-label total at its DP rank, before the all-reduce over ``dp_group``; unchanged without DP."""
+    if dp_group is None:
+        return stats
+    dp_slots = torch.zeros(dist.get_world_size(dp_group), dtype=torch.int64, device=stats.device)
+    dp_slots[dist.get_rank(dp_group)] = stats[1:].sum()
+    return torch.cat([stats, dp_slots])
+
+
+def _raise_bad_labels(
+    labels: torch.Tensor, bad: torch.Tensor, slots: torch.Tensor, cp_size: int, vocab: int, ignore_index: int
+) -> None:
+    """After the all-reduce(s): raise on EVERY rank when any rank of the (CP x DP) groups has an out-of-range label.
+    ``slots`` = ``[cp_size]`` counts per CP rank, then (with DP) ``[dp_size]`` counts per DP rank. One host sync.
+    The rank that holds the label names the value; the others name the rank(s) that hold one."""
+    counts = slots.tolist()
+    cp_counts, dp_counts = counts[:cp_size], counts[cp_size:]
+    if not any(cp_counts):
+        return
+    fix = "check the vocabulary size (logits' last dim) or the ignore_index"
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"label {int(labels[pos])} at local position {pos} is outside [0, {vocab}) and is not "
-            f"ignore_index={ignore_index}; check the vocabulary size or the ignore_index"
+            f"ignore_index={ignore_index}; {fix} (every rank of the loss's groups raises)"
         )
+    where = []
+    if cp_size > 1:
+        where.append(f"CP rank(s) {[r for r, n in enumerate(cp_counts) if n]} (ranks in group)")
+    if dp_counts:
+        where.append(f"DP rank(s) {[r for r, n in enumerate(dp_counts) if n]} (ranks in dp_group)")
+    raise ValueError(
+        f"{sum(cp_counts)} label(s) outside [0, {vocab}) that are not ignore_index={ignore_index} on "
+        f"{' of '.join(where)}, not on this rank; that rank's error names the value. Raised on every rank so "
+        f"that none waits in a collective; {fix}"
+    )
 
 
 def _global_segment_ids(sharded: Any, T_local: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -268,9 +307,11 @@ def packed_cross_entropy(
         ValueError: shape/device mismatches, an unknown reduction, a label outside ``[0, V)``, ``"document"``
             without ``sharded``, a ``sharded`` whose ``cp_size``/``cp_rank`` disagree with ``group``.
 
-    Communication: token: one scalar all-reduce over ``group`` (+ one over ``dp_group``). document: one
-    ``[num_segments]`` all-reduce over ``group`` (+ one scalar over ``dp_group``). Host syncs: one, for the label
-    range check.
+    Communication: token: one ``[1 + cp_size]`` int64 all-reduce over ``group`` (+ one ``[1 + cp_size + dp_size]``
+    over ``dp_group``): the count and one out-of-range-label slot per CP (and DP) rank. document: one
+    ``[num_segments + cp_size]`` all-reduce over ``group`` (+ one ``[1 + cp_size + dp_size]`` over ``dp_group``). Host syncs: one, for the label range check, after the
+    all-reduce: a label outside ``[0, V)`` on ANY rank raises ``ValueError`` on EVERY rank of the groups (no rank
+    is left waiting in a collective); the rank that holds it names the value, the others name its CP rank.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -303,27 +344,39 @@ def packed_cross_entropy(
         )
 
     T_local, vocab = logits2d.shape
-    _check_label_range(labels1d, vocab, ignore_index)
+    cp_rank = 0 if group is None else dist.get_rank(group)
+    bad, bad_slots = _bad_label_slots(labels1d, vocab, ignore_index, cp_size, cp_rank)  # [T_local], [cp_size]
     valid = labels1d != ignore_index  # [T_local] bool
-    # float32 CE; ignored positions give exactly 0 and keep the graph connected to logits.
-    ce = F.cross_entropy(logits2d.float(), labels1d, ignore_index=ignore_index, reduction="none")  # [T_local] fp32
     device = logits2d.device
 
+    def cross_entropy() -> torch.Tensor:
+        # float32 CE, only once every label is known to be in range (an out-of-range one would crash in torch or
+        # device-assert on CUDA); ignored positions give exactly 0 and keep the graph connected to logits.
+        return F.cross_entropy(logits2d.float(), labels1d, ignore_index=ignore_index, reduction="none")  # [T_local]
+
     if reduction == "token":
-        count = valid.sum().to(torch.int64).reshape(1)  # [1], this rank's tokens only: each token counted once
-        _all_reduce_sum(count, group)
-        _all_reduce_sum(count, dp_group)
-        return ce.sum() / count.clamp_min(1).to(torch.float32)[0]
+        # [1 + cp_size]: this rank's valid labels (each token counted once), then the bad-label slots.
+        stats = torch.cat([valid.sum().to(torch.int64).reshape(1), bad_slots])
+        _all_reduce_sum(stats, group)
+        stats = _with_dp_slots(stats, dp_group)  # [1 + cp_size (+ dp_size)]
+        _all_reduce_sum(stats, dp_group)
+        _raise_bad_labels(labels1d, bad, stats[1:], cp_size, vocab, ignore_index)
+        return cross_entropy().sum() / stats[:1].clamp_min(1).to(torch.float32)[0]
 
     seg, num_segments = _global_segment_ids(sharded, T_local, device)  # [T_local] int64
-    counts = torch.zeros(num_segments, dtype=torch.int64, device=device)  # [num_segments]
+    counts = torch.zeros(num_segments + cp_size, dtype=torch.int64, device=device)  # [num_segments + cp_size]
     counts.scatter_add_(0, seg, valid.to(torch.int64))
-    _all_reduce_sum(counts, group)  # global valid labels per segment (this DP replica's batch)
-    num_docs = (counts > 0).sum().to(torch.int64).reshape(1)  # [1]; equal on every CP rank
-    _all_reduce_sum(num_docs, dp_group)
+    counts[num_segments:] = bad_slots
+    _all_reduce_sum(counts, group)  # global valid labels per segment (this DP replica's batch), bad-label slots
+    counts, bad_slots = counts[:num_segments], counts[num_segments:]
+    stats = torch.cat([(counts > 0).sum().to(torch.int64).reshape(1), bad_slots])  # [1 + cp_size]: documents, bad
+    stats = _with_dp_slots(stats, dp_group)  # [1 + cp_size (+ dp_size)]
+    _all_reduce_sum(stats, dp_group)
+    _raise_bad_labels(labels1d, bad, stats[1:], cp_size, vocab, ignore_index)
+    num_docs = stats[:1]  # [1]; equal on every CP rank
     # Valid tokens have counts[seg] >= 1; ignored ones have ce == 0, the clamp only avoids 0 * inf.
     weight = 1.0 / counts.gather(0, seg).clamp_min(1).to(torch.float32)  # [T_local]
-    return (ce * weight).sum() / num_docs.clamp_min(1).to(torch.float32)[0]
+    return (cross_entropy() * weight).sum() / num_docs.clamp_min(1).to(torch.float32)[0]
 
 
 def reduce_loss_for_logging(loss: torch.Tensor, *, group: Any = None, dp_group: Any = None) -> torch.Tensor:

@@ -409,9 +409,52 @@ def _dp_cp_worker(rank, world_size):
         _assert_grads_close(grads, ref_grads)
         total = reduce_loss_for_logging(share, group=cp_group, dp_group=dp_group)
         torch.testing.assert_close(total, ref.detach(), rtol=RTOL, atol=ATOL)
+        # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise, the others say where it is.
+        bad_labels = sharded.shard(labels).clone()
+        if rank == 3:
+            bad_labels[0] = V
+        with pytest.raises(ValueError) as info:
+            packed_cross_entropy(local_logits, bad_labels, group=cp_group, dp_group=dp_group, reduction=reduction,
+                                 sharded=sharded)
+        where = f"label {V} at local position 0" if rank == 3 else "CP rank(s) [1] (ranks in group) of DP rank(s) [1]"
+        assert where in str(info.value), str(info.value)
     return True
 
 
 @pytest.mark.distributed
 def test_dp_x_cp_loss_is_mean_over_union_of_batches():
     assert run_distributed(_dp_cp_worker, 4) == [True] * 4
+
+
+def _bad_label_on_one_rank_worker(rank, world_size):
+    """Only rank 1 holds an out-of-range label. Every rank must raise (a rank that raised alone would leave the
+    others waiting in the count all-reduce), and the group must still be in step afterwards."""
+    messages = []
+    world = dist.group.WORLD
+    for reduction, kwargs in (("token", {"group": world}), ("document", {"group": world}),
+                              ("token", {"dp_group": world})):  # no CP, DP only: same rule over dp_group
+        logits = torch.randn(4, V, requires_grad=True)
+        labels = torch.tensor([1, 2, 3, IGNORE])
+        if rank == 1:
+            labels[0] = V  # out of range on this rank only
+        if "group" in kwargs:
+            from cp_packing.sharding import shard_packed_seq_params
+
+            params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]]))
+            kwargs["sharded"] = shard_packed_seq_params(params, cp_size=world_size, cp_rank=rank, layout="contiguous")
+        with pytest.raises(ValueError) as info:
+            packed_cross_entropy(logits, labels, reduction=reduction, **kwargs)
+        messages.append(str(info.value))
+        probe = torch.ones(1)
+        dist.all_reduce(probe)  # both ranks reach this: nobody is stuck in the loss's collective
+        assert float(probe) == world_size
+    return messages
+
+
+@pytest.mark.distributed
+def test_bad_label_on_one_rank_raises_on_every_rank():
+    per_rank = run_distributed(_bad_label_on_one_rank_worker, 2, timeout=60)
+    for message in per_rank[1]:  # the rank that holds it names the value and the vocabulary
+        assert f"label {V} at local position 0 is outside [0, {V})" in message, message
+    for message in per_rank[0]:  # the others say where it is and why they raise
+        assert f"outside [0, {V})" in message and "rank(s) [1] (ranks in " in message, message
