@@ -31,6 +31,9 @@ Decisions:
 * Sliding-window layers, logit soft-capping and attention sinks (``sliding_window``/``softcap``/``s_aux`` not None)
   are refused: the CP kernels compute plain causal attention within a segment.
 * ``scaling`` (the module's softmax scale) is honoured; ``module.is_causal`` selects causal attention.
+* Under ``torch.autocast`` (standard AMP: float32 weights), q/k/v are cast to the autocast dtype (HF's RoPE
+  returns float32 q/k next to a bf16/fp16 v) and the attention runs with autocast off, so its forward and backward
+  use that dtype, as HF's sdpa path does. Without autocast, q/k/v of different dtypes are a ``TypeError``.
 
 Supported transformers: ``>=5.0,<6`` (:data:`SUPPORTED_TRANSFORMERS`), tested with 5.24. It relies on
 ``AttentionInterface`` (4.48+), ``AttentionMaskInterface`` and the mask early exit for unregistered implementations
@@ -64,6 +67,7 @@ SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 """The transformers versions this module supports (tested: 5.24)."""
 
 _MIN_MAJOR, _MAX_MAJOR_EXCLUSIVE = 5, 6
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes autocast casts (never float64)
 
 
 def _import_transformers():
@@ -175,7 +179,9 @@ def cp_attention_forward(
         ValueError: missing ``cp_sharded``, batch size != 1, a token count that does not match ``cp_sharded``, a
             non-None ``attention_mask``, ``dropout > 0``, sliding window / softcap / sinks, or a missing group with
             ``cp_size > 1``.
-        TypeError: ``cp_sharded`` of the wrong type.
+        TypeError: ``cp_sharded`` of the wrong type; q/k/v of different dtypes outside ``torch.autocast``.
+
+    Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (see the module docstring).
     """
     if cp_sharded is None:
         raise ValueError(
@@ -234,7 +240,7 @@ def cp_attention_forward(
     q = query[0].transpose(0, 1).contiguous()  # [T_local, H, D]
     k = key[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
     v = value[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
-    out = context_parallel_attention(
+    attend = lambda q, k, v: context_parallel_attention(  # noqa: E731
         q,
         k,
         v,
@@ -245,6 +251,17 @@ def cp_attention_forward(
         backend=cp_backend,
         kernel=cp_kernel,
     )  # [T_local, H, D]
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Standard AMP (float32 weights + torch.autocast): the projections come out in the autocast dtype but HF's
+        # RoPE returns float32 q/k. Cast what autocast would cast (float32/fp16/bf16, not float64) to its dtype,
+        # as HF's sdpa path does, and run with autocast off so that forward and backward use that one dtype.
+        amp_dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (x.to(amp_dtype) if x.dtype in _AUTOCAST_ELIGIBLE else x for x in (q, k, v))
+        with torch.autocast(device_type, enabled=False):
+            out = attend(q, k, v)
+    else:
+        out = attend(q, k, v)  # mixed dtypes here are a clear TypeError (check_attention_inputs)
     return out.unsqueeze(0), None  # [1, T_local, H, D]
 
 

@@ -319,3 +319,34 @@ def test_cp_model_matches_non_cp_model(cp):
         d = check_documents(eager, case, logits)
         report[(kind, layout)] = (float((total - ref_loss).abs()), g, d)
     print(f"cp={cp} max abs diff (loss, grads, doc logits): {report}")
+
+
+def test_cp1_runs_under_autocast_like_sdpa():
+    """Standard AMP (float32 weights + torch.autocast): HF's RoPE hands over float32 q/k with a bf16 v. The CP
+    attention runs in the autocast dtype (forward and backward), as HF's sdpa does, and matches sdpa with a
+    block-diagonal causal mask under the same autocast to bf16 rounding."""
+    model, sdpa = make_model("llama", NAME), make_model("llama", "sdpa")
+    case = make_case("contiguous", 1)
+    doc, ids = case["doc"], case["ids"]
+    T = doc.numel()
+    seg, pos = torch.empty(T, dtype=torch.int64), torch.empty(T, dtype=torch.int64)
+    for k, (a, b) in enumerate(segments_of(doc)):
+        seg[a:b], pos[a:b] = k, torch.arange(b - a)
+    t = torch.arange(T)
+    allowed = (seg[:, None] == seg[None, :]) & (t[:, None] >= t[None, :])
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]  # [1, 1, T, T]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(**cp_model_inputs(ids, packed_seq_params_from_doc_ids(doc))).logits[0]  # [T, V]
+        with torch.no_grad():
+            ref = sdpa(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask,
+                       use_cache=False).logits[0]
+        fp32 = make_model("llama", "sdpa")
+    with torch.no_grad():
+        exact = fp32(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask, use_cache=False).logits[0]
+    assert logits.dtype == ref.dtype
+    scale = float(exact.abs().max())
+    err, ref_err = float((logits.float() - ref.float()).abs().max()), float((ref.float() - exact).abs().max())
+    assert err <= 2 * ref_err + 1e-2 * scale, (err, ref_err, scale)  # bf16 rounding, as sdpa's own
+    packed_cross_entropy(logits, case["labels"].reshape(-1)).backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
