@@ -21,7 +21,8 @@ segment + 1); imbalance = busiest / mean over the CP ranks (the worst DP replica
 ``--check-parity``: for the first ``--parity-steps`` steps every rank also trains a copy of the model WITHOUT
 context parallelism (HF's own sdpa attention with a block-diagonal 4-D mask, on the whole batch of every DP
 replica), and compares the loss and every gradient with the CP run before the optimizer steps. Rank 0 prints the
-largest differences and PASS/FAIL; the exit status is 1 on FAIL (2 on a usage error).
+largest differences and PASS/FAIL; the exit status is 1 on FAIL or on an error (printed with its traceback by the
+rank that raised it), 2 on a usage error (options that do not fit the world: one line on rank 0).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -216,13 +218,19 @@ class _Progress:
             self.bar.close()
 
 
+class UsageError(Exception):
+    """Options that do not fit the world they run on (found after the ranks start): exit 2, one line on rank 0.
+    Every rank sees it alike (the same options and world). Not a ValueError, so a library ValueError is never
+    mistaken for one."""
+
+
 def train(args, rank: int, world: int, device: torch.device) -> int:
     if world % args.cp:
-        raise ValueError(f"--cp {args.cp} does not divide the world size {world}; pick a divisor")
+        raise UsageError(f"--cp {args.cp} does not divide the world size {world}; pick a divisor")
     groups = make_groups(world, args.cp, device)
     cp = groups.cp_size
     if args.layout != "zigzag" and (args.batch * args.seq_len) % cp:
-        raise ValueError(
+        raise UsageError(
             f"--batch {args.batch} x --seq-len {args.seq_len} = {args.batch * args.seq_len} tokens is not a multiple "
             f"of cp={cp}; every CP rank must hold the same number of tokens: pick --seq-len a multiple of {cp}"
         )
@@ -399,10 +407,13 @@ def _finish(args, world: int, device: torch.device):
 def _run(args, rank: int, world: int, device: torch.device) -> int:
     try:
         return train(_finish(args, world, device), rank, world, device)
-    except ValueError as e:  # a usage error (e.g. --cp does not divide the world): one line, exit 2
+    except UsageError as e:  # options that do not fit the world, the same on every rank: one line, exit 2
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception:  # noqa: BLE001 - any other error (a library ValueError too): on the rank that raised it, exit 1
+        print(f"error on rank {rank} of {world}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
 
 
 def main(argv=None) -> int:

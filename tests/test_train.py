@@ -59,3 +59,39 @@ def test_usage_errors():
         train.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
         train.parse_args(["--layout", "diagonal"])
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+def test_an_error_on_rank_1_is_printed_there_and_exits_1(monkeypatch, capfd):
+    """A library error on a rank other than 0 is not a usage error: that rank prints its traceback and the run
+    exits 1 (it used to become a silent exit 2, printed on rank 0 only)."""
+    from launch import train
+
+    original = train.packed_cross_entropy
+
+    def loss_that_fails_on_rank_1(logits, labels, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise ValueError("label 300 at local position 5 is outside [0, 256)")
+        return original(logits, labels, **kwargs)
+
+    monkeypatch.setattr(train, "packed_cross_entropy", loss_that_fails_on_rank_1)
+    code = train.main(["--nproc", "2", "--steps", "1", "--seq-len", "32", "--layers", "1"])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert "rank 1" in err and "ValueError: label 300 at local position 5 is outside [0, 256)" in err, err
+    assert "Traceback" in err, err
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+def test_a_config_that_does_not_fit_the_world_is_a_usage_error(capfd):
+    from launch import train
+
+    code = train.main(["--nproc", "2", "--cp", "3", "--steps", "1", "--seq-len", "32"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert err.count("error: --cp 3 does not divide the world size 2") == 1, err  # one line, rank 0 only
+    assert "Traceback" not in err, err
