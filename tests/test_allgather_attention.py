@@ -402,3 +402,37 @@ def _dist_allgather_bf16(rank, world_size):
 def test_allgather_bf16():
     for rank, e in enumerate(run_distributed(_dist_allgather_bf16, 2)):
         assert e["out"] < 3e-2 and max(e["dq"], e["dk"], e["dv"]) < 6e-2, f"rank {rank}: {e}"
+
+
+def test_device_backend_parses_mixed_backend_configs():
+    """Which backend a group uses for a device's tensors, from dist.get_backend_config's string."""
+    from cp_packing.attention.allgather import _device_backend
+
+    assert _device_backend("cpu:gloo,cuda:nccl", "cpu") == "gloo"  # init_process_group() on a GPU machine
+    assert _device_backend("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert _device_backend("cuda:nccl", "cpu") == ""  # init_process_group("nccl"): no backend for CPU tensors
+    assert _device_backend("nccl", "cpu") == "" and _device_backend("nccl", "cuda") == "nccl"
+    assert _device_backend("cpu:gloo,cuda:gloo", "cpu") == "gloo" and _device_backend("GLOO", "cpu") == "gloo"
+    assert _device_backend("my_custom_backend", "cpu") is None  # unknown capability: not refused
+
+
+@pytest.mark.parametrize("config, ok", [("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True),
+                                        ("cuda:nccl", False)])
+def test_group_backend_is_checked_for_q_device(monkeypatch, config, ok):
+    """A mixed cpu:gloo,cuda:nccl group (the default init_process_group() on a GPU machine) serves CPU tensors
+    with gloo: accepted. A NCCL-only group cannot move CPU tensors: a clear error before any collective."""
+    import torch.distributed as dist
+
+    from cp_packing.attention.allgather import resolve_attention_group
+
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(torch.ones(1, 8, dtype=torch.int64)),
+                                      cp_size=2, cp_rank=1, layout="contiguous")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    if ok:
+        resolve_attention_group(None, sharded, torch.device("cpu"))
+    else:
+        with pytest.raises(ValueError, match=r"cuda:nccl.*no backend for cpu tensors.*move q/k/v to CUDA"):
+            resolve_attention_group(None, sharded, torch.device("cpu"))
