@@ -436,3 +436,29 @@ def test_group_backend_is_checked_for_q_device(monkeypatch, config, ok):
     else:
         with pytest.raises(ValueError, match=r"cuda:nccl.*no backend for cpu tensors.*move q/k/v to CUDA"):
             resolve_attention_group(None, sharded, torch.device("cpu"))
+
+
+def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp_path):
+    """backend="auto" asks whether ring-flash-attn imports on every attention call: a failed import is remembered
+    (per sys.path: a package dir put on sys.path later, as the tests do with the flash_attn stand-in, is tried)."""
+    import cp_packing.attention.ring as ring
+    from cp_packing.attention import dispatch
+
+    attempts = []
+
+    def failing_import():
+        attempts.append(1)
+        raise ImportError("ring-flash-attn is not installed")
+
+    monkeypatch.setattr(ring, "import_ring_flash_attn", failing_import)
+    dispatch._reset_ring_import_cache()
+    assert [dispatch._ring_importable() for _ in range(3)] == [False] * 3
+    assert len(attempts) == 1
+    monkeypatch.syspath_prepend(str(tmp_path))  # something new on sys.path: tried again, once
+    assert not dispatch._ring_importable() and not dispatch._ring_importable()
+    assert len(attempts) == 2
+    monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: None)  # installed meanwhile
+    assert not dispatch._ring_importable()  # same sys.path: still the remembered failure
+    dispatch._reset_ring_import_cache()
+    assert dispatch._ring_importable()
+    dispatch._reset_ring_import_cache()

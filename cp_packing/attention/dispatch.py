@@ -9,16 +9,19 @@ equal to full attention on the global stream, sharded. Backends:
   not, CPU or CUDA.
 * ``"ring_flash_attn"`` (``cp_packing.attention.ring``): ring-flash-attn 0.1.8's zigzag ring (``zigzag``) or llama3
   all-gather (``contiguous``) varlen functions; causal only; needs ring-flash-attn and flash_attn (CUDA; on CPU the
-  test stand-in). float32 zigzag is refused (ring-flash-attn's float32 backward is wrong).
+  test stand-in). fp16/bf16 only (flash-attn's dtypes; the test stand-in also runs float32 contiguous); float32
+  zigzag is refused everywhere (ring-flash-attn's float32 backward is wrong).
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
   contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
   ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
-  once per (backend, kernel) on the ``cp_packing`` logger (INFO).
+  once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
+  every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -35,13 +38,29 @@ _RING_LAYOUTS = ("zigzag", "contiguous")
 _HALF = (torch.float16, torch.bfloat16)
 
 
+# The sys.path values under which importing ring-flash-attn failed. backend="auto" asks on every attention call
+# (every layer); a failed import (find_spec scans sys.path; a broken CUDA build re-runs module code) is not retried
+# until sys.path changes. A success needs no cache: the module is then in sys.modules, found at once.
+_RING_IMPORT_FAILED: set[tuple[str, ...]] = set()
+
+
+def _reset_ring_import_cache() -> None:
+    """Forget remembered ring-flash-attn import failures (e.g. after installing it in a running process)."""
+    _RING_IMPORT_FAILED.clear()
+
+
 def _ring_importable() -> bool:
-    """Whether ring-flash-attn (and the flash_attn it imports) can be imported here. Never raises."""
+    """Whether ring-flash-attn (and the flash_attn it imports) can be imported here. Never raises. A failure is
+    remembered per ``sys.path`` (a directory added later, such as the tests' flash_attn stand-in, is tried)."""
+    key = tuple(sys.path)
+    if key in _RING_IMPORT_FAILED:
+        return False
     try:
         from cp_packing.attention.ring import import_ring_flash_attn
 
         import_ring_flash_attn()
     except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA build
+        _RING_IMPORT_FAILED.add(key)
         return False
     return True
 
