@@ -350,3 +350,9 @@ def test_cp1_runs_under_autocast_like_sdpa():
     packed_cross_entropy(logits, case["labels"].reshape(-1)).backward()
     grad = model.model.layers[0].self_attn.q_proj.weight.grad
     assert grad is not None and grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    # Outside autocast, mixed dtypes stay a clear error (no silent cast).
+    sharded = cp_model_inputs(ids, packed_seq_params_from_doc_ids(doc))["cp_sharded"]
+    q = torch.randn(1, 4, T, 8)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cp_attention_forward(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2].bfloat16(), None,
+                             cp_sharded=sharded)
