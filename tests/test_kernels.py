@@ -482,3 +482,25 @@ def test_flash_attn_kernel_path_against_the_stub(flash_stub, D):
     for got, want in zip(grads, r_grads):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want)
+
+
+def test_failed_flash_attn_import_is_not_retried_in_every_layer(monkeypatch):
+    """kernel="auto" asks for flash-attn in every attention layer: a failed import is remembered (per sys.path)."""
+    import importlib
+    import sys
+
+    from cp_packing.attention import kernels as K
+
+    calls = []
+
+    def failing_import(name, *args, **kwargs):
+        calls.append(name)
+        raise ImportError(name)
+
+    monkeypatch.setattr(K, "_FLASH_IMPORT_FAILED", set())
+    monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface", raising=False)
+    monkeypatch.setattr(importlib, "import_module", failing_import)
+    assert K._flash_attn_interface() is None and K._flash_attn_interface() is None
+    assert calls == ["flash_attn.flash_attn_interface"]
+    monkeypatch.setattr(sys, "path", sys.path + ["/a/new/place"])  # a stand-in put on sys.path later is looked for
+    assert K._flash_attn_interface() is None and len(calls) == 2

@@ -57,8 +57,9 @@ class AllGatherKeys:
         cu_seqlens_k: int32 ``[R + 1]``, run ``i``'s keys are rows ``[cu_seqlens_k[i], cu_seqlens_k[i+1])`` of the
             selected keys.
         max_seqlen_q, max_seqlen_k: ints, the longest run / key range.
-        num_keys: ``N_k``, the number of selected keys (for zigzag about ``(1 + 1/(2*cp))`` of the segment tokens,
-            since the two chunks of a rank both reach back to the segment start).
+        num_keys: ``N_k``, the number of selected keys (for zigzag ``(1 + 1/(2*cp))`` of the segment tokens, since
+            the two chunks of a rank both reach back to the segment start; ``(cp+1)/(2*cp)`` on the last rank, whose
+            two chunks touch and form one run).
     """
 
     key_index: torch.Tensor | None

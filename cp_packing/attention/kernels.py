@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -62,15 +63,22 @@ _REFERENCE_SCORE_BUDGET = 1 << 26
 # --------------------------------------------------------------------------------------------------- availability
 
 
+_FLASH_IMPORT_FAILED: set[tuple[str, ...]] = set()  # sys.path states under which the import failed
+
+
 def _flash_attn_interface() -> ModuleType | None:
     """``flash_attn.flash_attn_interface`` if importable, else ``None`` (never raises).
 
-    Not cached: a failed import is retried, so a package installed (or a test stand-in put on ``sys.path``) later
-    is found. A successful import is cached by ``sys.modules``.
+    A failure is remembered per ``sys.path`` (so ``kernel="auto"`` does not retry the import in every layer), while a
+    package put on ``sys.path`` later (a test stand-in) is still found. A success is cached by ``sys.modules``.
     """
+    key = tuple(sys.path)
+    if key in _FLASH_IMPORT_FAILED and "flash_attn.flash_attn_interface" not in sys.modules:
+        return None
     try:
         return importlib.import_module("flash_attn.flash_attn_interface")
     except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA build raising OSError/RuntimeError
+        _FLASH_IMPORT_FAILED.add(key)
         return None
 
 
