@@ -30,7 +30,8 @@ Decisions:
   ``config.attention_dropout = 0.0`` (the default of Llama/Qwen configs).
 * Sliding-window layers, logit soft-capping and attention sinks (``sliding_window``/``softcap``/``s_aux`` not None)
   are refused: the CP kernels compute plain causal attention within a segment.
-* ``scaling`` (the module's softmax scale) is honoured; ``module.is_causal`` selects causal attention.
+* ``scaling`` (the module's softmax scale) is honoured; an ``is_causal`` keyword, else ``module.is_causal``, selects
+  causal attention (the order HF's sdpa path uses).
 * Under ``torch.autocast`` (standard AMP: float32 weights), q/k/v are cast to the autocast dtype (HF's RoPE
   returns float32 q/k next to a bf16/fp16 v) and the attention runs with autocast off, so its forward and backward
   use that dtype, as HF's sdpa path does. Without autocast, q/k/v of different dtypes are a ``TypeError``.
@@ -141,6 +142,13 @@ def _refuse(name: str, value: Any, fix: str) -> None:
     raise ValueError(f"cp_packing attention does not support {name}={value!r}; {fix}")
 
 
+def _is_causal(module: Any, kwargs: Mapping[str, Any]) -> bool:
+    flag = kwargs.get("is_causal")
+    if flag is None:
+        flag = getattr(module, "is_causal", True)
+    return bool(flag)
+
+
 def cp_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -162,7 +170,8 @@ def cp_attention_forward(
     """The attention function registered with HF: context-parallel varlen attention over this rank's tokens.
 
     Args:
-        module: the HF attention module (``module.is_causal`` selects causal attention, default True).
+        module: the HF attention module (``module.is_causal`` selects causal attention, default True; an
+            ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it).
         query: ``[1, H, T_local, D]``; key / value ``[1, H_kv, T_local, D]`` (RoPE already applied by the model).
         attention_mask: must be ``None`` (HF builds none for this implementation; see the module docstring).
         dropout: must be 0 (set ``config.attention_dropout = 0.0``).
@@ -246,7 +255,7 @@ def cp_attention_forward(
         v,
         cp_sharded,
         group=cp_group,
-        causal=bool(getattr(module, "is_causal", True)),
+        causal=_is_causal(module, kwargs),
         softmax_scale=scaling,
         backend=cp_backend,
         kernel=cp_kernel,

@@ -190,6 +190,23 @@ def test_hf_drops_a_2d_attention_mask_and_cp_refuses_a_4d_one():
             model(**inputs, attention_mask=torch.zeros(1, 1, T, T))
 
 
+def test_is_causal_keyword_overrides_the_module_flag():
+    """HF's sdpa path honours an is_causal keyword before module.is_causal; so does the CP attention."""
+    model = make_model("llama", NAME)
+    case = make_case("contiguous", 1)
+    sharded = cp_model_inputs(case["ids"], packed_seq_params_from_doc_ids(case["doc"]))["cp_sharded"]
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(1, 4, 60, 8, generator=g), torch.randn(1, 2, 60, 8, generator=g)
+    causal, _ = cp_attention_forward(attn, q, kv, kv, None, cp_sharded=sharded)
+    full, _ = cp_attention_forward(attn, q, kv, kv, None, cp_sharded=sharded, is_causal=False)
+    again, _ = cp_attention_forward(attn, q, kv, kv, None, cp_sharded=sharded, is_causal=True)
+    assert torch.equal(causal, again) and not torch.allclose(causal, full)
+    # the last token of each segment sees its whole segment either way
+    last = (sharded.run_cu_seqlens[1:] - 1).long()
+    torch.testing.assert_close(causal[0, last], full[0, last])
+
+
 def test_attention_function_errors():
     model = make_model("llama", NAME)
     case = make_case("contiguous", 1)
