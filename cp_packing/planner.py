@@ -43,6 +43,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
+from collections import OrderedDict, namedtuple
 
 import numpy as np
 import torch
@@ -121,32 +123,22 @@ def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
     )
 
 
-def _split_pieces(seg_start: np.ndarray, lengths: np.ndarray, q: np.ndarray):
-    """Cut segment k into ``q[k] >= 1`` consecutive pieces of ``floor``/``ceil`` equal size. Returns every piece's
-    global start, length, cost, position of its first token inside its segment, and segment index (into the given
-    arrays)."""
+def _split_pieces(lengths: np.ndarray, q: np.ndarray):
+    """Cut segment k (of length ``lengths[k]``) into ``q[k] >= 1`` consecutive pieces of ``floor``/``ceil`` equal
+    size. Returns every piece's first position inside its segment ``a``, length, cost, segment index (into the given
+    arrays) and index inside its segment ``j`` (int64 ``[sum(q)]`` each)."""
     n = int(q.sum())
     owner = np.repeat(np.arange(lengths.size), q)  # [n]
     j = np.arange(n, dtype=np.int64) - (np.cumsum(q) - q)[owner]  # index of the piece inside its segment
     L, qo = lengths[owner], q[owner]
     a = j * L // qo
     b = (j + 1) * L // qo
-    return seg_start[owner] + a, b - a, _piece_cost(a, b), a, owner
+    return a, b - a, _piece_cost(a, b), owner, j
 
 
-def _insert_sorted(at: np.ndarray, pairs):
-    """``np.insert`` of several arrays at once, for SORTED insertion points ``at`` (``[k]``, values go before
-    ``arr[at[j]]``, in order): one index computation, two scatters per array. ``pairs``: ``(arr [n], values [k])``."""
-    n = pairs[0][0].size
-    dest_old = np.arange(n, dtype=np.int64) + np.cumsum(np.bincount(at, minlength=n + 1))[:n]
-    dest_new = at + np.arange(at.size, dtype=np.int64)
-    out = []
-    for arr, values in pairs:
-        merged = np.empty(n + at.size, dtype=arr.dtype)
-        merged[dest_old] = arr
-        merged[dest_new] = values
-        out.append(merged)
-    return out
+def _rank_dtype(cp: int):
+    """The smallest signed int holding a rank and the sentinel ``cp`` (a stable argsort of it is a radix sort)."""
+    return np.int16 if cp < 2**15 - 1 else np.int32
 
 
 def _tilted_allocation(N, K, T_g, C_g, T_f):
@@ -188,27 +180,37 @@ def _top_items(cost: np.ndarray, k: int, threshold: float) -> np.ndarray:
     return top[np.lexsort((top, -cost[top]))]
 
 
-def _density_order(cost: np.ndarray, length: np.ndarray, n_strata: int):
-    """Items by cost per token, cut into strata of about equal tokens.
+#: Cap of the cost-per-token sort key (an int16); ``_KEY_CAP + 1`` marks the items placed before the strata.
+_KEY_CAP = 2**15 - 2
 
-    Returns ``(order, bounds, T_g, C_g)``: ``order`` int64 ``[n]`` sorts the items by cost per token (the key is
-    ``2 * cost // length`` capped at ``2**15 - 1``; a stable radix sort of an int16: O(n)); stratum g is
-    ``order[bounds[g]:bounds[g + 1]]`` and holds ``T_g`` tokens costing ``C_g`` (float64 ``[n_strata]``).
+
+def _density_order(length: np.ndarray, pos0: np.ndarray, piece_idx: np.ndarray, skip: np.ndarray):
+    """The items by cost per token, the ``skip``-ped ones left out: int64 ``[n - skip.size]``.
+
+    The key is ``2 * cost // length``, which is exactly ``2 * pos0 + length + 1`` (a piece ``[a, b)`` costs
+    ``(b - a)(a + b + 1) / 2``), capped at ``_KEY_CAP``; ``pos0`` is 0 except at ``piece_idx``. A stable radix sort
+    of an int16 (O(n), ties by index); the skipped items get the key ``_KEY_CAP + 1`` and are cut off the end.
     """
-    key = np.minimum(2 * cost // length, 2**15 - 1).astype(np.int16)
-    order = np.argsort(key, kind="stable")
-    tok = np.cumsum(length[order])
-    cst = np.cumsum(cost[order])
-    total = int(tok[-1])
-    # stratum g starts at the first item whose middle lies past g / n_strata of the tokens
-    mid2 = 2 * tok - length[order]  # twice the middle of every item
-    bounds = np.searchsorted(mid2, (2 * total * np.arange(1, n_strata)) // n_strata, side="left")
-    bounds = np.concatenate([[0], bounds, [order.size]])
-    tok0 = np.concatenate([[0], tok])
-    cst0 = np.concatenate([[0], cst])
-    T_g = (tok0[bounds[1:]] - tok0[bounds[:-1]]).astype(np.float64)
-    C_g = (cst0[bounds[1:]] - cst0[bounds[:-1]]).astype(np.float64)
-    return order, bounds, T_g, C_g
+    key = np.minimum(length, _KEY_CAP - 1).astype(np.int16)
+    key += 1
+    if piece_idx.size:
+        key[piece_idx] = np.minimum(length[piece_idx] + 1 + 2 * pos0[piece_idx], _KEY_CAP)
+    if skip.size:
+        key[skip] = _KEY_CAP + 1
+    return np.argsort(key, kind="stable")[: length.size - skip.size]
+
+
+def _strata_bounds(tok: np.ndarray, lo: np.ndarray, n_strata: int) -> np.ndarray:
+    """int64 ``[n_strata + 1]``: stratum g starts at the first item whose middle lies at or past ``g / n_strata`` of
+    the tokens (``tok`` the cumulative tokens of the sorted items ``[m]``, ``lo`` their lengths).
+
+    The first item with ``2 * tok >= x2`` (x2 = twice the point) holds the point; the answer is that item or, if its
+    middle ``2 * tok - lo`` lies before the point, the next one (every later middle lies past it)."""
+    m = tok.size
+    x2 = (2 * int(tok[-1]) * np.arange(1, n_strata, dtype=np.int64)) // n_strata
+    i1 = np.searchsorted(tok, (x2 + 1) // 2, side="left")
+    i1 = i1 + (2 * tok[i1] - lo[i1] < x2)
+    return np.concatenate([[0], i1, [m]]).astype(np.int64)
 
 
 def _golden_multiplier(n: int) -> int:
@@ -220,10 +222,37 @@ def _golden_multiplier(n: int) -> int:
     return a
 
 
-def _place_items(length, cost, pos0, need_tokens, need_cost, ideal, cp):
+def _golden_order(bounds: np.ndarray) -> np.ndarray:
+    """int64 ``[bounds[-1]]``: inside every slice ``[lo, hi)`` of ``bounds``, ``lo + (j * a % k)`` for ``j`` in
+    ``range(k)``, ``k = hi - lo``, ``a = _golden_multiplier(k)``.
+
+    In float64, because an int64 remainder is slow: ``j * a < k**2`` is exact, and so is the floor of
+    ``j * a * (1 / k)`` while ``k < 2**26`` (the rounding error, below ``k * 2**-52``, is smaller than the distance
+    ``1 / k`` of ``j * a / k`` to any integer, ``j * a % k`` being in ``[1, k - 1]`` for ``j > 0``)."""
+    out = np.empty(int(bounds[-1]), dtype=np.int64)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a few strata
+        k = hi - lo
+        if k == 0:
+            continue
+        a = _golden_multiplier(k)
+        if k >= 2**26:
+            out[lo:hi] = np.arange(k, dtype=np.int64) * a % k + lo
+            continue
+        x = np.arange(k, dtype=np.float64)
+        x *= a
+        q = x * (1.0 / k)
+        np.floor(q, out=q)
+        q *= k
+        x -= q
+        x += lo
+        out[lo:hi] = x  # exact integers: the cast is exact
+    return out
+
+
+def _place_items(length, cost, pos0, piece_idx, need_tokens, need_cost, ideal, cp):
     """Place items (pieces of segments, in position order: ``length``, ``cost``, ``pos0`` the position of the first
-    token inside its segment; int64 ``[n]``) so that rank r gets exactly ``need_tokens[r]`` tokens and about
-    ``need_cost[r]`` cost.
+    token inside its segment, int64 ``[n]``; ``piece_idx`` the items with ``pos0 > 0``) so that rank r gets exactly
+    ``need_tokens[r]`` tokens and about ``need_cost[r]`` cost.
 
     1. Top rounds (LPT): the costliest items, ``cp`` at a time, the round's costliest to the rank with the most cost
        still to fill; whole. At most ``TOP_ROUNDS`` rounds, only items above ``TOP_FRACTION * ideal``, and never
@@ -236,13 +265,13 @@ def _place_items(length, cost, pos0, need_tokens, need_cost, ideal, cp):
        contiguous range of that stream (a range end splits at most one item); a range costs about ``rho_g`` times
        its tokens.
 
-    Returns ``(item_rank, x_item, x_off, x_rank, rank_cost)``: the rank of every item's first piece ``[n]``; the
-    extra pieces of the items a range end cut (item, offset of the piece inside the item, rank; in stream order, so
-    the offsets of one item increase); the items' cost on every rank (float64 ``[cp]``).
+    Returns ``(item_rank, x_item, x_off, x_rank, rank_cost)``: the rank of every item's first piece (``[n]``, of
+    ``_rank_dtype(cp)``); the extra pieces of the items a range end cut (item, offset of the piece inside the item,
+    rank; in stream order, so the offsets of one item increase); the items' cost on every rank (float64 ``[cp]``).
     """
     n = length.size
     z = np.zeros(0, dtype=np.int64)
-    item_rank = np.zeros(n, dtype=np.int64)
+    item_rank = np.zeros(n, dtype=_rank_dtype(cp))
     rank_cost = np.zeros(cp)  # cost placed so far
     if n == 0:
         return item_rank, z, z, z, rank_cost
@@ -259,34 +288,34 @@ def _place_items(length, cost, pos0, need_tokens, need_cost, ideal, cp):
         rank_cost[by_room] += cost[items]
         rank_tokens[by_room] += length[items]
     n_top = sum(r.size for r in top_ranks)
-    rest = None  # all items
+    top = top[:n_top]
     if n_top:
-        top = top[:n_top]
         item_rank[top] = np.concatenate(top_ranks)
-        keep = np.ones(n, dtype=bool)
-        keep[top] = False
-        rest = np.flatnonzero(keep)
     m = n - n_top
     if m == 0:
         return item_rank, z, z, z, rank_cost
 
     N = need_tokens - rank_tokens  # [cp] >= need / 2 >= 0; sums to the tokens of the rest
     K = need_cost - rank_cost  # [cp] cost still needed
-    order, bounds, T_g, C_g = _density_order(cost if rest is None else cost[rest], length if rest is None else
-                                             length[rest], STRATA)
-    alloc = _tilted_allocation(N, K, T_g, C_g, int(T_g.sum()))
+    order = _density_order(length, pos0, piece_idx, top)  # [m] the rest by cost per token
+    lo = length[order]
+    tok = np.cumsum(lo)
+    bounds = _strata_bounds(tok, lo, STRATA)
+    tok_b = np.where(bounds > 0, tok[np.maximum(bounds - 1, 0)], 0)
+    T_g = np.diff(tok_b).astype(np.float64)
+    # the stream: stratum after stratum, each in a low-discrepancy order of its items by cost per token, so that any
+    # range of it samples the whole stratum; rank r's range of stratum g is [ends[g*cp + r - 1], ends[g*cp + r])
+    stream = order[_golden_order(bounds)]
+    item_cost = cost[stream]
+    prefix = np.cumsum(item_cost)  # the stream's cost up to and with every item
+    del item_cost
+    C_g = np.diff(np.where(bounds > 0, prefix[np.maximum(bounds - 1, 0)], 0)).astype(np.float64)
+    alloc = _tilted_allocation(N, K, T_g, C_g, int(tok[-1]))
     if alloc is None:  # no tilt fits: one stratum, exact token counts only
         bounds = np.array([0, m])
         alloc = N[:, None]
-    # the stream: stratum after stratum, each in a low-discrepancy order of its items by cost per token, so that any
-    # range of it samples the whole stratum; rank r's range of stratum g is [ends[g*cp + r - 1], ends[g*cp + r])
-    parts = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a few strata
-        k = hi - lo
-        parts.append(order[lo:hi][(np.arange(k, dtype=np.int64) * _golden_multiplier(k)) % max(k, 1)])
-    stream = np.concatenate(parts)
-    if rest is not None:
-        stream = rest[stream]
+        stream = order[_golden_order(bounds)]
+        prefix = np.cumsum(cost[stream])
     item_len = length[stream]
     item_end = np.cumsum(item_len)
     item_start = item_end - item_len
@@ -295,24 +324,24 @@ def _place_items(length, cost, pos0, need_tokens, need_cost, ideal, cp):
     range_rank = np.arange(ends.size, dtype=np.int64) % cp
     # every item's first piece: the range its first token falls in
     first = np.searchsorted(item_start, range_start, side="left")
-    item_rank[stream] = np.repeat(range_rank, np.diff(np.append(first, m)))
+    item_rank[stream] = np.repeat(range_rank.astype(item_rank.dtype), np.diff(np.append(first, m)))
     # a range that starts strictly inside an item cuts it: an extra piece from there on (of empty ranges starting at
     # the same place, only the last one, which holds the tokens)
     cut, cut_rank = range_start[1:], range_rank[1:]
     last = np.ones(cut.size, dtype=bool)
     last[:-1] = cut[:-1] != cut[1:]
     cut, cut_rank = cut[last], cut_rank[last]
-    idx = np.searchsorted(item_start, cut, side="right") - 1
+    idx = np.searchsorted(item_start, cut, side="right") - 1  # the item holding each cut
     inside = (cut > item_start[idx]) & (cut < item_end[idx])
     x_item = stream[idx[inside]]
     x_off = cut[inside] - item_start[idx[inside]]
     x_rank = cut_rank[inside]
     # cost of every range: the stream's prefix cost at the range bounds (closed form inside a cut item)
-    prefix = np.concatenate([[0], np.cumsum(cost[stream])])
     e = np.append(range_start, ends[-1])
     k = np.minimum(np.searchsorted(item_start, e, side="right") - 1, m - 1)  # the item holding each bound
-    p0 = pos0[stream[k]]
-    at_bound = prefix[k] + _piece_cost(p0, p0 + (e - item_start[k]))
+    sk = stream[k]
+    p0 = pos0[sk]
+    at_bound = (prefix[k] - cost[sk]) + _piece_cost(p0, p0 + (e - item_start[k]))  # prefix[k] includes item k
     rank_cost += np.bincount(range_rank, weights=np.diff(at_bound).astype(np.float64), minlength=cp)
     return item_rank, x_item, x_off, x_rank, rank_cost
 
@@ -327,9 +356,28 @@ def _contiguous_plan(seg_start: np.ndarray, lengths: np.ndarray, total: int, cp:
     return offsets.astype(np.int64), run_start, run_len
 
 
+def _merge_sorted(base, extra, at):
+    """Arrays ``base[i]`` ``[n]`` with the sorted ``extra[i]`` ``[k]`` inserted before ``base[i][at]`` (``at``
+    non-decreasing ``[k]``). Returns the merged arrays and the positions of the extras in them ``[k]``."""
+    n, k = base[0].size, at.size
+    dest = at + np.arange(k, dtype=np.int64)
+    is_base = np.ones(n + k, dtype=bool)
+    is_base[dest] = False
+    out = []
+    for b, x in zip(base, extra):
+        merged = np.empty(n + k, dtype=b.dtype)
+        merged[is_base] = b
+        merged[dest] = x
+        out.append(merged)
+    return out, dest
+
+
 def _plan_numpy(cu: np.ndarray, cp: int):
     """Every rank's runs. Returns ``(offsets int64 [cp + 1], run_start int64 [R], run_len int64 [R])``: rank r's
-    runs are ``[offsets[r], offsets[r + 1])``, ordered by global position, touching runs of a segment merged."""
+    runs are ``[offsets[r], offsets[r + 1])``, ordered by global position, touching runs of a segment merged.
+
+    Cost: a few passes over the per-segment arrays (two radix sorts of int16 keys, a handful of gathers and cumulative
+    sums), plus small work on the few heavy segments and cut pieces."""
     total = int(cu[-1])
     lengths = np.diff(cu)  # [N]
     seg_start = cu[:-1]
@@ -342,44 +390,57 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     if cp == 1:
         return np.array([0, lengths.size], dtype=np.int64), seg_start.copy(), lengths.copy()
     t_local = total // cp
+    n_seg = lengths.size
 
-    cost = _piece_cost(0, lengths)  # [N] int64
+    cost = lengths + 1  # [N] int64: L (L + 1) / 2, in place
+    cost *= lengths
+    cost >>= 1
     ideal = float(cost.sum()) / cp
-    heavy = cost > SMALL_FRACTION * ideal
-    is_long = heavy & (lengths >= 2 * cp * MIN_CHUNK)
-    li = np.flatnonzero(is_long)
-    l_start, l_len, l_rank, long_tokens, long_cost = _long_runs(seg_start[li], lengths[li], cp)
-
-    # items: short segments whole, mid segments (heavy, not long) in q pieces of at least MIN_CHUNK tokens and
-    # about SMALL_FRACTION * ideal cost each; in position order
+    heavy = np.flatnonzero(cost > SMALL_FRACTION * ideal)  # few
+    heavy_len = lengths[heavy]
+    heavy_long = heavy_len >= 2 * cp * MIN_CHUNK
+    li = heavy[heavy_long]  # long segments
+    mid_seg = heavy[~heavy_long & (heavy_len >= 2 * MIN_CHUNK)]  # mid segments
     if li.size:
-        ii = np.flatnonzero(~is_long)
-        i_start, i_len, i_cost = seg_start[ii], lengths[ii], cost[ii]
+        l_start, l_len, l_rank, long_tokens, long_cost = _long_runs(seg_start[li], lengths[li], cp)
+        keep = np.ones(n_seg, dtype=bool)
+        keep[li] = False
+        ii = np.flatnonzero(keep)  # the segments that are items (or cut into items)
+        mid = np.searchsorted(ii, mid_seg)
     else:
-        ii = None  # every segment
-        i_start, i_len, i_cost = seg_start, lengths, cost
-    i_seg = np.arange(lengths.size, dtype=np.int64) if ii is None else ii
-    i_pos0 = np.zeros(i_len.size, dtype=np.int64)
-    mid = np.flatnonzero(heavy[~is_long] & (i_len >= 2 * MIN_CHUNK) if li.size else heavy & (i_len >= 2 * MIN_CHUNK))
-    if mid.size:  # the mid item becomes its first piece, the other pieces follow it
-        q = np.ceil(i_cost[mid] / (SMALL_FRACTION * ideal)).astype(np.int64)
-        q = np.maximum(np.minimum(q, i_len[mid] // MIN_CHUNK), 1)
-        m_start, m_len, m_cost, m_pos0, m_owner = _split_pieces(i_start[mid], i_len[mid], q)
-        is_first = m_pos0 == 0
-        more = ~is_first
-        at = mid[m_owner[more]] + 1
-        i_start, i_len, i_cost, i_pos0 = (arr.copy() for arr in (i_start, i_len, i_cost, i_pos0))
-        for arr, val in ((i_start, m_start), (i_len, m_len), (i_cost, m_cost), (i_pos0, m_pos0)):
-            arr[mid] = val[is_first]
-        i_start, i_len, i_cost, i_pos0, i_seg = _insert_sorted(
-            at,
-            [(i_start, m_start[more]), (i_len, m_len[more]), (i_cost, m_cost[more]), (i_pos0, m_pos0[more]),
-             (i_seg, i_seg[mid][m_owner[more]])],
-        )
+        long_tokens, long_cost = np.zeros(cp, dtype=np.int64), np.zeros(cp, dtype=np.int64)
+        ii, mid = None, mid_seg
+
+    # items: short segments whole, mid segments in q pieces of at least MIN_CHUNK tokens and about
+    # SMALL_FRACTION * ideal cost each; in position order
+    if mid.size:
+        ml = lengths[mid_seg]
+        q = np.ceil(cost[mid_seg] / (SMALL_FRACTION * ideal)).astype(np.int64)
+        q = np.maximum(np.minimum(q, ml // MIN_CHUNK), 1)
+        n_items = n_seg if ii is None else ii.size
+        q_all = np.ones(n_items, dtype=np.int64)
+        q_all[mid] = q
+        i_seg = np.repeat(np.arange(n_seg, dtype=np.int64) if ii is None else ii, q_all)  # segment of every item
+        i_start, i_len, i_cost = seg_start[i_seg], lengths[i_seg], cost[i_seg]
+        m_a, m_len, m_cost, m_owner, m_j = _split_pieces(ml, q)
+        slot = (mid + np.cumsum(q - 1) - (q - 1))[m_owner] + m_j  # item index of every mid piece
+        i_start[slot] = seg_start[mid_seg][m_owner] + m_a
+        i_len[slot], i_cost[slot] = m_len, m_cost
+        i_pos0 = np.zeros(i_len.size, dtype=np.int64)
+        i_pos0[slot] = m_a
+        piece_idx = slot[m_a > 0]  # the items that do not start their segment
+    else:
+        if ii is None:
+            i_start, i_len, i_cost = seg_start, lengths, cost
+        else:
+            i_start, i_len, i_cost = seg_start[ii], lengths[ii], cost[ii]
+        i_pos0 = np.zeros(i_len.size, dtype=np.int64)
+        piece_idx = np.zeros(0, dtype=np.int64)
     item_rank, x_item, x_off, x_rank, item_cost = _place_items(
         i_len,
         i_cost,
         i_pos0,
+        piece_idx,
         t_local - long_tokens,  # >= 0: long_tokens are floor / ceil of (long total) / cp <= T_local
         ideal - long_cost,
         ideal,
@@ -395,40 +456,63 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     if np.diff(prefix).max() < (long_cost + item_cost).max():
         return _contiguous_plan(seg_start, lengths, total, cp)
 
-    # item pieces in position order: each item, then the extra pieces its cuts made (few: at most STRATA * cp)
+    # the extra runs, each list sorted by position: the pieces cut off items (few: at most STRATA * cp), the long
+    # runs; merged into the items (in position order) in one step
+    rdt = item_rank.dtype
+    e_start, e_len, e_rank = [], [], []
     if x_item.size:
         o = np.lexsort((x_off, x_item))  # by position (few)
         x_item, x_off, x_rank = x_item[o], x_off[o], x_rank[o]
-        at = x_item + 1
         same_next = np.append(x_item[1:] == x_item[:-1], False)  # the cuts of one item are consecutive
         x_len = np.where(same_next, np.append(x_off[1:], 0), i_len[x_item]) - x_off
+        x_start = i_start[x_item] + x_off
         first_cut = np.append(True, x_item[1:] != x_item[:-1])
-        i_len = i_len.copy()
+        if i_len is lengths or i_len is cu:  # never write into the caller's arrays
+            i_len = i_len.copy()
         i_len[x_item[first_cut]] = x_off[first_cut]  # the item's first piece ends at its first cut
-        run_start, run_len, run_rank, run_seg = _insert_sorted(
-            at, [(i_start, i_start[x_item] + x_off), (i_len, x_len), (item_rank, x_rank), (i_seg, i_seg[x_item])]
-        )
-    else:
-        run_start, run_len, run_rank, run_seg = i_start, i_len, item_rank, i_seg
-    if li.size:  # the long runs go in by position too (both lists are sorted by start)
+        e_start.append(x_start), e_len.append(x_len), e_rank.append(x_rank.astype(rdt))
+    n_x = x_item.size
+    if li.size:
         keep = l_len > 0
-        l_start, l_len, l_rank = l_start[keep], l_len[keep], l_rank[keep]
-        at = np.searchsorted(run_start, l_start)
-        run_start, run_len, run_rank, run_seg = _insert_sorted(
-            at, [(run_start, l_start), (run_len, l_len), (run_rank, l_rank), (run_seg, np.repeat(li, 2 * cp - 1)[keep])]
-        )
-    # neighbouring runs (in position order) of one segment on one rank touch: merge them (pieces of a mid segment)
-    joins = np.zeros(run_len.size, dtype=bool)
-    joins[1:] = (run_seg[1:] == run_seg[:-1]) & (run_rank[1:] == run_rank[:-1])
-    if joins.any():
-        first = np.flatnonzero(~joins)
-        run_len = np.add.reduceat(run_len, first)
-        run_rank, run_start = run_rank[first], run_start[first]
-    # group by rank, keeping position order inside a rank (a stable radix sort of a small int: O(R))
-    o = np.argsort(run_rank.astype(np.int16 if cp < 2**15 else np.int32), kind="stable")
-    run_start, run_len, run_rank = run_start[o], run_len[o], run_rank[o]
-    offsets = np.searchsorted(run_rank, np.arange(cp + 1), side="left").astype(np.int64)
-    return offsets, run_start, run_len
+        e_start.append(l_start[keep]), e_len.append(l_len[keep]), e_rank.append(l_rank[keep].astype(rdt))
+    run_start, run_len, run_rank = i_start, i_len, item_rank
+    if e_start:
+        es, el, er = (np.concatenate(a) for a in (e_start, e_len, e_rank))
+        if len(e_start) > 1:
+            o = np.argsort(es, kind="stable")  # two sorted lists: a linear merge
+            es, el, er = es[o], el[o], er[o]
+            x_at = np.flatnonzero(o < n_x)  # where the cut pieces went
+        else:
+            x_at = np.arange(n_x)
+        at = np.searchsorted(i_start, es, side="right")
+        (run_start, run_len, run_rank), dest = _merge_sorted((i_start, i_len, item_rank), (es, el, er), at)
+        # a run can join the run before it (same rank, touching) only if it does not start its segment: a cut piece
+        # or a mid piece
+        cand = np.concatenate([dest[x_at], piece_idx + np.searchsorted(at, piece_idx, side="right")])
+    else:
+        cand = piece_idx
+    cand = cand[cand > 0]
+    if cand.size:
+        cand.sort()
+        joins = cand[
+            (run_start[cand - 1] + run_len[cand - 1] == run_start[cand]) & (run_rank[cand - 1] == run_rank[cand])
+        ]
+        if joins.size:  # chains of joins: every run adds its length to the first run of its chain
+            if run_len is i_len and (i_len is lengths or i_len is cu):
+                run_len = run_len.copy()
+            if run_rank is item_rank:
+                run_rank = run_rank.copy()
+            chain = joins - np.arange(joins.size)  # constant along a chain of consecutive joins
+            head = np.concatenate([[True], chain[1:] != chain[:-1]])
+            head_of = joins[head][np.cumsum(head) - 1] - 1
+            np.add.at(run_len, head_of, run_len[joins])
+            run_rank[joins] = cp  # dropped: sorted past the last rank
+    # group by rank, keeping position order inside a rank (a stable radix sort of an int16: O(R))
+    o = np.argsort(run_rank, kind="stable")
+    offsets = np.zeros(cp + 1, dtype=np.int64)
+    np.cumsum(np.bincount(run_rank, minlength=cp + 1)[:cp], out=offsets[1:])
+    o = o[: offsets[-1]]
+    return offsets, run_start[o], run_len[o]
 
 
 def _tuning() -> tuple:
@@ -436,10 +520,56 @@ def _tuning() -> tuple:
     return (SMALL_FRACTION, MIN_CHUNK, TOP_ROUNDS, TOP_FRACTION, STRATA)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_plan(cu_bytes: bytes, cp: int, tuning: tuple):
-    offsets, run_start, run_len = _plan_numpy(np.frombuffer(cu_bytes, dtype=np.int64), cp)
-    return offsets, torch.from_numpy(run_start), torch.from_numpy(run_len)
+_CacheInfo = namedtuple("CacheInfo", ["hits", "misses", "maxsize", "currsize"])
+
+
+class _PlanCache:
+    """LRU of plans keyed on ``(cu_seqlens content, cp, tuning)``, like ``functools.lru_cache`` (with its
+    ``cache_clear`` / ``cache_info``) but without turning ``cu_seqlens`` into ``bytes`` and hashing them (SipHash,
+    slower than planning a small map): the key holds a vectorised digest (one pass) and a hit compares the whole
+    content, so a digest collision is a miss, never a wrong plan."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._entries: OrderedDict = OrderedDict()  # key -> (cu copy, plan)
+        self._weights = np.zeros(0, dtype=np.uint64)
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def _digest(self, cu: np.ndarray) -> int:
+        if self._weights.size < cu.size:  # fixed odd pseudo-random weights, grown as needed (deterministic)
+            n = max(cu.size, 2 * self._weights.size)
+            self._weights = np.random.default_rng(0x5EED).integers(0, 2**63, n, dtype=np.uint64) * 2 + 1
+        return int(np.dot(cu.view(np.uint64), self._weights[: cu.size]))  # wraps mod 2**64
+
+    def __call__(self, cu: np.ndarray, cp: int, tuning: tuple):
+        with self._lock:
+            key = (cu.size, self._digest(cu), cp, tuning)
+            entry = self._entries.get(key)
+            if entry is not None and np.array_equal(entry[0], cu):
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return entry[1]
+            self.misses += 1
+        offsets, run_start, run_len = _plan_numpy(cu, cp)  # outside the lock: concurrent misses both plan
+        plan = (offsets, torch.from_numpy(run_start), torch.from_numpy(run_len))
+        with self._lock:
+            self._entries[key] = (cu.copy(), plan)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return plan
+
+    def cache_info(self):
+        return _CacheInfo(self.hits, self.misses, self.maxsize, len(self._entries))
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+
+_cached_plan = _PlanCache(_CACHE_SIZE)
 
 
 def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int):
@@ -461,7 +591,7 @@ def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int):
     cp = _check_cp_size(cp_size)
     cu = _cu_numpy(cu_seqlens)
     _check_divisible(int(cu[-1]), cp)
-    return _cached_plan(cu.tobytes(), cp, _tuning())
+    return _cached_plan(cu, cp, _tuning())
 
 
 def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int):
