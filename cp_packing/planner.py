@@ -160,22 +160,25 @@ def _tilted_allocation(N, K, T_g, C_g, T_f):
     col = np.rint(np.cumsum(frac, axis=0))
     col = np.minimum(np.maximum.accumulate(np.maximum(col, 0.0), axis=0), T_g[None, :]).astype(np.int64)
     col[-1] = T_g.astype(np.int64)
-    alloc = np.diff(col, axis=0, prepend=0)  # [cp, G] >= 0, columns exact
+    alloc = col.copy()
+    alloc[1:] -= col[:-1]  # [cp, G] >= 0, columns exact
     g_star = int(np.argmax(T_g))  # the biggest stratum absorbs the rounding of the rows
     alloc[:, g_star] = N - (alloc.sum(axis=1) - alloc[:, g_star])
-    return None if np.any(alloc < 0) else alloc
+    return None if alloc.min() < 0 else alloc
 
 
 def _top_items(cost: np.ndarray, k: int, threshold: float) -> np.ndarray:
     """Indices of the (at most) ``k`` costliest items costing more than ``threshold``, costliest first, ties by
     index. O(n) (a partition, then a sort of ``k`` items); the same result for any correct partition algorithm."""
-    n = cost.size
-    k = min(k, int(np.count_nonzero(cost > threshold)))
+    cand = np.flatnonzero(cost > threshold)  # one pass; the rest works on the candidates
+    n = cand.size
+    k = min(k, n)
     if k == 0:
         return np.zeros(0, dtype=np.int64)
-    v = np.partition(cost, n - k)[n - k]  # the k-th largest cost
-    above = np.flatnonzero(cost > v)
-    at_v = np.flatnonzero(cost == v)[: k - above.size]
+    c = cost[cand]
+    v = np.partition(c, n - k)[n - k]  # the k-th largest cost
+    above = cand[c > v]
+    at_v = cand[c == v][: k - above.size]
     top = np.concatenate([above, at_v])
     return top[np.lexsort((top, -cost[top]))]
 

@@ -308,3 +308,65 @@ def test_plan_cache_follows_the_tuning_constants(monkeypatch):
     fresh = planner._plan_numpy(cu.numpy().astype(np.int64), 4)
     assert torch.equal(after[1], torch.from_numpy(fresh[1])) and torch.equal(after[2], torch.from_numpy(fresh[2]))
     assert not (before[1].numel() == after[1].numel() and torch.equal(before[1], after[1]))
+
+
+def _check_plan_vectorised(cu: torch.Tensor, cp: int):
+    """The guarantees on a big map, without a Python loop over runs: exact T/cp tokens per rank, non-empty runs
+    inside one segment, ordered by position, every token exactly once."""
+    offsets, run_start, run_len = balanced_plan(cu, cp_size=cp)
+    cu64 = cu.to(torch.int64)
+    T = int(cu64[-1])
+    assert bool((run_len > 0).all())
+    per_rank = torch.tensor([int(run_len[offsets[r] : offsets[r + 1]].sum()) for r in range(cp)])
+    assert bool((per_rank == T // cp).all())
+    seg_first = torch.searchsorted(cu64, run_start, right=True)
+    seg_last = torch.searchsorted(cu64, run_start + run_len - 1, right=True)
+    assert torch.equal(seg_first, seg_last)  # every run inside one segment
+    for r in range(cp):
+        s = run_start[offsets[r] : offsets[r + 1]]
+        assert bool((s[1:] > s[:-1]).all())
+    idx = torch.repeat_interleave(run_start - (torch.cumsum(run_len, 0) - run_len), run_len) + torch.arange(T)
+    assert torch.equal(torch.sort(idx).values, torch.arange(T))  # every token exactly once
+
+
+@pytest.mark.parametrize("kind", ["short", "lognormal"])
+def test_exact_partition_on_a_big_many_segment_map(kind):
+    """The planning-time benchmark's map ([8, 131072]; 'short' has ~58k segments): the plan is an exact partition
+    and the same when planned again from scratch."""
+    cu = packed_seq_params_from_doc_ids(synthetic_doc_ids(kind, 8, 131072, seed=0)).cu_seqlens
+    for cp in (8, 16):
+        _check_plan_vectorised(cu, cp)
+        first = balanced_plan(cu, cp_size=cp)
+        planner._cached_plan.cache_clear()
+        again = balanced_plan(cu.clone(), cp_size=cp)
+        assert np.array_equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_golden_order_is_the_integer_permutation():
+    """The float64 low-discrepancy order equals lo + (j * a % k) computed in integers, for strata of any size."""
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 2, 3, 5, 89, 1000, 65537, 300_001] + rng.integers(1, 50_000, 6).tolist()
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    got = planner._golden_order(bounds)
+    want = np.concatenate(
+        [lo + np.arange(k, dtype=np.int64) * planner._golden_multiplier(k) % k if k else np.zeros(0, np.int64)
+         for lo, k in zip(bounds[:-1].tolist(), sizes)]
+    )
+    assert np.array_equal(got, want)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a permutation of every stratum
+        assert np.array_equal(np.sort(got[lo:hi]), np.arange(lo, hi))
+
+
+def test_plan_cache_never_confuses_maps_with_the_same_digest(monkeypatch):
+    """The cache key holds a digest of cu_seqlens; maps whose digests collide still get their own plans."""
+    monkeypatch.setattr(planner._PlanCache, "_digest", lambda self, cu: 0)
+    planner._cached_plan.cache_clear()
+    try:
+        a = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 2, 4096, seed=1)).cu_seqlens
+        b = packed_seq_params_from_doc_ids(synthetic_doc_ids("long", 2, 4096, seed=2)).cu_seqlens
+        for cu in (a, b, a, b):
+            plan = balanced_plan(cu, cp_size=4)
+            fresh = planner._plan_numpy(cu.numpy().astype(np.int64), 4)
+            assert torch.equal(plan[1], torch.from_numpy(fresh[1])) and torch.equal(plan[2], torch.from_numpy(fresh[2]))
+    finally:
+        planner._cached_plan.cache_clear()
