@@ -117,7 +117,7 @@ def _long_runs(seg_start: np.ndarray, lengths: np.ndarray, cp: int):
     return (
         start.ravel(),
         length.ravel(),
-        np.broadcast_to(rank, start.shape).ravel(),
+        np.tile(rank, lengths.size),
         pair.sum(axis=0),
         cost.sum(axis=0),
     )
@@ -183,8 +183,8 @@ def _top_items(cost: np.ndarray, k: int, threshold: float) -> np.ndarray:
     return top[np.lexsort((top, -cost[top]))]
 
 
-#: Cap of the cost-per-token sort key (an int16); ``_KEY_CAP + 1`` marks the items placed before the strata.
-_KEY_CAP = 2**15 - 2
+#: Cap of the cost-per-token sort key (an int16).
+_KEY_CAP = 2**15 - 1
 
 
 def _density_order(length: np.ndarray, pos0: np.ndarray, piece_idx: np.ndarray, skip: np.ndarray):
@@ -192,15 +192,17 @@ def _density_order(length: np.ndarray, pos0: np.ndarray, piece_idx: np.ndarray, 
 
     The key is ``2 * cost // length``, which is exactly ``2 * pos0 + length + 1`` (a piece ``[a, b)`` costs
     ``(b - a)(a + b + 1) / 2``), capped at ``_KEY_CAP``; ``pos0`` is 0 except at ``piece_idx``. A stable radix sort
-    of an int16 (O(n), ties by index); the skipped items get the key ``_KEY_CAP + 1`` and are cut off the end.
+    of an int16 (O(n), ties by index; one pass when every key is below 256); the skipped items get the key 0 (every
+    other key is >= 2) and are cut off the front.
     """
-    key = np.minimum(length, _KEY_CAP - 1).astype(np.int16)
+    key = np.empty(length.size, dtype=np.int16)
+    np.minimum(length, _KEY_CAP - 1, out=key, casting="unsafe")  # in range: an exact cast
     key += 1
     if piece_idx.size:
         key[piece_idx] = np.minimum(length[piece_idx] + 1 + 2 * pos0[piece_idx], _KEY_CAP)
     if skip.size:
-        key[skip] = _KEY_CAP + 1
-    return np.argsort(key, kind="stable")[: length.size - skip.size]
+        key[skip] = 0
+    return np.argsort(key, kind="stable")[skip.size :]
 
 
 def _strata_bounds(tok: np.ndarray, lo: np.ndarray, n_strata: int) -> np.ndarray:
@@ -225,30 +227,37 @@ def _golden_multiplier(n: int) -> int:
     return a
 
 
+#: Below this many items, ``_golden_order`` uses the plain integer formula (fewer calls, slower per item).
+_SMALL_STREAM = 16384
+
+
 def _golden_order(bounds: np.ndarray) -> np.ndarray:
     """int64 ``[bounds[-1]]``: inside every slice ``[lo, hi)`` of ``bounds``, ``lo + (j * a % k)`` for ``j`` in
     ``range(k)``, ``k = hi - lo``, ``a = _golden_multiplier(k)``.
 
-    In float64, because an int64 remainder is slow: ``j * a < k**2`` is exact, and so is the floor of
-    ``j * a * (1 / k)`` while ``k < 2**26`` (the rounding error, below ``k * 2**-52``, is smaller than the distance
-    ``1 / k`` of ``j * a / k`` to any integer, ``j * a % k`` being in ``[1, k - 1]`` for ``j > 0``)."""
-    out = np.empty(int(bounds[-1]), dtype=np.int64)
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a few strata
+    Without an int64 remainder over the stratum (slow): with ``j = u * B + v`` (``B = ceil(sqrt(k))``),
+    ``j * a % k = (U[u] + V[v]) % k`` where ``U[u] = u * B * a % k`` and ``V[v] = v * a % k`` are two small tables,
+    and their sum is below ``2k``: one broadcast add and one conditional subtraction."""
+    m = int(bounds[-1])
+    lo_l, hi_l = bounds[:-1].tolist(), bounds[1:].tolist()
+    if m < _SMALL_STREAM:  # few items: the plain formula for all strata at once, fewer NumPy calls
+        k = np.diff(bounds)
+        a = np.array([_golden_multiplier(hi - lo) if hi > lo else 1 for lo, hi in zip(lo_l, hi_l)], dtype=np.int64)
+        lo_of, k_of, a_of = (np.repeat(x, k) for x in (bounds[:-1], k, a))
+        return (np.arange(m, dtype=np.int64) - lo_of) * a_of % k_of + lo_of
+    out = np.empty(m, dtype=np.int64)
+    for lo, hi in zip(lo_l, hi_l):  # a few strata
         k = hi - lo
         if k == 0:
             continue
         a = _golden_multiplier(k)
-        if k >= 2**26:
-            out[lo:hi] = np.arange(k, dtype=np.int64) * a % k + lo
-            continue
-        x = np.arange(k, dtype=np.float64)
-        x *= a
-        q = x * (1.0 / k)
-        np.floor(q, out=q)
-        q *= k
-        x -= q
-        x += lo
-        out[lo:hi] = x  # exact integers: the cast is exact
+        B = math.isqrt(k - 1) + 1  # B * B >= k
+        V = np.arange(B, dtype=np.int64) * a % k
+        U = np.arange((k + B - 1) // B, dtype=np.int64) * (B * a % k) % k
+        y = (U[:, None] + V[None, :]).reshape(-1)[:k]  # [k] in [0, 2k)
+        z = y - k  # y % k is y - k where that is >= 0, else y: the smaller of the two as unsigned (branch-free)
+        np.minimum(y.view(np.uint64), z.view(np.uint64), out=z.view(np.uint64))
+        np.add(z, lo, out=out[lo:hi])
     return out
 
 
@@ -279,21 +288,27 @@ def _place_items(length, cost, pos0, piece_idx, need_tokens, need_cost, ideal, c
     if n == 0:
         return item_rank, z, z, z, rank_cost
     top = _top_items(cost, TOP_ROUNDS * cp, TOP_FRACTION * ideal)
-    rank_tokens = np.zeros(cp, dtype=np.int64)
-    half = need_tokens // 2
-    top_ranks: list[np.ndarray] = []
-    for j in range(0, top.size, cp):  # at most TOP_ROUNDS rounds of cp items: a short loop
-        items = top[j : j + cp]
-        by_room = (rank_cost - need_cost).argsort(kind="stable")[: items.size]  # most cost still to fill first
-        if (rank_tokens[by_room] + length[items] > half[by_room]).any():
+    # at most TOP_ROUNDS rounds of cp items on cp ranks: plain Python on small lists (float64 like NumPy's, the same
+    # stable order), cheaper than a dozen NumPy calls per round
+    r_cost, r_tok = [0.0] * cp, [0] * cp
+    need_c, half = need_cost.tolist(), (need_tokens // 2).tolist()
+    t_len, t_cost = length[top].tolist(), cost[top].tolist()
+    placed: list[int] = []  # rank of every placed top item, in order
+    for j in range(0, top.size, cp):
+        room = [r_cost[r] - need_c[r] for r in range(cp)]
+        by_room = sorted(range(cp), key=room.__getitem__)[: min(cp, top.size - j)]  # most cost still to fill first
+        if any(r_tok[r] + t_len[j + i] > half[r] for i, r in enumerate(by_room)):
             break
-        top_ranks.append(by_room)
-        rank_cost[by_room] += cost[items]
-        rank_tokens[by_room] += length[items]
-    n_top = sum(r.size for r in top_ranks)
+        for i, r in enumerate(by_room):
+            r_cost[r] += t_cost[j + i]
+            r_tok[r] += t_len[j + i]
+        placed.extend(by_room)
+    n_top = len(placed)
     top = top[:n_top]
+    rank_cost = np.array(r_cost)
+    rank_tokens = np.array(r_tok, dtype=np.int64)
     if n_top:
-        item_rank[top] = np.concatenate(top_ranks)
+        item_rank[top] = placed
     m = n - n_top
     if m == 0:
         return item_rank, z, z, z, rank_cost
@@ -319,14 +334,14 @@ def _place_items(length, cost, pos0, piece_idx, need_tokens, need_cost, ideal, c
         alloc = N[:, None]
         stream = order[_golden_order(bounds)]
         prefix = np.cumsum(cost[stream])
-    item_len = length[stream]
-    item_end = np.cumsum(item_len)
-    item_start = item_end - item_len
+    item_end = np.cumsum(length[stream])  # the stream's tokens up to and with every item
     ends = np.cumsum(alloc.T.reshape(-1))  # [n_ranges]
     range_start = np.concatenate([[0], ends[:-1]])
     range_rank = np.arange(ends.size, dtype=np.int64) % cp
-    # every item's first piece: the range its first token falls in
-    first = np.searchsorted(item_start, range_start, side="left")
+    # every item's first piece: the range its first token falls in. The first item starting at or after s > 0 is
+    # the one after the first item ending at or after s.
+    first = np.searchsorted(item_end, range_start, side="left") + 1
+    first[range_start == 0] = 0
     item_rank[stream] = np.repeat(range_rank.astype(item_rank.dtype), np.diff(np.append(first, m)))
     # a range that starts strictly inside an item cuts it: an extra piece from there on (of empty ranges starting at
     # the same place, only the last one, which holds the tokens)
@@ -334,17 +349,19 @@ def _place_items(length, cost, pos0, piece_idx, need_tokens, need_cost, ideal, c
     last = np.ones(cut.size, dtype=bool)
     last[:-1] = cut[:-1] != cut[1:]
     cut, cut_rank = cut[last], cut_rank[last]
-    idx = np.searchsorted(item_start, cut, side="right") - 1  # the item holding each cut
-    inside = (cut > item_start[idx]) & (cut < item_end[idx])
+    idx = np.minimum(np.searchsorted(item_end, cut, side="right"), m - 1)  # the item holding each cut
+    idx_start = item_end[idx] - length[stream[idx]]
+    inside = (cut > idx_start) & (cut < item_end[idx])
     x_item = stream[idx[inside]]
-    x_off = cut[inside] - item_start[idx[inside]]
+    x_off = cut[inside] - idx_start[inside]
     x_rank = cut_rank[inside]
     # cost of every range: the stream's prefix cost at the range bounds (closed form inside a cut item)
     e = np.append(range_start, ends[-1])
-    k = np.minimum(np.searchsorted(item_start, e, side="right") - 1, m - 1)  # the item holding each bound
+    k = np.minimum(np.searchsorted(item_end, e, side="right"), m - 1)  # the item holding each bound (or the last)
     sk = stream[k]
     p0 = pos0[sk]
-    at_bound = (prefix[k] - cost[sk]) + _piece_cost(p0, p0 + (e - item_start[k]))  # prefix[k] includes item k
+    # prefix[k] includes item k: take it off, add the part of it before the bound
+    at_bound = (prefix[k] - cost[sk]) + _piece_cost(p0, p0 + (e - (item_end[k] - length[sk])))
     rank_cost += np.bincount(range_rank, weights=np.diff(at_bound).astype(np.float64), minlength=cp)
     return item_rank, x_item, x_off, x_rank, rank_cost
 
@@ -451,12 +468,12 @@ def _plan_numpy(cu: np.ndarray, cp: int):
     )
 
     # safety net for tiny maps, where pieces are coarse: never worse than contiguous (also a valid plan)
-    seg_end_cost = np.cumsum(cost)
     bounds = np.arange(cp + 1, dtype=np.int64) * t_local
     k = np.searchsorted(seg_start, bounds, side="right") - 1  # segment holding each rank boundary
     p = bounds - seg_start[k]
-    prefix = np.where(k > 0, seg_end_cost[k - 1], 0) + p * (p + 1) // 2  # cost of the stream before the boundary
-    if np.diff(prefix).max() < (long_cost + item_cost).max():
+    between = np.add.reduceat(cost, k)[:-1]  # cost of the segments k[r] .. k[r+1] - 1 (where k[r] < k[r+1])
+    contiguous = np.where(k[1:] > k[:-1], between, 0) + (p * (p + 1) // 2)[1:] - (p * (p + 1) // 2)[:-1]
+    if contiguous.max() < (long_cost + item_cost).max():
         return _contiguous_plan(seg_start, lengths, total, cp)
 
     # the extra runs, each list sorted by position: the pieces cut off items (few: at most STRATA * cp), the long

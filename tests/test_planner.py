@@ -343,18 +343,22 @@ def test_exact_partition_on_a_big_many_segment_map(kind):
 
 
 def test_golden_order_is_the_integer_permutation():
-    """The float64 low-discrepancy order equals lo + (j * a % k) computed in integers, for strata of any size."""
+    """The low-discrepancy order (split tables for big streams, the plain formula for small ones) equals
+    lo + (j * a % k) computed directly, for strata of any size, and permutes every stratum."""
     rng = np.random.default_rng(0)
-    sizes = [0, 1, 2, 3, 5, 89, 1000, 65537, 300_001] + rng.integers(1, 50_000, 6).tolist()
-    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    got = planner._golden_order(bounds)
-    want = np.concatenate(
-        [lo + np.arange(k, dtype=np.int64) * planner._golden_multiplier(k) % k if k else np.zeros(0, np.int64)
-         for lo, k in zip(bounds[:-1].tolist(), sizes)]
-    )
-    assert np.array_equal(got, want)
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # a permutation of every stratum
-        assert np.array_equal(np.sort(got[lo:hi]), np.arange(lo, hi))
+    big = [0, 1, 2, 3, 5, 89, 1000, 65537, 300_001] + rng.integers(1, 50_000, 6).tolist()
+    small = [0, 1, 7, 1000, 4000]
+    assert sum(big) >= planner._SMALL_STREAM > sum(small)
+    for sizes in (big, small):
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        got = planner._golden_order(bounds)
+        want = np.concatenate(
+            [lo + np.arange(k, dtype=np.int64) * planner._golden_multiplier(k) % k if k else np.zeros(0, np.int64)
+             for lo, k in zip(bounds[:-1].tolist(), sizes)]
+        )
+        assert np.array_equal(got, want)
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            assert np.array_equal(np.sort(got[lo:hi]), np.arange(lo, hi))
 
 
 def test_plan_cache_never_confuses_maps_with_the_same_digest(monkeypatch):
