@@ -64,3 +64,18 @@ def segments_of(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
                 out.append((b * S + start, b * S + s))
                 start = s
     return out
+
+
+def block_diagonal_causal(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference inputs for an HF eager model over the flat stream: an additive 4-D mask ``[1, 1, T, T]`` that lets
+    token i see j iff both are in one segment and ``j <= i``, and ``position_ids`` ``[1, T]`` restarting per
+    segment. Built from the plain-Python segmentation, independent of the library."""
+    T = doc_ids.numel()
+    seg = torch.empty(T, dtype=torch.int64)
+    pos = torch.empty(T, dtype=torch.int64)
+    for k, (a, b) in enumerate(segments_of(doc_ids)):
+        seg[a:b] = k
+        pos[a:b] = torch.arange(b - a)
+    t = torch.arange(T)
+    allowed = (seg[:, None] == seg[None, :]) & (t[:, None] >= t[None, :])
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None], pos[None]

@@ -7,7 +7,7 @@ union of the DP replicas' batches with the ordinary mean cross-entropy over all 
 
 The reference is independent of cp_packing's attention and loss: HF's eager attention with an explicit
 block-diagonal causal 4-D mask and per-segment position ids from a plain-Python segmentation
-(``tests.maps.segments_of``), and ``F.cross_entropy(..., reduction="mean")`` over every valid label of the union.
+(``tests.maps.block_diagonal_causal``), and ``F.cross_entropy(..., reduction="mean")`` over every valid label of the union.
 
 Also pinned: FSDP2's default gradient AVERAGE over its dp*cp ranks makes the gradients dp*cp times too small (the
 reason the recipe turns it off), and the alternative (keep the average, multiply the loss by dp*cp) is exact too.
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 import cp_packing  # noqa: E402
 from cp_packing.hf import cp_model_inputs, register_cp_attention  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.maps import segments_of  # noqa: E402
+from tests.maps import block_diagonal_causal  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 # AdamW's first step moves each weight by about lr * g / (|g| + eps): for a weight whose gradient is ~0, a 3e-8
@@ -134,15 +134,8 @@ def reference_step(dp: int) -> dict:
     ids = torch.cat([b["input_ids"] for b in batches])
     labels = torch.cat([b["labels"] for b in batches])
     T = doc.numel()
-    seg = torch.empty(T, dtype=torch.int64)
-    pos = torch.empty(T, dtype=torch.int64)
-    for k, (a, b) in enumerate(segments_of(doc)):
-        seg[a:b] = k
-        pos[a:b] = torch.arange(b - a)
-    t = torch.arange(T)
-    allowed = (seg[:, None] == seg[None, :]) & (t[:, None] >= t[None, :])
-    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]  # [1, 1, T, T]
-    logits = model(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask, use_cache=False).logits
+    mask, pos = block_diagonal_causal(doc)  # [1, 1, T, T], [1, T]
+    logits = model(input_ids=ids.reshape(1, T), position_ids=pos, attention_mask=mask, use_cache=False).logits
     loss = F.cross_entropy(logits[0], labels.reshape(T), ignore_index=-100)  # mean over every valid label
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -28,7 +28,7 @@ from cp_packing.hf import (  # noqa: E402
 from cp_packing.loss import next_token_labels, packed_cross_entropy  # noqa: E402
 from cp_packing.padding import pad_segments  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.maps import segments_of  # noqa: E402
+from tests.maps import block_diagonal_causal, segments_of  # noqa: E402
 
 NAME = register_cp_attention()
 RTOL, ATOL = 1e-4, 1e-5
@@ -77,16 +77,9 @@ def make_case(layout: str, cp: int, seed: int = 0) -> dict:
 def reference(model: torch.nn.Module, doc: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor):
     """Eager attention with a block-diagonal causal mask over the flat stream: (logits [T, V], loss, grads)."""
     T = doc.numel()
-    seg = torch.empty(T, dtype=torch.int64)
-    pos = torch.empty(T, dtype=torch.int64)
-    for k, (a, b) in enumerate(segments_of(doc)):
-        seg[a:b] = k
-        pos[a:b] = torch.arange(b - a)
-    t = torch.arange(T)
-    allowed = (seg[:, None] == seg[None, :]) & (t[:, None] >= t[None, :])
-    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]  # [1, 1, T, T]
+    mask, pos = block_diagonal_causal(doc)  # [1, 1, T, T], [1, T]
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask, use_cache=False).logits[0]
+    logits = model(input_ids=ids.reshape(1, T), position_ids=pos, attention_mask=mask, use_cache=False).logits[0]
     loss = packed_cross_entropy(logits, labels.reshape(T))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -346,20 +339,15 @@ def test_cp1_runs_under_autocast_like_sdpa():
     case = make_case("contiguous", 1)
     doc, ids = case["doc"], case["ids"]
     T = doc.numel()
-    seg, pos = torch.empty(T, dtype=torch.int64), torch.empty(T, dtype=torch.int64)
-    for k, (a, b) in enumerate(segments_of(doc)):
-        seg[a:b], pos[a:b] = k, torch.arange(b - a)
-    t = torch.arange(T)
-    allowed = (seg[:, None] == seg[None, :]) & (t[:, None] >= t[None, :])
-    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]  # [1, 1, T, T]
+    mask, pos = block_diagonal_causal(doc)  # [1, 1, T, T], [1, T]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(**cp_model_inputs(ids, packed_seq_params_from_doc_ids(doc))).logits[0]  # [T, V]
         with torch.no_grad():
-            ref = sdpa(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask,
+            ref = sdpa(input_ids=ids.reshape(1, T), position_ids=pos, attention_mask=mask,
                        use_cache=False).logits[0]
         fp32 = make_model("llama", "sdpa")
     with torch.no_grad():
-        exact = fp32(input_ids=ids.reshape(1, T), position_ids=pos[None], attention_mask=mask, use_cache=False).logits[0]
+        exact = fp32(input_ids=ids.reshape(1, T), position_ids=pos, attention_mask=mask, use_cache=False).logits[0]
     assert logits.dtype == ref.dtype
     scale = float(exact.abs().max())
     err, ref_err = float((logits.float() - ref.float()).abs().max()), float((ref.float() - exact).abs().max())

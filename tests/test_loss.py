@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from tests.dist_utils import run_distributed
+from tests.maps import segments_of
 
 IGNORE = -100
 V, H = 13, 8  # tiny vocabulary and hidden size
@@ -34,19 +35,6 @@ def ref_labels(input_ids: list[list[int]], doc_ids: list[list[int]]) -> list[lis
     return out
 
 
-def ref_segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) flat ranges: runs within a row."""
-    B, S = doc_ids.shape
-    rows, out = doc_ids.tolist(), []
-    for b in range(B):
-        start = 0
-        for s in range(1, S + 1):
-            if s == S or rows[b][s] != rows[b][s - 1]:
-                out.append((b * S + start, b * S + s))
-                start = s
-    return out
-
-
 def ref_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean CE over all valid labels (logits [T, V], labels [T])."""
     valid = labels != IGNORE
@@ -56,7 +44,7 @@ def ref_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def ref_doc_terms(logits: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> list[torch.Tensor]:
     """One mean CE per segment that has at least one valid label (loop over segments: the reference)."""
     terms = []
-    for a, b in ref_segments(doc_ids):
+    for a, b in segments_of(doc_ids):
         lab = labels[a:b]
         valid = lab != IGNORE
         if valid.any():
