@@ -158,7 +158,7 @@ def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
             f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
             "cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
         )
-    kernels.check_qkv(q, k, v)  # types, [T, H, D] shapes, GQA heads, one dtype
+    kernels.check_qkv(q, k, v, tokens="T_local")  # types, [T_local, H, D] shapes, GQA heads, one dtype
     T_local = sharded.num_local_tokens
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.shape[0] != T_local:

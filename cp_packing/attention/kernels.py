@@ -129,16 +129,17 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype | None = None) 
 # ------------------------------------------------------------------------------------------------------ checking
 
 
-def check_qkv(q: Any, k: Any, v: Any) -> None:
+def check_qkv(q: Any, k: Any, v: Any, *, tokens: str = "T") -> None:
     """Raise a clear TypeError / ValueError unless q ``[T, H, D]`` and k/v ``[Tk, H_kv, D]`` are floating tensors of
-    one dtype with ``H % H_kv == 0``."""
+    one dtype with ``H % H_kv == 0``. ``tokens`` names the token dim in messages (``"T_local"`` for a CP shard)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [T, heads, head_dim], got {type(x).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor [{tokens}, heads, head_dim], got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(
-                f"{name} must be 3-D [T, heads, head_dim] (varlen layout, batch flattened), got shape "
-                f"{tuple(x.shape)}; flatten a [B, S, H, D] tensor with x.reshape(-1, H, D)"
+                f"{name} must be 3-D [{tokens}, heads, head_dim] (varlen layout, batch flattened), got shape "
+                f"{tuple(x.shape)}; flatten a [B, S, H, D] tensor with x.reshape(-1, H, D) (for [1, {tokens}, H, D]: "
+                "x[0])"
             )
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")

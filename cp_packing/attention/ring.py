@@ -130,27 +130,6 @@ def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _check_tensors(q: Any, k: Any, v: Any, sharded: Any) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [T_local, heads, head_dim], got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(
-                f"{name} must be [T_local, heads, head_dim], got shape {tuple(x.shape)}; squeeze the batch dim of "
-                "a [1, T_local, H, D] tensor with x[0]"
-            )
-        if x.shape[0] != sharded.num_local_tokens:
-            raise ValueError(
-                f"{name} has {x.shape[0]} tokens but this CP shard holds T_local={sharded.num_local_tokens}; "
-                "shard it with sharded.shard(x)"
-            )
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: k and v must match and "
-            "share q's head_dim, and q's heads must be a multiple of k's (GQA)"
-        )
-
-
 def _check_group(group: Any, sharded: Any) -> None:
     import torch.distributed as dist
 
@@ -202,14 +181,10 @@ def ring_attention(
         ValueError: shapes that do not match the shard, an unknown layout, a group that is not the shard's.
         ImportError: ring-flash-attn / flash_attn / transformers missing (see ``import_ring_flash_attn``).
     """
-    from cp_packing.sharding import ShardedPackedSeqParams, ring_flash_attn_kwargs
+    from cp_packing.attention.allgather import check_attention_inputs
+    from cp_packing.sharding import ring_flash_attn_kwargs
 
-    if not isinstance(sharded, ShardedPackedSeqParams):
-        raise TypeError(
-            f"sharded must be a ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
-            "shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
-        )
-    _check_tensors(q, k, v, sharded)
+    check_attention_inputs(q, k, v, sharded)  # the shard's type, [T_local, H, D] shapes, GQA, one dtype and device
     if sharded.layout not in ("zigzag", "contiguous"):
         raise ValueError(
             f"ring-flash-attn has no kernel for layout {sharded.layout!r}; shard with layout='zigzag' or "
