@@ -163,7 +163,7 @@ def balance_report(
         lines.append(f"layout='auto' picks {costs['auto'].layout!r}")
     if params.total_tokens % cp_size:
         lines.append(
-            f"B*S = {params.total_tokens} is not a multiple of cp_size={cp_size}: contiguous, balanced and auto do not "
+            f"B*S = {params.total_tokens} is not divisible by cp_size={cp_size}: contiguous, balanced and auto do not "
             "apply (pad the rows)"
         )
     return "\n".join(lines)

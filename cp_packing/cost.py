@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cp_packing.layouts import cu_seqlens_numpy
+from cp_packing._checks import check_cu_seqlens, check_int
 
 __all__ = ["LayoutCost", "layout_cost", "causal_cost", "COST_LAYOUTS"]
 
@@ -112,7 +112,7 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
     Returns:
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
     """
-    cu = cu_seqlens_numpy(cu_seqlens)
+    cu = check_cu_seqlens(cu_seqlens)
     s = _np64(start, "start")
     n = _np64(length, "length")
     if s.shape != n.shape:
@@ -217,14 +217,6 @@ def _runs_cost_summary(cu_seqlens: torch.Tensor, cp: int, layout: str):
     return busiest, (busiest / mean if mean > 0 else 1.0), int(kv_tokens.sum()) * 2 * 8 * 128 * 2
 
 
-def _check_positive_int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def layout_cost(
     params_or_doc_ids,
     *,
@@ -255,9 +247,9 @@ def layout_cost(
     """
     from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-    cp = _check_positive_int(cp_size, "cp_size")
+    cp = check_int(cp_size, "cp_size", min=1)
     for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
-        _check_positive_int(value, name)
+        check_int(value, name, min=1)
     if layout not in COST_LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
     if isinstance(params_or_doc_ids, PackedSeqParams):

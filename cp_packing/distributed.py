@@ -47,16 +47,14 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from cp_packing.groups import CPGroup, resolve_group
 from cp_packing.layouts import LAYOUTS
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __all__ = [
-    "CPGroup",
     "DOC_IDS_KEY",
     "HEADER_LEN",
-    "as_process_group",
-    "resolve_cp_group",
     "distribute_packed_seq_params",
     "distribute_batch",
 ]
@@ -90,116 +88,6 @@ _M64 = (1 << 64) - 1
 
 # --------------------------------------------------------------------------------------------------------------
 # Groups and devices
-
-
-@dataclass(frozen=True)
-class CPGroup:
-    """A resolved context-parallel group.
-
-    Attributes:
-        group: the ``ProcessGroup`` (the default group's object when the caller passed ``None``).
-        rank: this process's rank in ``group`` (the CP rank), ``0 <= rank < size``.
-        size: the group size (the CP size).
-        backend: ``str(dist.get_backend(group))``.
-        device: the device collectives on ``group`` use (CUDA current device for NCCL, else CPU).
-    """
-
-    group: Any
-    rank: int
-    size: int
-    backend: str
-    device: torch.device
-
-    def global_rank(self, group_rank: int) -> int:
-        """The global rank of group rank ``group_rank`` (what ``dist.broadcast(src=...)`` takes)."""
-        return dist.get_global_rank(self.group, group_rank)
-
-
-def device_for_backend(backend: str) -> torch.device:
-    """The device whose tensors a backend moves: CUDA (current device) for anything naming NCCL, else CPU.
-
-    Raises:
-        ValueError: the backend is NCCL and CUDA is not available.
-    """
-    if "nccl" in str(backend).lower():
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"the CP group uses backend {backend!r}, which moves CUDA tensors only, but CUDA is not available; "
-                "use a gloo group on CPU-only machines"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _device_mesh_class():
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # torch built without distributed mesh support
-        return None
-    return DeviceMesh
-
-
-def as_process_group(group: Any, *, name: str = "group") -> Any:
-    """The one place a user's group argument is interpreted: a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a DP x CP
-    mesh) -> its ``ProcessGroup``; a ``ProcessGroup`` -> itself; ``None`` -> ``None`` (callers decide what ``None``
-    means: the default group for the distribute/attention functions, "no CP" for the loss). Local, no communication.
-
-    Raises:
-        ValueError: a mesh with more than one dimension; ``GroupMember.NON_GROUP_MEMBER`` (what ``dist.new_group``
-            returns on a process outside the group).
-        TypeError: anything else.
-    """
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return group
-    mesh_cls = _device_mesh_class()
-    if mesh_cls is not None and isinstance(group, mesh_cls):
-        if group.ndim != 1:
-            names = getattr(group, "mesh_dim_names", None)
-            raise ValueError(
-                f"{name} is a {group.ndim}-D DeviceMesh (dims {names}, shape {tuple(group.mesh.shape)}); pass its "
-                "context-parallel dimension as a 1-D mesh, e.g. mesh['cp']"
-            )
-        return group.get_group()
-    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of {name} (dist.new_group returned "
-            "GroupMember.NON_GROUP_MEMBER here); call this only on the group's ranks"
-        )
-    raise TypeError(
-        f"{name} must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
-    )
-
-
-def resolve_cp_group(group: Any = None) -> CPGroup:
-    """Resolve the CP group argument of the ``distribute_*`` functions (pure local calls, no communication).
-
-    Args:
-        group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a DP x CP mesh) or ``None`` for the
-            default group.
-
-    Raises:
-        ValueError: torch.distributed is not initialized, a mesh with more than one dimension, or this process is not
-            a member of ``group``.
-        TypeError: ``group`` is of another type.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "torch.distributed is not initialized; call torch.distributed.init_process_group(...) first (torchrun "
-            "does the rendezvous), or use cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=...) in a "
-            "single process"
-        )
-    pg = as_process_group(group)
-    if pg is None:
-        pg = dist.group.WORLD
-    rank = dist.get_rank(pg)
-    if rank < 0:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of the CP group; call the distribute "
-            "functions only on the group's ranks, with the group they belong to"
-        )
-    backend = str(dist.get_backend(pg))
-    return CPGroup(group=pg, rank=rank, size=dist.get_world_size(pg), backend=backend,
-                   device=device_for_backend(backend))
 
 
 def _check_src(src: Any, cp: CPGroup) -> int | None:
@@ -636,7 +524,7 @@ def distribute_packed_seq_params(
 
     Communication (``src`` path): two broadcasts, ``HEADER_LEN`` and ``2 * num_segments + 1`` int64.
     """
-    cp = resolve_cp_group(group)
+    cp = resolve_group(group)
     src = _check_src(src, cp)
     _check_layout_arg(layout)
     _check_flag(check_consistent)
@@ -692,7 +580,7 @@ def distribute_batch(
     key names, dtypes and trailing shapes) and one ``dist.scatter`` per key (as bytes) of ``T_local * F * itemsize``
     bytes per rank. Every rank receives only its own tokens.
     """
-    cp = resolve_cp_group(group)
+    cp = resolve_group(group)
     src = _check_src(src, cp)
     _check_layout_arg(layout)
     _check_flag(check_consistent)

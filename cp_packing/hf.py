@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_packing.distributed import as_process_group
+from cp_packing.groups import as_process_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 

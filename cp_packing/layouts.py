@@ -26,69 +26,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["LAYOUTS", "check_cp", "cu_seqlens_numpy", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
+from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible
+
+__all__ = ["LAYOUTS", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_cp(cp_size, cp_rank=None) -> None:
-    """Raise a clear TypeError / ValueError for a bad ``cp_size`` or ``cp_rank``."""
-    if not _is_int(cp_size):
-        raise TypeError(f"cp_size must be an int, got {cp_size!r} ({type(cp_size).__name__})")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if cp_rank is not None:
-        if not _is_int(cp_rank):
-            raise TypeError(f"cp_rank must be an int, got {cp_rank!r} ({type(cp_rank).__name__})")
-        if not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
-
-
 def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return layout
-
-
-def cu_seqlens_numpy(cu_seqlens) -> np.ndarray:
-    """Validated int64 NumPy copy ``[N + 1]`` of ``cu_seqlens`` (a host sync for a device tensor).
-
-    Raises:
-        TypeError: not a tensor, or not an integer dtype.
-        ValueError: not 1-D and non-empty, not starting at 0, or decreasing somewhere.
-    """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(
-            f"cu_seqlens must be a torch.Tensor (int, [num_segments + 1]), got {type(cu_seqlens).__name__}; "
-            "take it from packed_seq_params_from_doc_ids(doc_ids).cu_seqlens"
-        )
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(
-            f"cu_seqlens must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}"
-        )
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
-    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
-        shown = cu[:8].tolist()
-        raise ValueError(
-            f"cu_seqlens must start at 0 and never decrease (cumulative segment lengths), got {shown}"
-            f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
-        )
-    return np.ascontiguousarray(cu)
-
-
-def _check_divisible(total: int, cp_size: int) -> None:
-    if total % cp_size:
-        raise ValueError(
-            f"the batch has T = B*S = {total} tokens, not a multiple of cp_size={cp_size}; every rank must hold "
-            f"the same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
-            f"multiple=...) pads rows and documents)"
-        )
+    return check_choice(layout, "layout", LAYOUTS)
 
 
 def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
@@ -100,8 +46,8 @@ def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
         k = int(bad[0])
         start, end = int(cu[k]), int(cu[k + 1])
         raise ValueError(
-            f"layout 'zigzag': segment {k} (positions {start}..{end - 1}) has length {end - start}, not a multiple "
-            f"of 2*cp_size={2 * cp_size} ({bad.numel()} segment(s) are off); pad every document with "
+            f"layout 'zigzag': segment {k} (positions {start}..{end - 1}) has length {end - start}, not divisible by "
+            f"2*cp_size={2 * cp_size} ({bad.numel()} segment(s) are off); pad every document with "
             f"cp_packing.pad_segments(doc_ids, multiple={2 * cp_size}, ...) or use layout='contiguous'"
         )
 
@@ -148,9 +94,9 @@ def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout:
     """
     check_cp(cp_size, cp_rank)
     check_layout(layout)
-    total = int(cu_seqlens_numpy(cu_seqlens)[-1])
+    total = int(check_cu_seqlens(cu_seqlens)[-1])
     cu = cu_seqlens.to(torch.int64)
-    _check_divisible(total, cp_size)
+    check_divisible(total, cp_size)
     if layout == "contiguous":
         return _contiguous_runs(cu, total, cp_size, cp_rank)
     if layout == "zigzag":

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing.distributed import as_process_group
-from cp_packing.packed_seq import _INTEGER_DTYPES, PackedSeqParams, _check_doc_ids
+from cp_packing._checks import INTEGER_DTYPES, check_doc_ids
+from cp_packing.groups import resolve_group
+from cp_packing.packed_seq import PackedSeqParams
 
 __all__ = ["next_token_labels", "packed_cross_entropy", "reduce_loss_for_logging"]
 
@@ -78,13 +79,13 @@ def next_token_labels(
     """
     if isinstance(doc_ids, PackedSeqParams):
         doc_ids = doc_ids.doc_ids
-    _check_doc_ids(doc_ids)
+    check_doc_ids(doc_ids)
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(
             f"input_ids must be a torch.Tensor [batch, sequence], got {type(input_ids).__name__}; "
             "wrap it with torch.as_tensor(...)"
         )
-    if input_ids.dtype not in _INTEGER_DTYPES:
+    if input_ids.dtype not in INTEGER_DTYPES:
         raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}; convert with .long()")
     if input_ids.shape != doc_ids.shape:
         raise ValueError(
@@ -122,18 +123,9 @@ def next_token_labels(
 
 
 def _resolve_group(group: Any, name: str):
-    """``None`` -> None; a 1-D DeviceMesh -> its ProcessGroup; a ProcessGroup -> itself (checked usable)."""
-    group = as_process_group(group, name=name)
-    if group is None:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"{name} was given but torch.distributed is not initialized; call dist.init_process_group(...) first, "
-            f"or pass {name}=None for a single-process loss"
-        )
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {name}")
-    return group
+    """``None`` -> None (no communication); a 1-D DeviceMesh or ProcessGroup -> the ProcessGroup (checked usable)."""
+    cp = resolve_group(group, name=name, optional=True)
+    return None if cp is None else cp.group
 
 
 def _group_size(group) -> int:
@@ -152,7 +144,7 @@ def _flatten_inputs(logits: Any, labels: Any, ignore_index: int) -> tuple[torch.
         )
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor [T_local, V], got dtype {logits.dtype}")
-    if labels.dtype not in _INTEGER_DTYPES:
+    if labels.dtype not in INTEGER_DTYPES:
         raise TypeError(
             f"labels must have an integer dtype (class index, {ignore_index} = ignored), got {labels.dtype}; "
             "build them with cp_packing.next_token_labels(...) or convert with labels.long()"

@@ -28,21 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cp_packing._checks import check_doc_ids
+
 __all__ = ["PackedSeqParams", "packed_seq_params_from_doc_ids", "to_flash_attention_kwargs"]
-
-_INT32_MAX = 2**31 - 1
-
-_INTEGER_DTYPES = {
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-}
-for _name in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _INTEGER_DTYPES.add(getattr(torch, _name))
-
 
 @dataclass(frozen=True, eq=False)
 class PackedSeqParams:
@@ -76,33 +64,6 @@ class PackedSeqParams:
     def seqlens(self) -> torch.Tensor:
         """int32 ``[num_segments]``: the length of every segment."""
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-
-
-def _check_doc_ids(doc_ids: Any) -> None:
-    if not isinstance(doc_ids, torch.Tensor):
-        raise TypeError(
-            f"doc_ids must be a torch.Tensor of shape [batch, sequence], got {type(doc_ids).__name__}; "
-            "wrap it with torch.as_tensor(...)"
-        )
-    if doc_ids.layout != torch.strided:
-        raise TypeError(
-            f"doc_ids must be a dense tensor, got layout {doc_ids.layout}; convert with doc_ids.to_dense()"
-        )
-    if doc_ids.dim() != 2:
-        raise ValueError(
-            f"doc_ids must be 2-D [batch, sequence], got shape {tuple(doc_ids.shape)}; "
-            "add a batch dimension with doc_ids.unsqueeze(0) for a single row"
-        )
-    if doc_ids.dtype not in _INTEGER_DTYPES:
-        raise TypeError(
-            f"doc_ids must have an integer dtype (1-based document index, 0 = padding), got {doc_ids.dtype}; "
-            "convert with doc_ids.to(torch.int32)"
-        )
-    if doc_ids.numel() > _INT32_MAX:
-        raise ValueError(
-            f"doc_ids has {doc_ids.numel()} tokens, more than int32 cu_seqlens can index ({_INT32_MAX}); "
-            "split the batch"
-        )
 
 
 def _raise_negative(min_value: int) -> None:
@@ -188,7 +149,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     ``[B * S]`` bool mask of boundaries; the sign check reads only segment starts. On CUDA exactly one host sync
     (``max_seqlen``, the segment count and the smallest index are read back together).
     """
-    _check_doc_ids(doc_ids)
+    check_doc_ids(doc_ids)
     B, S = doc_ids.shape
     if B == 0 or S == 0:
         return PackedSeqParams(torch.zeros(1, dtype=torch.int32, device=doc_ids.device), 0, doc_ids)

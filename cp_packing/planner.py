@@ -49,7 +49,7 @@ from collections import OrderedDict, namedtuple
 import numpy as np
 import torch
 
-from cp_packing.layouts import _check_divisible, check_cp, cu_seqlens_numpy
+from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible
 
 __all__ = ["balanced_runs", "balanced_plan", "choose_layout", "AUTO_LAYOUTS"]
 
@@ -83,7 +83,7 @@ def _check_cp_size(cp_size) -> int:
     return cp_size
 
 
-_cu_numpy = cu_seqlens_numpy
+_cu_numpy = check_cu_seqlens
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -610,7 +610,7 @@ def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int):
     """
     cp = _check_cp_size(cp_size)
     cu = _cu_numpy(cu_seqlens)
-    _check_divisible(int(cu[-1]), cp)
+    check_divisible(int(cu[-1]), cp)
     return _cached_plan(cu, cp, _tuning())
 
 

@@ -20,7 +20,8 @@ from typing import Sequence
 
 import torch
 
-from cp_packing.layouts import check_cp, check_layout, expand_runs, global_token_order, layout_runs
+from cp_packing._checks import check_cp
+from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams
 
 __all__ = ["ShardedPackedSeqParams", "shard_packed_seq_params", "ring_flash_attn_kwargs", "transformer_engine_kwargs"]

@@ -406,7 +406,7 @@ def test_allgather_bf16():
 
 def test_device_backend_parses_mixed_backend_configs():
     """Which backend a group uses for a device's tensors, from dist.get_backend_config's string."""
-    from cp_packing.attention.allgather import _device_backend
+    from cp_packing.groups import backend_for_device as _device_backend
 
     assert _device_backend("cpu:gloo,cuda:nccl", "cpu") == "gloo"  # init_process_group() on a GPU machine
     assert _device_backend("cpu:gloo,cuda:nccl", "cuda") == "nccl"

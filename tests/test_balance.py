@@ -67,7 +67,7 @@ def test_report_without_divisible_tokens_keeps_what_applies():
     doc_ids = torch.tensor([[1, 1, 2, 2, 2, 0]])
     text = balance_report(doc_ids, cp_size=4)
     assert "rowzigzag" in text and "zigzag (padded)" in text and "\nbalanced" not in text
-    assert "not a multiple of cp_size=4" in text
+    assert "is not divisible by cp_size=4" in text
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):

@@ -19,12 +19,11 @@ import torch.distributed as dist
 
 from cp_packing.distributed import (
     HEADER_LEN,
-    device_for_backend,
     distribute_batch,
     distribute_packed_seq_params,
-    resolve_cp_group,
     src_message_bytes,
 )
+from cp_packing.groups import device_for_backend, resolve_group
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 from tests.dist_utils import run_distributed, under_torchrun
@@ -201,7 +200,7 @@ def _mesh(rank: int, world: int) -> list:
     batch = _batch(doc_ids, dp_rank)
     want = shard_packed_seq_params(params, cp_size=2, cp_rank=cp_rank, layout="zigzag")
 
-    cp = resolve_cp_group(mesh["cp"])
+    cp = resolve_group(mesh["cp"])
     assert (cp.rank, cp.size) == (cp_rank, 2)
     assert cp.global_rank(src) == 2 * dp_rank + src
 
@@ -337,7 +336,7 @@ def test_errors_are_raised_on_every_rank():
         assert "raised on the source, group rank 0" in r[5][1]
         assert r[6][0] == "ValueError" and "batch['doc_ids']" in r[6][1]
         assert r[7][0] == "TypeError" and "params must be PackedSeqParams" in r[7][1]
-        assert r[8][0] == "ValueError" and "not a multiple of 2*cp_size=4" in r[8][1]
+        assert r[8][0] == "ValueError" and "not divisible by 2*cp_size=4" in r[8][1]
         assert r[9][0] == "ValueError" and "batch['x'] has shape (2, 7)" in r[9][1]
     assert results[0][10] is None and results[0][11] is None  # the source
     for r in results[1:]:

@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from cp_packing._checks import check_doc_ids
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cp_packing.packed_seq import (
     PackedSeqParams,
-    _check_doc_ids,
     _from_doc_ids_numpy,
     _from_doc_ids_torch,
     packed_seq_params_from_doc_ids,
@@ -234,7 +235,7 @@ def test_more_tokens_than_int32_can_index_is_a_value_error():
 
 def test_exactly_int32_max_tokens_passes_the_size_check():
     # The limit is inclusive: cu_seqlens[-1] == T == 2**31 - 1 still fits int32 (checked on a view, not computed).
-    _check_doc_ids(torch.zeros(1, 1, dtype=torch.int8).expand(1, 2**31 - 1))
+    check_doc_ids(torch.zeros(1, 1, dtype=torch.int8).expand(1, 2**31 - 1))
 
 
 def test_to_flash_attention_kwargs_rejects_other_types():

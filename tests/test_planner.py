@@ -249,7 +249,7 @@ def test_choose_layout_errors():
 
 def test_balanced_runs_errors():
     cu = torch.tensor([0, 3, 6], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"T = B\*S = 6 tokens, not a multiple of cp_size=4"):
+    with pytest.raises(ValueError, match=r"T = B\*S = 6 tokens, not divisible by cp_size=4"):
         balanced_runs(cu, cp_size=4, cp_rank=0)
     with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp_size=2\)"):
         balanced_runs(cu, cp_size=2, cp_rank=2)

@@ -271,7 +271,7 @@ def spy_ring(monkeypatch):
     fake = types.SimpleNamespace(zigzag_ring_flash_attn_varlen_func=kernel("zigzag"),
                                  llama3_flash_attn_varlen_func=kernel("llama3"))
     monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: fake)
-    monkeypatch.setattr(ring, "_check_group", lambda group, sharded: None)
+    monkeypatch.setattr(ring, "resolve_attention_group", lambda group, sharded, device: group)
 
     def set_flash_attn(stub: bool):
         module = types.ModuleType("flash_attn")

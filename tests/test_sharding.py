@@ -233,7 +233,7 @@ def test_zigzag_rejects_indivisible_segment_with_named_segment():
         ({"cp_size": 2, "cp_rank": -1}, ValueError, "cp_rank must be in"),
         ({"cp_size": 2, "cp_rank": True}, TypeError, "cp_rank must be an int"),
         ({"cp_size": 2, "cp_rank": 0, "layout": "stripe"}, ValueError, "unknown layout 'stripe'"),
-        ({"cp_size": 3, "cp_rank": 0, "layout": "contiguous"}, ValueError, "T = B\\*S = 8 tokens, not a multiple of cp_size=3"),
+        ({"cp_size": 3, "cp_rank": 0, "layout": "contiguous"}, ValueError, "T = B\\*S = 8 tokens, not divisible by cp_size=3"),
     ],
 )
 def test_bad_arguments(kwargs, exc, pattern):

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from cp_packing.attention import kernels
+from cp_packing.groups import as_process_group, backend_config, backend_for_device
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -170,22 +171,6 @@ def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def _device_backend(config: str, device_type: str) -> str | None:
-    """The backend a process group uses for ``device_type`` tensors, from its backend config (what
-    ``dist.get_backend_config`` returns: ``"cpu:gloo,cuda:nccl"``, ``"cuda:nccl"``; or a plain name like ``"nccl"``):
-    ``""`` when it has none for that device, ``None`` when unknown (a custom backend without declared devices)."""
-    import torch.distributed as dist
-
-    config = str(config).lower()
-    if ":" in config:
-        pairs = dict(pair.split(":", 1) for pair in config.split(",") if ":" in pair)
-        return pairs.get(device_type, "")
-    devices = dist.Backend.backend_capability.get(config)
-    if devices is None:
-        return None
-    return config if device_type in devices else ""
-
-
 def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device: torch.device):
     """The process group to communicate over, checked against ``sharded`` (``None`` when ``cp_size == 1``: no
     communication; the default group object when ``group`` is ``None`` and ``cp_size > 1``).
@@ -195,8 +180,6 @@ def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device:
     ``"cpu:gloo,cuda:nccl"`` group serves CPU tensors with gloo; an NCCL-only group needs CUDA tensors).
     """
     import torch.distributed as dist
-
-    from cp_packing.distributed import as_process_group
 
     group = as_process_group(group)
     initialized = dist.is_available() and dist.is_initialized()
@@ -225,11 +208,8 @@ def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device:
             f"sharded.cp_rank={sharded.cp_rank} but this process is rank {rank} of the CP group; shard with "
             f"cp_rank=torch.distributed.get_rank(group)"
         )
-    try:
-        config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl": per device type
-    except Exception:  # noqa: BLE001 - a group this torch has no config for: its single backend name
-        config = str(dist.get_backend(group))
-    if _device_backend(config, device.type) == "":
+    config = backend_config(group)  # "cpu:gloo,cuda:nccl": per device type
+    if backend_for_device(config, device.type) == "":
         fix = "move q/k/v to CUDA" if "nccl" in config.lower() else "move q/k/v to a device the group serves"
         raise ValueError(
             f"the CP group's backend config {config!r} has no backend for {device.type} tensors, but q is on "

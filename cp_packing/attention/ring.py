@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from cp_packing.attention.allgather import resolve_attention_group
+
 __all__ = ["import_ring_flash_attn", "ring_attention"]
 
 _SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
@@ -130,23 +132,6 @@ def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _check_group(group: Any, sharded: Any) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "ring_attention needs an initialised torch.distributed process group (the CP group); call "
-            "torch.distributed.init_process_group(...) first"
-        )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (size, rank) != (sharded.cp_size, sharded.cp_rank):
-        raise ValueError(
-            f"group has size {size} and this process is its rank {rank}, but the shard was built for "
-            f"cp_size={sharded.cp_size}, cp_rank={sharded.cp_rank}; pass the CP group (not the world group when "
-            "they differ) and shard with cp_rank=dist.get_rank(group)"
-        )
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -196,10 +181,7 @@ def ring_attention(
     refusal = _dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
     if refusal is not None:
         raise TypeError(refusal)
-    from cp_packing.distributed import as_process_group
-
-    group = as_process_group(group)  # a 1-D DeviceMesh -> its ProcessGroup
-    _check_group(group, sharded)
+    group = resolve_attention_group(group, sharded, q.device)  # size, rank and device checked as for all-gather
     # The shard's metadata lives where it was built (often CPU); the kernels need it on q's device (the all-gather
     # path does the same). A no-op when it is already there.
     kwargs = {

@@ -1,0 +1,175 @@
+"""Argument validation: the one place where cp-packing checks what a caller passed.
+
+Every public function validates its arguments with these helpers before any work or communication, so a mistake
+gets a ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) that names the argument, the
+value and the fix. This module imports torch and numpy only; every other module may import it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "HALF_DTYPES",
+    "INTEGER_DTYPES",
+    "INT32_MAX",
+    "check_bool",
+    "check_choice",
+    "check_cp",
+    "check_cu_seqlens",
+    "check_divisible",
+    "check_doc_ids",
+    "check_int",
+    "check_number",
+    "check_tensor",
+    "is_int",
+]
+
+INT32_MAX = 2**31 - 1
+"""The largest flat position an int32 ``cu_seqlens`` can hold."""
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes flash-attn kernels take."""
+
+INTEGER_DTYPES = frozenset(
+    [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+    + [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
+)
+"""Every integer dtype a doc map may have (unsigned ones included)."""
+
+
+def is_int(x: Any) -> bool:
+    """True for a Python or NumPy integer, False for ``bool`` (``True`` is an int to Python, never a size here)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(value: Any, name: str, *, min: int | None = None, max: int | None = None, hint: str = "") -> int:
+    """``value`` as an ``int`` if it is an integer in ``[min, max]``; else a TypeError / ValueError naming it.
+
+    >>> check_int(4, "cp_size", min=1)
+    4
+    """
+    fix = f"; {hint}" if hint else ""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){fix}")
+    value = operator.index(value)
+    if min is not None and value < min:
+        raise ValueError(f"{name} must be >= {min}, got {value}{fix}")
+    if max is not None and value > max:
+        raise ValueError(f"{name} must be <= {max}, got {value}{fix}")
+    return value
+
+
+def check_number(value: Any, name: str, *, min: float | None = None, allow_none: bool = False) -> float | None:
+    """``value`` as a float if it is a real number (not bool) ``>= min``; ``None`` passes when ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        extra = " or None" if allow_none else ""
+        raise TypeError(f"{name} must be a number{extra}, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if value != value or (min is not None and not value >= min):
+        raise ValueError(f"{name} must be >= {min}, got {value}")
+    return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a ``bool``; else a TypeError (``1`` or ``"yes"`` are not flags)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices``; else a ValueError listing them."""
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def check_cp(cp_size: Any, cp_rank: Any = None) -> None:
+    """Raise a clear TypeError / ValueError for a bad ``cp_size`` or ``cp_rank`` (``None``: not checked)."""
+    check_int(cp_size, "cp_size", min=1)
+    if cp_rank is not None:
+        if not is_int(cp_rank):
+            raise TypeError(
+                f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r} ({type(cp_rank).__name__}); "
+                "use the rank in the CP group (dist.get_rank(cp_group))"
+            )
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
+
+
+def check_tensor(x: Any, name: str, shape: str = "") -> torch.Tensor:
+    """``x`` if it is a dense, non-meta ``torch.Tensor``; else a TypeError (``shape`` describes what is expected)."""
+    what = f" {shape}" if shape else ""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(x).__name__}; wrap it with torch.as_tensor")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}; convert with .to_dense()")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (no data); materialise it on a real device first")
+    return x
+
+
+def check_doc_ids(doc_ids: Any, name: str = "doc_ids") -> torch.Tensor:
+    """A neat-packing doc map: a dense 2D integer tensor ``[B, S]`` that int32 ``cu_seqlens`` can index."""
+    check_tensor(doc_ids, name, "of shape [batch, sequence]")
+    if doc_ids.dim() != 2:
+        raise ValueError(
+            f"{name} must be 2D [batch, sequence], got shape {tuple(doc_ids.shape)}; "
+            f"add a batch dimension with {name}.unsqueeze(0) for a single row"
+        )
+    if doc_ids.dtype not in INTEGER_DTYPES:
+        raise TypeError(
+            f"{name} must have an integer dtype (1-based document index, 0 = padding), got {doc_ids.dtype}; "
+            f"convert with {name}.to(torch.int32)"
+        )
+    if doc_ids.numel() > INT32_MAX:
+        raise ValueError(
+            f"{name} has {doc_ids.numel()} tokens, more than int32 cu_seqlens can index ({INT32_MAX}); split the batch"
+        )
+    return doc_ids
+
+
+def check_cu_seqlens(cu_seqlens: Any, name: str = "cu_seqlens", *, total: int | None = None) -> np.ndarray:
+    """Validated int64 NumPy copy ``[N + 1]`` of ``cu_seqlens`` (a host sync for a device tensor).
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: not 1-D and non-empty, not starting at 0, decreasing somewhere, or (``total`` given) not
+            ending at ``total``.
+    """
+    check_tensor(cu_seqlens, name, "(int, [num_segments + 1])")
+    if cu_seqlens.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{name} must be 1-D [num_segments + 1] and non-empty, got shape {tuple(cu_seqlens.shape)}")
+    cu = np.ascontiguousarray(cu_seqlens.detach().to("cpu", torch.int64).numpy())
+    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
+        shown = cu[:8].tolist()
+        raise ValueError(
+            f"{name} must start at 0 and never decrease (cumulative segment lengths), got {shown}"
+            f"{'...' if cu.size > 8 else ''}; build it with packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    if total is not None and int(cu[-1]) != total:
+        raise ValueError(
+            f"{name} ends at {int(cu[-1])} but the doc map has B*S = {total} tokens: the segments must cover every "
+            "token exactly once; build the params with packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    return cu
+
+
+def check_divisible(total: int, cp_size: int) -> None:
+    """Every CP rank holds ``total // cp_size`` tokens: ``total`` must be divisible by ``cp_size``."""
+    if total % cp_size:
+        raise ValueError(
+            f"the batch has T = B*S = {total} tokens, not divisible by cp_size={cp_size}; every rank must hold "
+            f"the same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
+            f"multiple=...) pads rows and documents)"
+        )
