@@ -26,7 +26,8 @@ import time
 import torch
 
 from cp_packing import planner
-from cp_packing.balance import SYNTHETIC_KINDS, plot_balance, synthetic_doc_ids
+from cp_packing.balance import plot_balance
+from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from cp_packing.cost import layout_cost
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 

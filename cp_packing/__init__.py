@@ -12,7 +12,7 @@ from cp_packing.attention import (
     select_kernel,
     varlen_attention,
 )
-from cp_packing.balance import balance_report, plot_balance, synthetic_doc_ids
+from cp_packing.balance import balance_report, plot_balance
 from cp_packing.cost import LayoutCost, causal_cost, layout_cost
 from cp_packing.distributed import DOC_IDS_KEY, distribute_batch, distribute_packed_seq_params
 from cp_packing.layouts import LAYOUTS, global_token_order, layout_token_index
@@ -52,7 +52,6 @@ __all__ = [
     "causal_cost",
     "balance_report",
     "plot_balance",
-    "synthetic_doc_ids",
     # torch.distributed
     "DOC_IDS_KEY",
     "distribute_packed_seq_params",

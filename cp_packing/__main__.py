@@ -85,7 +85,8 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from cp_packing.balance import balance_report, plot_balance, synthetic_doc_ids
+    from cp_packing.balance import balance_report, plot_balance
+    from cp_packing.testing import synthetic_doc_ids
     from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
     if args.doc_ids:
@@ -112,7 +113,7 @@ def _cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cp_packing.balance import SYNTHETIC_KINDS
+    from cp_packing.testing import SYNTHETIC_KINDS
 
     parser = argparse.ArgumentParser(prog="python -m cp_packing", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

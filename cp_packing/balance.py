@@ -1,9 +1,9 @@
-"""Load-balance report: per-layout cost tables, a bar chart, and seeded synthetic doc maps to try them on.
+"""Load-balance report: per-layout cost tables and a bar chart.
 
 ``balance_report(doc_ids, cp_size=8)`` prints, per layout, the figures of ``cp_packing.cost.layout_cost``: busiest /
 mean causal cost, busiest / ideal (padding work included), padding overhead, runs per rank and K/V bytes per layer,
 plus which layout ``layout="auto"`` picks. ``plot_balance`` draws every rank's cost per layout (matplotlib, the
-``plot`` extra). ``synthetic_doc_ids`` makes the doc maps of the benchmark suite (``benchmarks/bench_balance.py``).
+``plot`` extra).
 The command line is ``python -m cp_packing report ...`` (see ``cp_packing.__main__``).
 """
 
@@ -17,73 +17,14 @@ import torch
 from cp_packing.cost import LayoutCost, layout_cost
 
 __all__ = [
-    "SYNTHETIC_KINDS",
     "REPORT_LAYOUTS",
-    "synthetic_doc_ids",
     "balance_costs",
     "balance_report",
     "plot_balance",
 ]
 
-#: Document-length distributions of ``synthetic_doc_ids`` (median length, log-normal sigma):
-#: ``lognormal`` (60, 1.5: long-tailed), ``long`` (2000, 1.0), ``short`` (16, 0.5: many short documents),
-#: ``huge`` (one document of 3/4 of row 0 among documents of median 60), ``padded`` (200, 1.2, then 0 to 50% of
-#: each row padding).
-SYNTHETIC_KINDS = ("lognormal", "long", "short", "huge", "padded")
-
-_KIND_PARAMS = {
-    "lognormal": (60, 1.5),
-    "long": (2000, 1.0),
-    "short": (16, 0.5),
-    "huge": (60, 1.0),
-    "padded": (200, 1.2),
-}
-
 #: Layouts of the report, in order: ours, and ``rowzigzag`` (whole-row head-tail) as the usual trainer reference.
 REPORT_LAYOUTS = ("contiguous", "rowzigzag", "zigzag", "balanced", "auto")
-
-
-def _row_lengths(rng: np.random.Generator, fill: int, median: float, sigma: float) -> np.ndarray:
-    """Log-normal document lengths (>= 1) that fill exactly ``fill`` tokens (the last one cut)."""
-    parts, total = [], 0
-    while total < fill:
-        draw = np.maximum(1, np.rint(rng.lognormal(np.log(median), sigma, size=int(2 * fill / median) + 16)))
-        parts.append(draw.astype(np.int64))
-        total += int(parts[-1].sum())
-    lengths = np.concatenate(parts)
-    ends = np.cumsum(lengths)
-    n = int(np.searchsorted(ends, fill)) + 1
-    lengths = lengths[:n].copy()
-    lengths[-1] -= int(ends[n - 1]) - fill
-    return lengths
-
-
-def synthetic_doc_ids(kind: str = "lognormal", batch: int = 8, seqlen: int = 4096, *, seed: int = 0) -> torch.Tensor:
-    """A seeded int64 ``[batch, seqlen]`` neat-packing doc map (ids 1, 2, ... per row, 0 = padding).
-
-    Args:
-        kind: one of ``SYNTHETIC_KINDS`` (see there).
-        batch, seqlen: the map's shape (``>= 1``).
-        seed: NumPy generator seed; the same arguments always give the same map.
-    """
-    if kind not in SYNTHETIC_KINDS:
-        raise ValueError(f"unknown synthetic kind {kind!r}; choose one of {', '.join(SYNTHETIC_KINDS)}")
-    for value, name in ((batch, "batch"), (seqlen, "seqlen"), (seed, "seed")):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    if batch < 1 or seqlen < 1:
-        raise ValueError(f"batch and seqlen must be >= 1, got batch={batch}, seqlen={seqlen}")
-    median, sigma = _KIND_PARAMS[kind]
-    rng = np.random.default_rng(seed)
-    rows = np.zeros((batch, seqlen), dtype=np.int64)
-    for b in range(batch):  # a loop over rows; each row is vectorised
-        fill = seqlen - int(rng.integers(0, seqlen // 2 + 1)) if kind == "padded" else seqlen
-        head = [int(0.75 * seqlen)] if (kind == "huge" and b == 0) else []
-        rest = fill - sum(head)
-        tail = _row_lengths(rng, rest, median, sigma) if rest > 0 else np.zeros(0, dtype=np.int64)
-        lengths = np.concatenate([np.array(head, dtype=np.int64), tail])
-        rows[b, :fill] = np.repeat(np.arange(1, lengths.size + 1, dtype=np.int64), lengths)
-    return torch.from_numpy(rows)
 
 
 def balance_costs(

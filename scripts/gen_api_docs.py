@@ -31,6 +31,7 @@ SECTIONS = [
     ("cp_packing.attention.ring", "ring-flash-attn adapter"),
     ("cp_packing.attention.dispatch", "Entry point"),
     ("cp_packing.balance", "Load-balance report"),
+    ("cp_packing.testing", "Test and benchmark scaffolding"),
     ("cp_packing.hf", "HuggingFace integration"),
 ]
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cp_packing.balance import synthetic_doc_ids
+from cp_packing.testing import synthetic_doc_ids
 from cp_packing.cost import causal_cost, layout_cost
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import pad_segments

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_packing import planner
-from cp_packing.balance import SYNTHETIC_KINDS, synthetic_doc_ids
+from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.planner import balanced_plan, balanced_runs, choose_layout
 from cp_packing.sharding import shard_packed_seq_params
