@@ -24,6 +24,7 @@ SECTIONS = [
     ("cp_packing.sharding", "One rank's shard"),
     ("cp_packing.cost", "Cost model"),
     ("cp_packing.planner", "Balanced layout and auto"),
+    ("cp_packing.agreement", "Fail together: one agreement per call"),
     ("cp_packing.distributed", "Over torch.distributed"),
     ("cp_packing.loss", "Labels and loss"),
     ("cp_packing.attention.kernels", "Varlen kernels"),
