@@ -20,12 +20,8 @@ from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.padding import PaddedBatch, pad_segments
 from cp_packing.planner import balanced_runs, choose_layout
-from cp_packing.sharding import (
-    ShardedPackedSeqParams,
-    ring_flash_attn_kwargs,
-    shard_packed_seq_params,
-    transformer_engine_kwargs,
-)
+from cp_packing.adapters import ring_flash_attn_kwargs, transformer_engine_kwargs
+from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __version__ = "0.1.0"
 

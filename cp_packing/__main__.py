@@ -76,11 +76,7 @@ def _cmd_show(args) -> int:
         print(f"  doc_ids        {_fmt(s.doc_ids)}")
         print(f"  position_ids   {_fmt(s.position_ids)}")
         print(f"  cu_seqlens     {_fmt(s.cu_seqlens)}   max_seqlen {s.max_seqlen}")
-        if s.cu_seqlens_k is not None:
-            print(f"  cu_seqlens_k   {_fmt(s.cu_seqlens_k)}   max_seqlen_k {s.max_seqlen_k}")
-        if s.local_k_slice is not None:
-            print(f"  local_k_slice  {s.local_k_slice}")
-        print(f"  run_cu_seqlens {_fmt(s.run_cu_seqlens)}   run_key_start {_fmt(s.run_key_start)}")
+        print(f"  key_start      {_fmt(s.key_start)}")
     return 0
 
 

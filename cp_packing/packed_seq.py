@@ -23,14 +23,20 @@ gives a new segment; it is not an error. Empty maps (``B == 0`` or ``S == 0``) a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
 
-from cp_packing._checks import check_doc_ids
+from cp_packing._checks import check_cu_seqlens, check_doc_ids, is_int
 
-__all__ = ["PackedSeqParams", "packed_seq_params_from_doc_ids", "to_flash_attention_kwargs"]
+__all__ = [
+    "FlashAttentionKwargs",
+    "PackedSeqParams",
+    "check_params",
+    "packed_seq_params_from_doc_ids",
+    "to_flash_attention_kwargs",
+]
 
 @dataclass(frozen=True, eq=False)
 class PackedSeqParams:
@@ -160,27 +166,77 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     return PackedSeqParams(cu_seqlens=cu, max_seqlen=max_seqlen, doc_ids=doc_ids)
 
 
-def to_flash_attention_kwargs(params: Any) -> dict[str, torch.Tensor | int]:
+def check_params(params: PackedSeqParams, name: str = "params") -> PackedSeqParams:
+    """``params`` if it is a consistent ``PackedSeqParams``; else a TypeError / ValueError naming the field.
+
+    ``packed_seq_params_from_doc_ids`` always builds consistent params; a hand-built one (or one edited with
+    ``dataclasses.replace``) is checked where it enters the sharding and distribution functions: ``cu_seqlens``
+    starts at 0, never decreases, ends at ``B*S`` and has a boundary at every row start, and ``max_seqlen`` is its
+    longest segment. Costs a copy of ``cu_seqlens`` to the host (O(segments)), nothing proportional to ``B*S``.
+    """
+    if not isinstance(params, PackedSeqParams):
+        raise TypeError(
+            f"{name} must be PackedSeqParams, got {type(params).__name__}; build it with "
+            "packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    check_doc_ids(params.doc_ids, f"{name}.doc_ids")
+    B, S = params.doc_ids.shape
+    cu = check_cu_seqlens(params.cu_seqlens, f"{name}.cu_seqlens", total=B * S)
+    longest = int(np.diff(cu).max()) if cu.size > 1 else 0
+    if not is_int(params.max_seqlen) or int(params.max_seqlen) != longest:
+        raise ValueError(
+            f"{name}.max_seqlen is {params.max_seqlen!r} but the longest segment of {name}.cu_seqlens has {longest} "
+            "tokens; build the params with packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    if S and B > 1:
+        missing = np.setdiff1d(np.arange(S, B * S, S), cu, assume_unique=True)
+        if missing.size:
+            raise ValueError(
+                f"{name}.cu_seqlens has no boundary at the start of row {int(missing[0]) // S} (flat position "
+                f"{int(missing[0])}): a segment would run across two rows; build the params with "
+                "packed_seq_params_from_doc_ids(doc_ids)"
+            )
+    return params
+
+
+class FlashAttentionKwargs(TypedDict):
+    """HuggingFace's varlen flash-attention keyword arguments (``transformers.modeling_flash_attention_utils``)."""
+
+    cu_seq_lens_q: torch.Tensor
+    cu_seq_lens_k: torch.Tensor
+    max_length_q: int
+    max_length_k: int
+
+
+def to_flash_attention_kwargs(params: PackedSeqParams) -> FlashAttentionKwargs:
     """Convert packed-sequence params to HuggingFace ``FlashAttentionKwargs``.
 
     For ``PackedSeqParams`` (the whole batch, no context parallelism) query and key share one layout
     (self-attention), so the q and k entries are equal: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` are the same int32
     ``cu_seqlens`` tensor and ``max_length_q`` / ``max_length_k`` the same int.
 
-    A context-parallel shard (``cp_packing.ShardedPackedSeqParams``) is accepted too: it returns the kwargs of its
-    local tokens (query side) and, where its layout gathers keys, the key-side metadata.
+    A context-parallel shard is refused: its queries need keys that live on other ranks, so no kwargs of the
+    local tokens alone are right (use ``cp_packing.context_parallel_attention``, or the adapters in
+    ``cp_packing.adapters`` for ring-flash-attn and TransformerEngine).
+
+    >>> to_flash_attention_kwargs(packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 0]])))["max_length_q"]
+    2
     """
     if isinstance(params, PackedSeqParams):
-        return {
-            "cu_seq_lens_q": params.cu_seqlens,
-            "cu_seq_lens_k": params.cu_seqlens,
-            "max_length_q": params.max_seqlen,
-            "max_length_k": params.max_seqlen,
-        }
-    method = getattr(params, "flash_attention_kwargs", None)
-    if callable(method):
-        return method()
+        return FlashAttentionKwargs(
+            cu_seq_lens_q=params.cu_seqlens,
+            cu_seq_lens_k=params.cu_seqlens,
+            max_length_q=params.max_seqlen,
+            max_length_k=params.max_seqlen,
+        )
+    if hasattr(params, "global_params") and hasattr(params, "cp_size"):
+        raise TypeError(
+            "to_flash_attention_kwargs got a context-parallel shard (ShardedPackedSeqParams): its queries attend to "
+            "keys on other ranks, so HF's flash_attention_2 on the local tokens alone would be wrong; run "
+            "cp_packing.context_parallel_attention (or the cp_packing HF attention), or pass "
+            "to_flash_attention_kwargs(sharded.global_params) for the whole, unsharded batch"
+        )
     raise TypeError(
-        f"to_flash_attention_kwargs expects PackedSeqParams or ShardedPackedSeqParams, got {type(params).__name__}; "
+        f"to_flash_attention_kwargs expects PackedSeqParams, got {type(params).__name__}; "
         "build one with packed_seq_params_from_doc_ids(doc_ids)"
     )

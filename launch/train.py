@@ -301,7 +301,7 @@ def train(args, rank: int, world: int, device: torch.device) -> int:
         dt = time.perf_counter() - t0
 
         # ---- metrics: one small all-gather over the world of (causal cost, real tokens) per rank
-        run_cu = sharded.run_cu_seqlens.to(torch.int64)
+        run_cu = sharded.cu_seqlens.to(torch.int64)
         run_start = sharded.token_index.index_select(0, run_cu[:-1].to(sharded.token_index.device))
         cost = causal_cost(sharded.global_params.cu_seqlens, run_start, run_cu[1:] - run_cu[:-1]).sum()
         real_tokens = local["real"].sum()

@@ -84,9 +84,9 @@ def trial_batch(layout: str, cp_size: int, B: int, S: int, seed: int) -> torch.T
 def inject_fault(sharded):
     """Deliberately wrong metadata (for testing this verifier): every run whose keys start before the run itself
     loses its first key. The result must FAIL."""
-    first = sharded.token_index[sharded.run_cu_seqlens[:-1].long()]
-    key_start = torch.where(sharded.run_key_start < first, sharded.run_key_start + 1, sharded.run_key_start)
-    return dataclasses.replace(sharded, run_key_start=key_start)  # its cache entries are not reused: new metadata
+    first = sharded.token_index[sharded.cu_seqlens[:-1].long()]
+    key_start = torch.where(sharded.key_start < first, sharded.key_start + 1, sharded.key_start)
+    return dataclasses.replace(sharded, key_start=key_start)  # its cache entries are not reused: new metadata
 
 
 # ------------------------------------------------------------------------------------------------------ checks

@@ -69,7 +69,7 @@ def draw(doc_ids: torch.Tensor, cp: int, layout: str, scale: int = 1) -> str:
         local = "".join(_doc_char(int(d)) for d in flat[s.token_index][::scale])
         cost = int((s.position_ids + 1).sum())
         costs.append(cost)
-        runs = s.run_cu_seqlens.numel() - 1
+        runs = s.cu_seqlens.numel() - 1
         lines.append(f"rank {r} local stream {local}   causal cost {cost:>6}, {runs} runs")
     lines.append(f"busiest / mean = {max(costs) / (sum(costs) / len(costs)):.3f}")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ SECTIONS = [
     ("cp_packing.layouts", "Layouts (pure index math)"),
     ("cp_packing.padding", "Per-document padding"),
     ("cp_packing.sharding", "One rank's shard"),
+    ("cp_packing.adapters", "Kernel conventions (ring-flash-attn, TransformerEngine)"),
     ("cp_packing.cost", "Cost model"),
     ("cp_packing.planner", "Balanced layout and auto"),
     ("cp_packing.agreement", "Fail together: one agreement per call"),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+from cp_packing.adapters import ring_flash_attn_kwargs
 from tests.dist_utils import run_distributed
 from tests.maps import random_doc_map
 
@@ -225,12 +226,13 @@ def test_key_index_contiguous_is_a_view_of_the_gathered_buffer():
     for rank in range(3):
         sharded = shard_packed_seq_params(params, cp_size=3, cp_rank=rank, layout="contiguous")
         keys = allgather_keys(sharded)
-        assert keys.key_index is None and keys.key_slice == sharded.local_k_slice
-        assert torch.equal(keys.cu_seqlens_k, sharded.cu_seqlens_k)
-        assert keys.max_seqlen_k == sharded.max_seqlen_k
+        llama3 = ring_flash_attn_kwargs(sharded)
+        assert keys.key_index is None and keys.key_slice == llama3["local_k_slice"]
+        assert torch.equal(keys.cu_seqlens_k, llama3["cu_seqlens_k"])
+        assert keys.max_seqlen_k == llama3["max_seqlen_k"]
         assert allgather_keys(sharded) is keys  # cached per step: every layer reuses it
         gathered = torch.randn(48, 2, D)
-        assert keys.select(gathered).data_ptr() == gathered[sharded.local_k_slice].data_ptr()
+        assert keys.select(gathered).data_ptr() == gathered[llama3["local_k_slice"]].data_ptr()
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
@@ -251,9 +253,9 @@ def test_key_index_zigzag_reaches_back_to_the_segment_start(cp_size):
         order = sharded.global_token_order().reshape(-1)  # gathered row -> global position
         key_rows = keys.key_index if keys.key_index is not None else torch.arange(T)[keys.key_slice]
         global_keys = order[key_rows]
-        run_cu = sharded.run_cu_seqlens.tolist()
+        run_cu = sharded.cu_seqlens.tolist()
         cu_k = keys.cu_seqlens_k.tolist()
-        for i, start in enumerate(sharded.run_key_start.tolist()):
+        for i, start in enumerate(sharded.key_start.tolist()):
             last = int(sharded.token_index[run_cu[i + 1] - 1])
             assert global_keys[cu_k[i] : cu_k[i + 1]].tolist() == list(range(start, last + 1))
 

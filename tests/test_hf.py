@@ -196,7 +196,7 @@ def test_is_causal_keyword_overrides_the_module_flag():
     again, _ = cp_attention_forward(attn, q, kv, kv, None, cp_sharded=sharded, is_causal=True)
     assert torch.equal(causal, again) and not torch.allclose(causal, full)
     # the last token of each segment sees its whole segment either way
-    last = (sharded.run_cu_seqlens[1:] - 1).long()
+    last = (sharded.cu_seqlens[1:] - 1).long()
     torch.testing.assert_close(causal[0, last], full[0, last])
 
 

@@ -17,6 +17,7 @@ from cp_packing import planner
 from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.planner import balanced_plan, balanced_runs, choose_layout
+from cp_packing.attention.allgather import allgather_keys
 from cp_packing.sharding import shard_packed_seq_params
 from tests.maps import doc_maps, segments_of
 from tests.test_sharding import _reference_positions, assert_local_attention_equals_full
@@ -165,9 +166,9 @@ def _check_balanced_attention(doc_ids, cp):
         assert s.layout == "balanced" and s.num_local_tokens == T // cp
         assert torch.equal(s.position_ids, ref_pos[s.token_index])
         # the concatenated key ranges of cu_seqlens_k are those of the runs
-        key_len = torch.diff(s.cu_seqlens_k.to(torch.int64))
-        run_end_all = s.token_index[s.run_cu_seqlens[1:].long() - 1] + 1
-        assert torch.equal(key_len, run_end_all - s.run_key_start)
+        key_len = torch.diff(allgather_keys(s).cu_seqlens_k.to(torch.int64))
+        run_end_all = s.token_index[s.cu_seqlens[1:].long() - 1] + 1
+        assert torch.equal(key_len, run_end_all - s.key_start)
     x = torch.randn(T, 3)
     assert torch.equal(shards[0].unshard([s.shard(x) for s in shards]), x.reshape(*doc_ids.shape, 3))
     assert_local_attention_equals_full(doc_ids, shards)

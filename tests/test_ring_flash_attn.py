@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from cp_packing.adapters import ring_flash_attn_kwargs
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from tests.conftest import use_flash_attn_stub
 from tests.dist_utils import run_distributed
@@ -71,7 +72,8 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def _ring_rank(rank, world_size, doc_ids, layout, dtype, seed, api, heads_k_stride):
     use_flash_attn_stub()
     from cp_packing.attention.ring import import_ring_flash_attn, ring_attention
-    from cp_packing.sharding import ring_flash_attn_kwargs, shard_packed_seq_params
+    from cp_packing.adapters import ring_flash_attn_kwargs
+    from cp_packing.sharding import shard_packed_seq_params
 
     rfa = import_ring_flash_attn()
     params = packed_seq_params_from_doc_ids(doc_ids)
@@ -124,7 +126,7 @@ def reaches_back(doc_ids: torch.Tensor, cp: int) -> bool:
     params = packed_seq_params_from_doc_ids(doc_ids)
     T_local = params.total_tokens // cp
     shards = (shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="contiguous") for r in range(cp))
-    return any(s.local_k_slice.start < s.cp_rank * T_local for s in shards)
+    return any(ring_flash_attn_kwargs(s)["local_k_slice"].start < s.cp_rank * T_local for s in shards)
 
 
 @pytest.mark.parametrize("cp, seed", [(2, 0), (2, 1), (4, 2)])

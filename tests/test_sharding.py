@@ -11,12 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
-from cp_packing.sharding import (
-    ShardedPackedSeqParams,
-    ring_flash_attn_kwargs,
-    shard_packed_seq_params,
-    transformer_engine_kwargs,
-)
+from cp_packing.adapters import ring_flash_attn_kwargs, transformer_engine_kwargs
+from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 from tests.maps import doc_maps, segments_of
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -95,15 +91,15 @@ def test_zigzag_placement_and_metadata(case):
     for r, s in enumerate(shards):
         assert torch.equal(s.token_index, _reference_zigzag_index(doc_ids, cp, r))
         # runs are maximal: two per segment, one on the last rank (its chunks cp-1 and cp touch)
-        assert s.run_cu_seqlens.numel() - 1 == params.num_segments * (1 if r == cp - 1 else 2)
-        # ring-flash-attn zigzag varlen / TE THD convention
-        assert s.cu_seqlens.dtype == torch.int32
-        assert torch.equal(s.cu_seqlens, params.cu_seqlens // cp)
-        assert s.max_seqlen == params.max_seqlen // cp
+        assert s.cu_seqlens.numel() - 1 == params.num_segments * (1 if r == cp - 1 else 2)
+        assert s.cu_seqlens.dtype == torch.int32 and int(s.cu_seqlens[-1]) == s.num_local_tokens
+        # ring-flash-attn zigzag varlen / TE THD convention, from the adapters
         kw = ring_flash_attn_kwargs(s)
-        assert set(kw) == {"cu_seqlens", "max_seqlen"}
-        fa = to_flash_attention_kwargs(s)
-        assert fa["cu_seq_lens_q"] is s.cu_seqlens and fa["max_length_k"] == s.max_seqlen
+        assert set(kw) == {"cu_seqlens", "max_seqlen"} and kw["cu_seqlens"].dtype == torch.int32
+        assert torch.equal(kw["cu_seqlens"], params.cu_seqlens // cp)
+        assert kw["max_seqlen"] == params.max_seqlen // cp
+        with pytest.raises(TypeError, match="context-parallel shard"):
+            to_flash_attention_kwargs(s)  # the local tokens alone would attend to the wrong keys
         te = transformer_engine_kwargs(s)
         assert te["cu_seqlens_q"] is params.cu_seqlens
 
@@ -116,12 +112,11 @@ def test_contiguous_placement_and_metadata(case):
     T_local = doc_ids.numel() // cp
     for r, s in enumerate(shards):
         assert torch.equal(s.token_index, torch.arange(r * T_local, (r + 1) * T_local))
-        assert s.cu_seqlens.dtype == torch.int32 and s.cu_seqlens_k.dtype == torch.int32
-        assert int(s.cu_seqlens[-1]) == T_local
-        assert s.local_k_slice.stop == (r + 1) * T_local
-        assert int(s.cu_seqlens_k[-1]) == s.local_k_slice.stop - s.local_k_slice.start
-        fa = to_flash_attention_kwargs(s)
-        assert fa["cu_seq_lens_k"] is s.cu_seqlens_k and fa["max_length_k"] == s.max_seqlen_k
+        kw = ring_flash_attn_kwargs(s)
+        assert s.cu_seqlens.dtype == torch.int32 and kw["cu_seqlens_k"].dtype == torch.int32
+        assert int(s.cu_seqlens[-1]) == T_local and kw["cu_seqlens_q"] is s.cu_seqlens
+        assert kw["local_k_slice"].stop == (r + 1) * T_local
+        assert int(kw["cu_seqlens_k"][-1]) == kw["local_k_slice"].stop - kw["local_k_slice"].start
 
 
 def test_contiguous_matches_llama3_worked_example():
@@ -184,16 +179,17 @@ def assert_local_attention_equals_full(doc_ids, shards):
     for s in shards:
         q_loc = s.shard(q)
         out = torch.empty_like(q_loc)
-        cu = s.run_cu_seqlens.tolist()
-        for i, key_start in enumerate(s.run_key_start.tolist()):
+        cu = s.cu_seqlens.tolist()
+        for i, key_start in enumerate(s.key_start.tolist()):
             run_end = int(s.token_index[cu[i + 1] - 1]) + 1
             out[cu[i] : cu[i + 1]] = _causal_attention(
                 q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
             )
         torch.testing.assert_close(out, ref[s.token_index])
-        if s.local_k_slice is not None:  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
-            k_sl, v_sl = k_glob[s.local_k_slice], v_glob[s.local_k_slice]
-            cq, ck = s.cu_seqlens.tolist(), s.cu_seqlens_k.tolist()
+        if s.layout == "contiguous":  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
+            kw = ring_flash_attn_kwargs(s)
+            k_sl, v_sl = k_glob[kw["local_k_slice"]], v_glob[kw["local_k_slice"]]
+            cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
             out2 = torch.cat(
                 [
                     _causal_attention(q_loc[cq[i] : cq[i + 1]], k_sl[ck[i] : ck[i + 1]], v_sl[ck[i] : ck[i + 1]])
@@ -285,7 +281,7 @@ def test_derived_metadata_cache_survives_input_tree_mapping():
     order = s.global_token_order()
     # what FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) applies to every tensor among the inputs
     copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, s)
-    assert copy is not s and copy._cache is s._cache
+    assert copy is not s
     assert copy.global_token_order() is order
 
 
@@ -300,7 +296,7 @@ def test_cache_is_not_reused_by_a_copy_with_other_metadata():
     sb = [shard_packed_seq_params(b, cp_size=2, cp_rank=r, layout="zigzag") for r in range(2)]
     sa.global_token_order()
     fields = {f: getattr(sb[0], f) for f in ("global_params", "token_index", "doc_ids", "position_ids", "cu_seqlens",
-                                              "max_seqlen", "run_cu_seqlens", "run_key_start")}
+                                              "max_seqlen", "key_start")}
     sc = dataclasses.replace(sa, **fields)
     assert torch.equal(sc.global_token_order(), sb[0].global_token_order())
     x = torch.arange(8)

@@ -5,7 +5,7 @@ are the global tokens of its segment up to itself (causal), and they may live on
 
 1. all-gathers K and V over the CP group: ``[cp * T_local, H_kv, D]`` each, in rank-major order (rank r's local
    tokens at ``[r * T_local, (r+1) * T_local)``, i.e. the order of ``sharded.global_token_order()``);
-2. picks, for every local *run* (``sharded.run_cu_seqlens``: a maximal piece of consecutive global tokens of one
+2. picks, for every local *run* (``sharded.cu_seqlens``: a maximal piece of consecutive global tokens of one
    segment), the run's keys: global tokens ``[run_key_start, run_last + 1)`` (the whole segment when
    ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
    cached on ``sharded`` (``sharded.cached``): it is a per-step constant reused by every layer). When that index is one range
@@ -54,7 +54,7 @@ class AllGatherKeys:
         key_index: int64 ``[N_k]``, gathered-buffer row of every key, runs laid end to end; ``None`` when the
             keys are one range (then ``key_slice`` is set and the keys are a view of the buffer).
         key_slice: ``slice`` of the gathered buffer holding all keys in order, or ``None``.
-        cu_seqlens_q: int32 ``[R + 1]``, the local runs (``sharded.run_cu_seqlens``) on the tensors' device.
+        cu_seqlens_q: int32 ``[R + 1]``, the local runs (``sharded.cu_seqlens``) on the tensors' device.
         cu_seqlens_k: int32 ``[R + 1]``, run ``i``'s keys are rows ``[cu_seqlens_k[i], cu_seqlens_k[i+1])`` of the
             selected keys.
         max_seqlen_q, max_seqlen_k: ints, the longest run / key range.
@@ -111,8 +111,8 @@ def allgather_keys(
 
 def _build_keys(sharded: ShardedPackedSeqParams, causal: bool, device: torch.device) -> AllGatherKeys:
     token_index = sharded.token_index.to(device)  # [T_local] int64
-    run_cu = sharded.run_cu_seqlens.to(device=device, dtype=torch.int64)  # [R + 1]
-    key_start = sharded.run_key_start.to(device=device, dtype=torch.int64)  # [R]
+    run_cu = sharded.cu_seqlens.to(device=device, dtype=torch.int64)  # [R + 1]
+    key_start = sharded.key_start.to(device=device, dtype=torch.int64)  # [R]
     run_len = run_cu[1:] - run_cu[:-1]  # [R]
     if run_len.numel() == 0:  # an empty batch: no runs, no keys
         empty_cu = torch.zeros(1, dtype=torch.int32, device=device)

@@ -167,7 +167,7 @@ def ring_attention(
         ImportError: ring-flash-attn / flash_attn / transformers missing (see ``import_ring_flash_attn``).
     """
     from cp_packing.attention.allgather import check_attention_inputs
-    from cp_packing.sharding import ring_flash_attn_kwargs
+    from cp_packing.adapters import ring_flash_attn_kwargs
 
     check_attention_inputs(q, k, v, sharded)  # the shard's type, [T_local, H, D] shapes, GQA, one dtype and device
     if sharded.layout not in ("zigzag", "contiguous"):
