@@ -339,3 +339,48 @@ def test_layout_runs_rejects_bad_cu_seqlens(cu, exc, pattern):
 
     with pytest.raises(exc, match=pattern):
         layout_runs(cu, cp_size=2, cp_rank=0, layout="contiguous")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16])
+def test_unsigned_doc_maps_shard_and_unshard(dtype):
+    """Every integer dtype the seed accepts shards: doc_ids keep the map's dtype and the values, bit for bit."""
+    doc_ids = torch.tensor([[1, 1, 2, 2, 2, 2, 3, 0], [1, 1, 1, 1, 2, 2, 0, 0]]).to(dtype)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    for layout in ("contiguous", "balanced", "auto"):
+        shards = [shard_packed_seq_params(params, cp_size=2, cp_rank=r, layout=layout) for r in range(2)]
+        for s in shards:
+            assert s.doc_ids.dtype == dtype
+            assert torch.equal(s.doc_ids.long(), doc_ids.reshape(-1).long()[s.token_index])
+        assert torch.equal(shards[0].unshard([s.shard(doc_ids) for s in shards]), doc_ids)
+
+
+def test_hand_built_params_are_validated_where_they_enter():
+    """A PackedSeqParams built by hand is checked: a cu_seqlens that stops short would give shards that share a
+    token and lose another, silently."""
+    import dataclasses
+
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    good = packed_seq_params_from_doc_ids(doc_ids)
+    short = dataclasses.replace(good, cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen=3)
+    with pytest.raises(ValueError, match="ends at 6 but the doc map has B\\*S = 8 tokens"):
+        shard_packed_seq_params(short, cp_size=2, cp_rank=0, layout="contiguous")
+    wrong_max = dataclasses.replace(good, max_seqlen=4)
+    with pytest.raises(ValueError, match="max_seqlen is 4 but the longest segment .* has 5 tokens"):
+        shard_packed_seq_params(wrong_max, cp_size=2, cp_rank=0)
+    two_rows = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1]]))
+    merged = dataclasses.replace(two_rows, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), max_seqlen=8)
+    with pytest.raises(ValueError, match="no boundary at the start of row 1"):
+        shard_packed_seq_params(merged, cp_size=2, cp_rank=0)
+    decreasing = dataclasses.replace(good, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="never decrease"):
+        shard_packed_seq_params(decreasing, cp_size=2, cp_rank=0)
+    with pytest.raises(TypeError, match="params must be PackedSeqParams"):
+        shard_packed_seq_params(doc_ids, cp_size=2, cp_rank=0)
+
+
+def test_default_layout_works_on_any_batch():
+    """The library default ('auto') works on an unpadded batch, where zigzag would refuse."""
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3]]))
+    shards = [shard_packed_seq_params(params, cp_size=2, cp_rank=r) for r in range(2)]
+    assert shards[0].layout in ("contiguous", "balanced")
+    assert sorted(torch.cat([s.token_index for s in shards]).tolist()) == list(range(8))
