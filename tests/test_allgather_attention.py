@@ -343,6 +343,7 @@ def test_auto_never_routes_float32_or_other_layouts_to_ring():
 
 
 def test_auto_logs_its_choice_once(caplog):
+    from cp_packing import _imports
     from cp_packing.attention import dispatch
 
     dispatch._LOGGED.clear()
@@ -444,6 +445,7 @@ def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp
     """backend="auto" asks whether ring-flash-attn imports on every attention call: a failed import is remembered
     (per sys.path: a package dir put on sys.path later, as the tests do with the flash_attn stand-in, is tried)."""
     import cp_packing.attention.ring as ring
+    from cp_packing import _imports
     from cp_packing.attention import dispatch
 
     attempts = []
@@ -453,14 +455,14 @@ def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp
         raise ImportError("ring-flash-attn is not installed")
 
     monkeypatch.setattr(ring, "import_ring_flash_attn", failing_import)
-    dispatch._reset_ring_import_cache()
+    _imports.forget_import_failures()
     assert [dispatch._ring_importable() for _ in range(3)] == [False] * 3
     assert len(attempts) == 1
     monkeypatch.syspath_prepend(str(tmp_path))  # something new on sys.path: tried again, once
     assert not dispatch._ring_importable() and not dispatch._ring_importable()
     assert len(attempts) == 2
-    monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: None)  # installed meanwhile
+    monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: ring)  # installed meanwhile (any module)
     assert not dispatch._ring_importable()  # same sys.path: still the remembered failure
-    dispatch._reset_ring_import_cache()
+    _imports.forget_import_failures()
     assert dispatch._ring_importable()
-    dispatch._reset_ring_import_cache()
+    _imports.forget_import_failures()

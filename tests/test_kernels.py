@@ -489,6 +489,7 @@ def test_failed_flash_attn_import_is_not_retried_in_every_layer(monkeypatch):
     import importlib
     import sys
 
+    from cp_packing import _imports
     from cp_packing.attention import kernels as K
 
     calls = []
@@ -497,7 +498,7 @@ def test_failed_flash_attn_import_is_not_retried_in_every_layer(monkeypatch):
         calls.append(name)
         raise ImportError(name)
 
-    monkeypatch.setattr(K, "_FLASH_IMPORT_FAILED", set())
+    monkeypatch.setattr(_imports, "_FAILED", set())
     monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface", raising=False)
     monkeypatch.setattr(importlib, "import_module", failing_import)
     assert K._flash_attn_interface() is None and K._flash_attn_interface() is None

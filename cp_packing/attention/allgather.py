@@ -39,8 +39,7 @@ from cp_packing.groups import as_process_group, backend_config, backend_for_devi
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_attention_group",
-           "resolve_kernel"]
+__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_attention_group"]
 
 
 # -------------------------------------------------------------------------------------------------- key index
@@ -219,16 +218,6 @@ def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device:
     return dist.group.WORLD if group is None else group
 
 
-def resolve_kernel(kernel: Any, q: torch.Tensor) -> str:
-    """The concrete kernel name for ``kernel`` (``"auto"`` -> ``kernels.select_kernel(q.device, q.dtype)``); an
-    unknown name fails here, before any communication."""
-    if kernel == "auto":
-        return kernels.select_kernel(q.device, q.dtype)
-    if kernel not in kernels.KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of 'auto', {', '.join(map(repr, kernels.KERNELS))}")
-    return kernel  # whether it can run here is checked by the kernel call itself, identically on every rank
-
-
 # ------------------------------------------------------------------------------------------------ collectives
 
 
@@ -340,7 +329,7 @@ def allgather_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
-    name = resolve_kernel(kernel, q)
+    name = kernels.resolve_kernel(kernel, q)
     group = resolve_attention_group(group, sharded, q.device)
     keys = allgather_keys(sharded, causal=causal, device=q.device)
     return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name)

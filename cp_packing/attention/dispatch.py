@@ -21,12 +21,14 @@ equal to full attention on the global stream, sharded. Backends:
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import torch
 
-from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_kernel
+from cp_packing._checks import HALF_DTYPES
+from cp_packing._imports import try_import
+from cp_packing.attention.allgather import allgather_attention, check_attention_inputs
+from cp_packing.attention.kernels import resolve_kernel
 
 __all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
 
@@ -35,34 +37,14 @@ BACKENDS = ("auto", "allgather", "ring_flash_attn")
 logger = logging.getLogger("cp_packing")
 _LOGGED: set[tuple[str, str]] = set()
 _RING_LAYOUTS = ("zigzag", "contiguous")
-_HALF = (torch.float16, torch.bfloat16)
-
-
-# The sys.path values under which importing ring-flash-attn failed. backend="auto" asks on every attention call
-# (every layer); a failed import (find_spec scans sys.path; a broken CUDA build re-runs module code) is not retried
-# until sys.path changes. A success needs no cache: the module is then in sys.modules, found at once.
-_RING_IMPORT_FAILED: set[tuple[str, ...]] = set()
-
-
-def _reset_ring_import_cache() -> None:
-    """Forget remembered ring-flash-attn import failures (e.g. after installing it in a running process)."""
-    _RING_IMPORT_FAILED.clear()
 
 
 def _ring_importable() -> bool:
-    """Whether ring-flash-attn (and the flash_attn it imports) can be imported here. Never raises. A failure is
-    remembered per ``sys.path`` (a directory added later, such as the tests' flash_attn stand-in, is tried)."""
-    key = tuple(sys.path)
-    if key in _RING_IMPORT_FAILED:
-        return False
-    try:
-        from cp_packing.attention.ring import import_ring_flash_attn
+    """Whether ring-flash-attn (and the flash_attn it imports) can be imported here. Never raises; a failure is not
+    retried under the same ``sys.path``."""
+    from cp_packing.attention.ring import import_ring_flash_attn
 
-        import_ring_flash_attn()
-    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA build
-        _RING_IMPORT_FAILED.add(key)
-        return False
-    return True
+    return try_import("ring_flash_attn", import_ring_flash_attn) is not None
 
 
 def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size: int, causal: bool, kernel: str) -> bool:
@@ -75,7 +57,7 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
         and layout in _RING_LAYOUTS
         and cp_size > 1
         and device_type == "cuda"
-        and dtype in _HALF
+        and dtype in HALF_DTYPES
     )
 
 

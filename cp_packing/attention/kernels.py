@@ -40,9 +40,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cp_packing._checks import HALF_DTYPES
+from cp_packing._imports import try_import
+
 __all__ = [
     "KERNELS",
     "available_kernels",
+    "resolve_kernel",
     "select_kernel",
     "varlen_attention",
     "varlen_attention_backward",
@@ -52,7 +56,6 @@ __all__ = [
 KERNELS = ("torch", "flash_attn", "torch_varlen")
 """Every kernel name this module knows, in order of preference on CUDA: reference first, then the fast ones."""
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Reference kernel: at most this many float32 elements per [sequences, heads, max_q, max_k] score tensor (256 MiB).
@@ -63,23 +66,11 @@ _REFERENCE_SCORE_BUDGET = 1 << 26
 # --------------------------------------------------------------------------------------------------- availability
 
 
-_FLASH_IMPORT_FAILED: set[tuple[str, ...]] = set()  # sys.path states under which the import failed
-
-
 def _flash_attn_interface() -> ModuleType | None:
-    """``flash_attn.flash_attn_interface`` if importable, else ``None`` (never raises).
-
-    A failure is remembered per ``sys.path`` (so ``kernel="auto"`` does not retry the import in every layer), while a
-    package put on ``sys.path`` later (a test stand-in) is still found. A success is cached by ``sys.modules``.
-    """
-    key = tuple(sys.path)
-    if key in _FLASH_IMPORT_FAILED and "flash_attn.flash_attn_interface" not in sys.modules:
-        return None
-    try:
-        return importlib.import_module("flash_attn.flash_attn_interface")
-    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA build raising OSError/RuntimeError
-        _FLASH_IMPORT_FAILED.add(key)
-        return None
+    """``flash_attn.flash_attn_interface`` if importable, else ``None`` (never raises; a failure is not retried
+    under the same ``sys.path``)."""
+    name = "flash_attn.flash_attn_interface"
+    return try_import(name, lambda: importlib.import_module(name))
 
 
 def _torch_varlen_attn():
@@ -117,7 +108,7 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype | None = None) 
     reference kernel.
     """
     device = torch.device(device)
-    if device.type != "cuda" or (dtype is not None and dtype not in _HALF_DTYPES):
+    if device.type != "cuda" or (dtype is not None and dtype not in HALF_DTYPES):
         return "torch"
     names = available_kernels(device)
     for name in ("flash_attn", "torch_varlen"):
@@ -195,7 +186,9 @@ def _check_grad_inputs(dout: Any, out: Any, lse: Any, q: torch.Tensor) -> None:
         )
 
 
-def _resolve_kernel(kernel: Any, q: torch.Tensor) -> str:
+def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
+    """The concrete kernel for ``kernel`` and q: ``"auto"`` -> ``select_kernel(q.device, q.dtype)``; an explicit
+    name is checked to exist and to run here (a clear error, before any communication)."""
     if kernel == "auto":
         return select_kernel(q.device, q.dtype)
     if kernel not in KERNELS:
@@ -539,7 +532,7 @@ def varlen_attention_forward(
     """
     check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    name = _resolve_kernel(kernel, q)
+    name = resolve_kernel(kernel, q)
     scale = _scale(softmax_scale, q.shape[2])
     with torch.no_grad():
         return _FORWARD[name](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal))
@@ -576,7 +569,7 @@ def varlen_attention_backward(
     check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _check_grad_inputs(dout, out, lse, q)
-    name = _resolve_kernel(kernel, q)
+    name = resolve_kernel(kernel, q)
     scale = _scale(softmax_scale, q.shape[2])
     with torch.no_grad():
         return _BACKWARD[name](
@@ -622,7 +615,7 @@ def varlen_attention(
     """
     check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    name = _resolve_kernel(kernel, q)
+    name = resolve_kernel(kernel, q)
     scale = _scale(softmax_scale, q.shape[2])
     return _VarlenAttentionFunction.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), name

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from cp_packing._checks import HALF_DTYPES
 from cp_packing.attention.allgather import resolve_attention_group
 
 __all__ = ["import_ring_flash_attn", "ring_attention"]
@@ -98,7 +99,6 @@ def _loaded_ring_flash_attn() -> ModuleType | None:
     return None
 
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _flash_attn_is_test_stub() -> bool:
@@ -114,7 +114,7 @@ def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
     with the real flash-attn: its CUDA kernels run fp16/bf16 only (they would fail deep inside flash-attn); only
     the test stand-in runs float32/float64. Call after :func:`import_ring_flash_attn` (which imports flash_attn).
     """
-    if dtype in _HALF:
+    if dtype in HALF_DTYPES:
         return None
     if layout == "zigzag":
         return (
@@ -175,7 +175,7 @@ def ring_attention(
             f"ring-flash-attn has no kernel for layout {sharded.layout!r}; shard with layout='zigzag' or "
             "'contiguous', or use cp-packing's built-in all-gather attention for this layout"
         )
-    if sharded.layout == "zigzag" and q.dtype not in _HALF:
+    if sharded.layout == "zigzag" and q.dtype not in HALF_DTYPES:
         raise TypeError(_dtype_refusal(sharded.layout, q.dtype))  # independent of which flash_attn: no import yet
     rfa = import_ring_flash_attn()
     refusal = _dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
