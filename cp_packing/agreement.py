@@ -22,7 +22,8 @@ __all__ = ["AgreementError", "Record", "agree", "digest"]
 
 # Error classes a record may carry; anything else travels as RuntimeError (every rank must be able to build it).
 _ERROR_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, NotImplementedError, IndexError,
-                                              KeyError, OverflowError, ZeroDivisionError, MemoryError)}
+                                              KeyError, OverflowError, ZeroDivisionError, MemoryError,
+                                              ImportError)}
 
 
 class AgreementError(ValueError):

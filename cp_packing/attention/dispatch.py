@@ -24,10 +24,13 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from cp_packing._checks import HALF_DTYPES
+from cp_packing._checks import HALF_DTYPES, check_bool, check_number
 from cp_packing._imports import try_import
-from cp_packing.attention.allgather import allgather_attention, check_attention_inputs
+from cp_packing.agreement import agree, digest
+from cp_packing.groups import as_process_group
+from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
 from cp_packing.attention.kernels import resolve_kernel
 
 __all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
@@ -115,6 +118,48 @@ def _log_choice(backend: str, kernel: str, sharded: Any, q: torch.Tensor) -> Non
     )
 
 
+def _agreement_group(group: object, sharded: object) -> dist.ProcessGroup | None:
+    """The group the attention call would communicate over, or ``None`` when it communicates with no one."""
+    try:
+        pg = as_process_group(group)
+    except (TypeError, ValueError):
+        return None  # not a group at all: every rank sees the same TypeError
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if pg is None:
+        return dist.group.WORLD if getattr(sharded, "cp_size", 1) != 1 else None
+    return pg if dist.get_rank(pg) >= 0 and dist.get_world_size(pg) > 1 else None
+
+
+def _agree_once_per_step(q, k, sharded, group, error, **options) -> None:
+    """One ``agree`` over the CP group per step (cached on the shard per call signature), and on every error.
+
+    Every rank sends what decides the collectives and their sizes: the shard's plan (cp size, layout and a digest
+    of the global ``cu_seqlens``), ``T_local``, q/k shapes and dtype, backend, kernel and flags. A rank whose own
+    checks failed sends its error instead, and every rank raises it. Layers after the first reuse the agreement.
+    """
+    pg = _agreement_group(group, sharded)
+    if pg is None:
+        if error is not None:
+            raise error
+        return
+    if error is not None:
+        agree(pg, "context_parallel_attention", {}, error=error)
+        return  # agree raised on every rank
+    fields = {
+        "cp_size": sharded.cp_size,
+        "layout": sharded.layout,
+        "plan": sharded.cached("plan_digest", lambda: digest(sharded.global_params.cu_seqlens, sharded.layout,
+                                                            sharded.cp_size)),
+        "T_local": sharded.num_local_tokens,
+        "q": (tuple(q.shape[1:]), str(q.dtype), q.device.type),
+        "k": tuple(k.shape[1:]),
+        **{name: value for name, value in options.items()},
+    }
+    signature = tuple(fields.items())
+    sharded.cached(("attention_agreed", signature), lambda: agree(pg, "context_parallel_attention", fields))
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,10 +200,17 @@ def context_parallel_attention(
     Every rank must call it with the same backend, kernel and flags (they decide which collectives run); an
     all-padding rank joins them like any other.
     """
-    check_attention_inputs(q, k, v, sharded)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+    error, chosen, kernel_name = None, backend, kernel
+    try:  # every rank-local check first; a failure goes through the agreement, so every rank raises it
+        check_attention_inputs(q, k, v, sharded)
+        check_bool(causal, "causal")
+        check_number(softmax_scale, "softmax_scale", allow_none=True)
+        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+        resolve_attention_group(group, sharded, q.device)
+    except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
+        error = exc
+    _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
+                         softmax_scale=softmax_scale)
     _log_choice(chosen, kernel_name, sharded, q)
     if chosen == "allgather":
         return allgather_attention(
