@@ -9,15 +9,18 @@ NCCL moves CUDA tensors only and gloo CPU ones: ``CPGroup.device`` is the device
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["CPGroup", "GroupLike", "as_process_group", "backend_config", "backend_for_device", "device_for_backend", "resolve_group"]
 
-GroupLike = object
-"""What a ``group=`` argument may be: ``ProcessGroup``, 1-D ``DeviceMesh`` or ``None`` (typed loosely because
-``DeviceMesh`` is missing from torch builds without distributed support)."""
+GroupLike = Optional[Union[dist.ProcessGroup, "DeviceMesh"]]
+"""What a ``group=`` argument may be: a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``None``."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cp_packing.groups import as_process_group
+from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
@@ -122,13 +122,13 @@ def register_cp_attention(name: str = CP_ATTENTION_NAME) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    builtin = AttentionInterface._global_mapping.get(name)
+    builtin = AttentionInterface().get(name)  # a fresh interface holds the global mapping (public Mapping API)
     if name == "eager" or (builtin is not None and builtin is not cp_attention_forward):
         raise ValueError(
             f"attention implementation {name!r} is already registered with transformers "
             f"({getattr(builtin, '__qualname__', 'eager')}); pick another name, e.g. {CP_ATTENTION_NAME!r}"
         )
-    if name in AttentionMaskInterface._global_mapping:
+    if name in AttentionMaskInterface():
         raise ValueError(
             f"{name!r} has a mask function registered with transformers.AttentionMaskInterface, so HF would build "
             "an attention mask for it; CP attention takes its document boundaries from cp_sharded only. Pick a "
@@ -159,7 +159,7 @@ def cp_attention_forward(
     scaling: float | None = None,
     *,
     cp_sharded: ShardedPackedSeqParams | None = None,
-    cp_group: Any = None,
+    cp_group: GroupLike = None,
     cp_backend: str = "auto",
     cp_kernel: str = "auto",
     sliding_window: int | None = None,
@@ -277,7 +277,7 @@ def cp_attention_forward(
 def cp_model_inputs(
     local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
     sharded: ShardedPackedSeqParams | PackedSeqParams,
-    group: Any = None,
+    group: GroupLike = None,
     *,
     backend: str = "auto",
     kernel: str = "auto",

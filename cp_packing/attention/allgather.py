@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from cp_packing.attention import kernels
-from cp_packing.groups import as_process_group, backend_config, backend_for_device
+from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -170,7 +170,7 @@ def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def resolve_attention_group(group: Any, sharded: ShardedPackedSeqParams, device: torch.device):
+def resolve_attention_group(group: GroupLike, sharded: ShardedPackedSeqParams, device: torch.device):
     """The process group to communicate over, checked against ``sharded`` (``None`` when ``cp_size == 1``: no
     communication; the default group object when ``group`` is ``None`` and ``cp_size > 1``).
 

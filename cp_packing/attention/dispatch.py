@@ -21,7 +21,6 @@ equal to full attention on the global stream, sharded. Backends:
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,9 +28,10 @@ import torch.distributed as dist
 from cp_packing._checks import HALF_DTYPES, check_bool, check_number
 from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
-from cp_packing.groups import as_process_group
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
 from cp_packing.attention.kernels import resolve_kernel
+from cp_packing.groups import GroupLike, as_process_group
+from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
 
@@ -65,7 +65,7 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
 
 
 def select_backend(
-    q: torch.Tensor, sharded: Any, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
+    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
@@ -108,7 +108,7 @@ def select_backend(
     return "ring_flash_attn", "flash_attn"
 
 
-def _log_choice(backend: str, kernel: str, sharded: Any, q: torch.Tensor) -> None:
+def _log_choice(backend: str, kernel: str, sharded: ShardedPackedSeqParams, q: torch.Tensor) -> None:
     if (backend, kernel) in _LOGGED:
         return
     _LOGGED.add((backend, kernel))
@@ -164,9 +164,9 @@ def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    sharded: Any,
+    sharded: ShardedPackedSeqParams,
     *,
-    group: Any = None,
+    group: GroupLike = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",

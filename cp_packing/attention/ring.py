@@ -35,12 +35,13 @@ import importlib
 import importlib.util
 import sys
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from cp_packing._checks import HALF_DTYPES
 from cp_packing.attention.allgather import resolve_attention_group
+from cp_packing.groups import GroupLike
+from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["import_ring_flash_attn", "ring_attention"]
 
@@ -136,9 +137,9 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    sharded: Any,
+    sharded: ShardedPackedSeqParams,
     *,
-    group: Any,
+    group: GroupLike,
     softmax_scale: float | None = None,
     heads_k_stride: int | None = None,
 ) -> torch.Tensor:
