@@ -1,66 +1,42 @@
 """cp-packing: neat-packed documents -> varlen attention metadata, sharded across context-parallel ranks.
 
-Importing ``cp_packing`` imports torch and numpy only; transformers, flash_attn and ring_flash_attn are imported
-inside the functions that need them (``cp_packing.hf`` is the HuggingFace layer: import it explicitly).
+The top level holds what a training loop needs; everything else lives in its module (``cp_packing.adapters`` for
+ring-flash-attn / TransformerEngine kwargs, ``cp_packing.cost`` and ``cp_packing.report`` for load balance,
+``cp_packing.attention`` for kernels and backends, ``cp_packing.testing`` for synthetic maps and a rank runner).
+Importing ``cp_packing`` imports torch and numpy only; ``cp_packing.hf`` is the HuggingFace layer (import it
+explicitly), and flash_attn / ring_flash_attn are imported inside the functions that need them.
 """
 
-from cp_packing.attention import (
-    available_kernels,
-    context_parallel_attention,
-    import_ring_flash_attn,
-    ring_attention,
-    select_kernel,
-    varlen_attention,
-)
-from cp_packing.balance import balance_report, plot_balance
-from cp_packing.cost import LayoutCost, causal_cost, layout_cost
-from cp_packing.distributed import DOC_IDS_KEY, distribute_batch, distribute_packed_seq_params
-from cp_packing.layouts import LAYOUTS, global_token_order, layout_token_index
+from cp_packing.attention import context_parallel_attention
+from cp_packing.cost import layout_cost
+from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
+from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
-from cp_packing.padding import PaddedBatch, pad_segments
-from cp_packing.planner import balanced_runs, choose_layout
-from cp_packing.adapters import ring_flash_attn_kwargs, transformer_engine_kwargs
+from cp_packing.padding import pad_segments
+from cp_packing.planner import choose_layout
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # seed
+    # seed: doc map -> metadata
     "PackedSeqParams",
     "packed_seq_params_from_doc_ids",
     "to_flash_attention_kwargs",
-    # layouts and sharding
+    # one rank's shard
     "LAYOUTS",
-    "layout_token_index",
-    "global_token_order",
     "ShardedPackedSeqParams",
     "shard_packed_seq_params",
-    "ring_flash_attn_kwargs",
-    "transformer_engine_kwargs",
-    "PaddedBatch",
     "pad_segments",
-    "balanced_runs",
     "choose_layout",
-    # cost model and report
-    "LayoutCost",
     "layout_cost",
-    "causal_cost",
-    "balance_report",
-    "plot_balance",
-    # torch.distributed
-    "DOC_IDS_KEY",
-    "distribute_packed_seq_params",
+    # over torch.distributed
     "distribute_batch",
-    # loss
+    "distribute_packed_seq_params",
+    # attention and loss
+    "context_parallel_attention",
     "next_token_labels",
     "packed_cross_entropy",
     "reduce_loss_for_logging",
-    # attention
-    "context_parallel_attention",
-    "varlen_attention",
-    "available_kernels",
-    "select_kernel",
-    "ring_attention",
-    "import_ring_flash_attn",
 ]

@@ -10,6 +10,7 @@ the all-gather / reduce-scatter.
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -455,6 +456,7 @@ def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp
         raise ImportError("ring-flash-attn is not installed")
 
     monkeypatch.setattr(ring, "import_ring_flash_attn", failing_import)
+    monkeypatch.delitem(sys.modules, "ring_flash_attn", raising=False)  # an earlier test may have imported it
     _imports.forget_import_failures()
     assert [dispatch._ring_importable() for _ in range(3)] == [False] * 3
     assert len(attempts) == 1
