@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import pytest
@@ -472,6 +473,12 @@ def test_unsigned_maps_and_tensors_work_and_keep_their_dtype(dtype):
     assert back.to(torch.int64)[real].tolist() == ids64[real].tolist()
     top = torch.tensor(torch.iinfo(dtype).max, dtype=dtype).to(torch.int64)  # the same bits, compared as int64
     assert bool((back.to(torch.int64)[~real] == top).all()) and not bool((back.to(torch.int64)[real] == top).any())
+
+
+def test_docstring_examples_run():
+    import cp_packing.padding
+
+    assert doctest.testmod(cp_packing.padding).failed == 0
 
 
 def test_pad_positions_is_what_pad_segments_does_for_position_keys():
