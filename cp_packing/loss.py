@@ -32,7 +32,6 @@ __all__ = ["document_cross_entropy", "next_token_labels", "packed_cross_entropy"
 _CALL = "packed_cross_entropy"  # one call name for both reductions: a mix is reported as a `reduction` mismatch
 _REDUCTIONS = ("token", "document")
 _INT64 = {"min": -(2**63), "max": 2**63 - 1}
-Shard = ShardedPackedSeqParams | PackedSeqParams
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -247,7 +246,7 @@ def packed_cross_entropy(
     *,
     group: GroupLike = None,
     dp_group: GroupLike = None,
-    sharded: Shard | None = None,
+    sharded: ShardedPackedSeqParams | PackedSeqParams | None = None,
     ignore_index: int = -100,
     reduction: str = "token",
 ) -> torch.Tensor:
@@ -292,7 +291,7 @@ def document_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    sharded: Shard,
+    sharded: ShardedPackedSeqParams | PackedSeqParams,
     group: GroupLike = None,
     dp_group: GroupLike = None,
     ignore_index: int = -100,

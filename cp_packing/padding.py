@@ -27,9 +27,6 @@ from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
 __all__ = ["PaddedBatch", "pad_segments"]
 
-Fill = float | int | bool
-"""A value for the tokens a padding step adds (must fit the tensor's dtype)."""
-
 # torch has no index_select / index_copy / comparisons for these: index their bits through a signed view.
 _SIGNED_VIEW = {getattr(torch, u): getattr(torch, s) for u, s in (("uint16", "int16"), ("uint32", "int32"),
                                                                    ("uint64", "int64")) if hasattr(torch, u)}
@@ -45,7 +42,7 @@ def _restore(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.view(dtype)
 
 
-def _bits(fill: Fill, dtype: torch.dtype) -> Fill:
+def _bits(fill: float | int | bool, dtype: torch.dtype) -> float | int | bool:
     """``fill`` as the value of ``_indexable``'s signed view of a ``dtype`` tensor (two's complement)."""
     if dtype not in _SIGNED_VIEW:
         return fill
@@ -98,7 +95,7 @@ class PaddedBatch:
         length)``: small for long documents, up to ``m - 1`` for one-token documents."""
         return self.num_added_tokens / self.num_real_tokens if self.num_real_tokens else 0.0
 
-    def pad_tensor(self, x: torch.Tensor, fill_value: Fill = 0, *, name: str = "x") -> torch.Tensor:
+    def pad_tensor(self, x: torch.Tensor, fill_value: float | int | bool = 0, *, name: str = "x") -> torch.Tensor:
         """Re-lay a per-token tensor ``[B, S, ...]`` -> ``[B, S', ...]``; every added token gets ``fill_value``.
 
         Args:
@@ -155,7 +152,7 @@ class PaddedBatch:
                           torch.where(real.view(bshape), flat, count_on))
         return _restore(out, x.dtype).view(B, Sp, *x.shape[2:])
 
-    def unpad(self, x: torch.Tensor, fill_value: Fill = 0) -> torch.Tensor:
+    def unpad(self, x: torch.Tensor, fill_value: float | int | bool = 0) -> torch.Tensor:
         """Map a tensor of the padded stream back to the original layout.
 
         Args:
@@ -301,7 +298,7 @@ def pad_segments(
     *,
     multiple: int,
     tensors: Mapping[str, torch.Tensor] | None = None,
-    pad_values: Mapping[str, Fill] | None = None,
+    pad_values: Mapping[str, float | int | bool] | None = None,
     ignore_index: int = -100,
     label_keys: Sequence[str] = ("labels",),
     position_keys: Sequence[str] = ("position_ids",),
