@@ -78,9 +78,9 @@ def next_token_labels(
     if input_ids.device != doc_ids.device:
         raise ValueError(f"input_ids is on {input_ids.device} but doc_ids on {doc_ids.device}; use one device")
     if token_mask is not None:
-        if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-            got = token_mask.dtype if isinstance(token_mask, torch.Tensor) else type(token_mask).__name__
-            raise TypeError(f"token_mask must be a bool tensor [B, S], got {got}; build it with (x != pad)")
+        check_tensor(token_mask, "token_mask", "(bool [B, S])")
+        if token_mask.dtype != torch.bool:
+            raise TypeError(f"token_mask must be a bool tensor [B, S], got {token_mask.dtype}; build it with x != pad")
         if token_mask.shape != doc_ids.shape:
             raise ValueError(f"token_mask shape {tuple(token_mask.shape)} does not match doc_ids shape "
                              f"{tuple(doc_ids.shape)}")
@@ -343,8 +343,12 @@ def reduce_loss_for_logging(loss: torch.Tensor, *, group: GroupLike = None,
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
     error = None
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        error = TypeError(f"loss must be a floating scalar tensor (a share from packed_cross_entropy), got {loss!r}")
+    try:
+        check_tensor(loss, "loss", "(a scalar share from packed_cross_entropy)")
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise TypeError(f"loss must be a floating scalar tensor (a share from packed_cross_entropy), got {loss!r}")
+    except (TypeError, ValueError) as exc:
+        error = exc
     _agree("reduce_loss_for_logging", cp, dp, {"dp size": None if dp is None else dp.size}, error)
     out = loss.detach().to(torch.float32).reshape(1).clone()
     return _all_reduce_sum(_all_reduce_sum(out, cp), dp)[0]

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from cp_packing._checks import INT32_MAX, check_fits_dtype, check_int, check_tensor
+from cp_packing._checks import INT32_MAX, check_doc_ids, check_fits_dtype, check_int, check_tensor
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
 __all__ = ["PaddedBatch", "pad_segments"]
@@ -346,6 +346,8 @@ def pad_segments(
         raise TypeError(f"tensors must be a dict name -> [B, S, ...] tensor, got {type(tensors).__name__}")
     if any(not isinstance(name, str) for name in tensors):
         raise TypeError(f"tensors keys must be str names, got {list(tensors)}")
+    if pad_values is not None and not isinstance(pad_values, Mapping):
+        raise TypeError(f"pad_values must be a dict name -> value, got {type(pad_values).__name__}")
     pad_values = {} if pad_values is None else dict(pad_values)
     unknown = sorted(set(pad_values) - set(tensors))
     if unknown:
@@ -355,7 +357,10 @@ def pad_segments(
     if set(label_keys) & set(position_keys):
         raise ValueError(f"{sorted(set(label_keys) & set(position_keys))} are in both label_keys and "
                          "position_keys; a tensor is one or the other")
-    batch = _pad_doc_map_checked(doc_ids, tensors, m, row_length, limit)
+    check_doc_ids(doc_ids)
+    for name, x in tensors.items():
+        _check_per_token(name, x, doc_ids.shape[0], doc_ids.shape[1], doc_ids.device)
+    batch = _pad_doc_map(doc_ids, m, row_length, limit)
     _check_label_padding(tensors, doc_ids, label_keys, ignore_index)
     out: dict[str, torch.Tensor] = {}
     for name, x in tensors.items():
@@ -364,13 +369,3 @@ def pad_segments(
         else:
             out[name] = batch.pad_tensor(x, pad_values.get(name, ignore_index if name in label_keys else 0), name=name)
     return dataclasses.replace(batch, tensors=out)
-
-
-def _pad_doc_map_checked(doc_ids: torch.Tensor, tensors: Mapping[str, torch.Tensor], m: int, row_length: int | None,
-                         limit: int) -> PaddedBatch:
-    """Check every per-token tensor's shape and device against ``doc_ids``, then ``_pad_doc_map``."""
-    check_tensor(doc_ids, "doc_ids", "of shape [batch, sequence]")
-    if doc_ids.dim() == 2:
-        for name, x in tensors.items():
-            _check_per_token(name, x, doc_ids.shape[0], doc_ids.shape[1], doc_ids.device)
-    return _pad_doc_map(doc_ids, m, row_length, limit)

@@ -160,6 +160,8 @@ def test_next_token_labels_meta_tensors_and_unsigned_maps():
         next_token_labels(torch.zeros(1, 5, dtype=torch.int64, device="meta"), doc)
     with pytest.raises(ValueError, match="doc_ids is a meta tensor"):
         next_token_labels(doc, doc.to("meta"))
+    with pytest.raises(ValueError, match="token_mask is a meta tensor"):
+        next_token_labels(doc, doc, token_mask=(doc > 0).to("meta"))
     ids = torch.tensor([[10, 11, 12, 13, 14]])
     expected = [[11, IGNORE, 13, IGNORE, IGNORE]]
     for dtype in [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]:
@@ -257,6 +259,8 @@ def test_document_cross_entropy_is_the_document_reduction():
         packed_cross_entropy(logits.to("meta"), labels)
     with pytest.raises(TypeError, match="loss must be a floating scalar tensor"):
         reduce_loss_for_logging(torch.ones(2))
+    with pytest.raises(ValueError, match="loss is a meta tensor"):
+        reduce_loss_for_logging(torch.ones((), device="meta"))
 
 
 def test_docstring_examples_run():

@@ -388,6 +388,12 @@ def test_bad_inputs():
         pad_segments(doc_ids, multiple=2, tensors={"labels": torch.tensor([[1, 2, 3, 4]])})
     with pytest.raises(ValueError, match=r"pad value 300 for tensors\['ids'\] does not fit its dtype torch.uint8"):
         pad_segments(doc_ids, multiple=2, tensors={"ids": torch.ones(1, 4, dtype=torch.uint8)}, pad_values={"ids": 300})
+    with pytest.raises(TypeError, match="pad_values must be a dict name -> value, got int"):
+        pad_segments(doc_ids, multiple=2, tensors={"labels": torch.zeros(1, 4)}, pad_values=5)
+    with pytest.raises(ValueError, match="doc_ids is a meta tensor"):
+        pad_segments(doc_ids.to("meta"), multiple=2)
+    with pytest.raises(ValueError, match="doc_ids must be 2D"):
+        pad_segments(doc_ids[0], multiple=2)
     with pytest.raises(TypeError, match="label_keys must be a sequence of tensor names"):
         pad_segments(doc_ids, multiple=2, label_keys="labels")
     with pytest.raises(ValueError, match="both label_keys and position_keys"):
