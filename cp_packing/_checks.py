@@ -173,3 +173,34 @@ def check_divisible(total: int, cp_size: int) -> None:
             f"the same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
             f"multiple=...) pads rows and documents)"
         )
+
+
+def check_fits_dtype(value: Any, dtype: torch.dtype, what: str, *, fix: str = "") -> None:
+    """Raise a ValueError unless ``value`` is exactly representable in ``dtype``.
+
+    Why: torch converts silently, e.g. ``-100`` becomes ``156`` in ``uint8`` (a real class id a loss would count).
+    ``what`` names the value in the message (``"the pad value -100 for tensors['labels']"``).
+
+    >>> check_fits_dtype(-100, torch.int16, "ignore_index")
+    """
+    problem = None
+    if dtype == torch.bool:
+        if isinstance(value, (bool, np.bool_)) or (is_int(value) and value in (0, 1)):
+            return
+        problem = "bool tensors take only 0/1/True/False"
+    elif not (dtype.is_floating_point or dtype.is_complex):
+        if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+            problem = "an integer tensor cannot hold a fractional value"
+        elif not (is_int(value) or isinstance(value, (bool, np.bool_, float, np.floating))):
+            problem = f"not a number ({type(value).__name__})"
+        else:
+            info = torch.iinfo(dtype)
+            if not info.min <= int(value) <= info.max:
+                problem = f"{dtype} holds [{info.min}, {info.max}]"
+    else:
+        try:
+            torch.full((), value, dtype=dtype)
+        except (RuntimeError, TypeError) as exc:
+            problem = str(exc)
+    if problem:
+        raise ValueError(f"{what} does not fit its dtype {dtype} ({problem}){'; ' + fix if fix else ''}")

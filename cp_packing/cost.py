@@ -14,7 +14,7 @@ Figures (``LayoutCost``):
 * ``busiest_over_ideal = busiest / (C / cp)`` with ``C`` the cost of the ORIGINAL map: for ``zigzag`` on a padded
   map this also charges the work of the added pad tokens.
 * ``padding_overhead``: tokens added inside documents / real tokens. ``zigzag`` needs every segment to be a multiple
-  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, 2 * cp)``.
+  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, multiple=2 * cp)``.
   Other layouts add nothing (0.0).
 * ``kv_bytes_allgather[r]``: bytes of K and V (per layer) that rank r needs from OTHER ranks under the all-gather
   backend: a run of a segment attends to the keys from its segment's start up to its own last token, so rank r
@@ -233,7 +233,8 @@ def layout_cost(
             padding).
         cp_size: the CP group size.
         layout: ``"contiguous"``, ``"zigzag"`` (on a map whose segments are not all multiples of ``2 * cp_size``:
-            measured after ``pad_segments(doc_ids, 2 * cp_size)``, with its ``padding_overhead``), ``"balanced"``,
+            measured after ``pad_segments(doc_ids, multiple=2 * cp_size)``, with its ``padding_overhead``),
+            ``"balanced"``,
             ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name) or
             ``"rowzigzag"`` (the whole-row reference; needs nothing).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
@@ -277,7 +278,7 @@ def layout_cost(
     if layout == "zigzag" and np.any((cu[1:] - cu[:-1]) % (2 * cp)):
         from cp_packing.padding import pad_segments
 
-        padded = pad_segments(doc_ids, 2 * cp)
+        padded = pad_segments(doc_ids, multiple=2 * cp)
         overhead = padded.overhead
         cu = _np64(packed_seq_params_from_doc_ids(padded.doc_ids).cu_seqlens, "cu_seqlens")
     rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None

@@ -1,36 +1,37 @@
-"""Loss masking and a context-parallel-exact cross-entropy for packed batches.
+"""Labels shifted on the global stream, and cross-entropy losses normalised by global counts (docs/loss.md).
 
-Two rules make the CP loss equal the non-CP loss:
+Two rules make the context-parallel loss equal the non-CP loss:
 
-1. **Shift labels on the global stream, before sharding** (:func:`next_token_labels`). The label of token ``s`` is
-   token ``s + 1``; after sharding, ``s + 1`` may live on another rank (a shard edge, or a zigzag chunk edge where
-   the next local token is thousands of positions further on). Shifting a local shard therefore pairs tokens that
-   are not neighbours and drops the label at every shard edge: silently wrong, with no error anywhere. Shifted
-   globally, a label is just one more per-token tensor that shards like ``input_ids``.
-2. **Divide by a global count** (:func:`packed_cross_entropy`). Each CP rank sums the cross-entropy of its own
-   tokens and divides by the number of valid labels of the whole (CP, and optionally DP) batch, all-reduced once,
-   each token counted once. The per-rank values are *shares*: they sum to the non-CP loss, and their gradients sum
-   to the non-CP gradient.
+1. shift labels on the GLOBAL stream, before sharding (:func:`next_token_labels`): shifting a shard pairs tokens
+   that are not neighbours at every shard or zigzag chunk edge, silently;
+2. divide each rank's SUM of cross-entropy by a GLOBAL count, all-reduced once (:func:`packed_cross_entropy`: valid
+   tokens; :func:`document_cross_entropy`: valid tokens per document, and documents). Each rank returns its share:
+   the shares sum to the non-CP loss and their gradients to the non-CP gradient.
 
-``loss.py`` sits above ``distributed.py`` in the house plan: it calls ``torch.distributed`` collectives, but never
-imports transformers, flash_attn or ring_flash_attn.
+Fail together: every rank-local check runs first and its failure goes into ONE ``agreement.agree`` per group
+before any all-reduce, so a mistake on one rank (a wrong ``cp_rank``, another vocabulary, dtype, reduction or
+batch, a bad label) raises the same error on every rank instead of leaving the others in a collective.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing._checks import INTEGER_DTYPES, check_doc_ids
-from cp_packing.groups import resolve_group
+from cp_packing._checks import INTEGER_DTYPES, check_choice, check_doc_ids, check_int, check_tensor
+from cp_packing.agreement import agree, digest
+from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
+from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["next_token_labels", "packed_cross_entropy", "reduce_loss_for_logging"]
+__all__ = ["document_cross_entropy", "next_token_labels", "packed_cross_entropy", "reduce_loss_for_logging"]
 
+_CALL = "packed_cross_entropy"  # one call name for both reductions: a mix is reported as a `reduction` mismatch
 _REDUCTIONS = ("token", "document")
+_INT64 = {"min": -(2**63), "max": 2**63 - 1}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -45,72 +46,50 @@ def next_token_labels(
     token_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Next-token labels of a neat-packed batch, computed on the GLOBAL ``[B, S]`` stream, before sharding.
+    """Next-token labels of a neat-packed batch, on the GLOBAL ``[B, S]`` stream, before sharding.
 
-    ``labels[b, s] = input_ids[b, s + 1]`` when token ``s + 1`` belongs to the same segment as token ``s`` (same row,
-    same document index, no boundary between them: segments are runs within a row, as in
-    :func:`~cp_packing.packed_seq_params_from_doc_ids`), else ``ignore_index``. So:
-
-    - the last token of every document gets ``ignore_index`` (its "next token" is another document's first token);
-    - the last token of every row gets ``ignore_index``, even when the next row starts with the same document index
-      (the seed forces a boundary at every row start);
-    - padding tokens (document index 0) always get ``ignore_index``, and so does the token before padding.
-
-    Why before sharding: after sharding, a rank's neighbouring local tokens are not neighbours in the global stream
-    at its shard edges (contiguous layout) or at every chunk edge (zigzag: chunk ``r`` is followed by chunk
-    ``2cp-1-r``), and the true next token of a rank's last token lives on another rank. Shifting a shard pairs the
-    wrong tokens and loses those labels, silently. Compute labels here once, then shard them like ``input_ids``
-    (``sharded.shard(labels)``).
+    ``labels[b, s] = input_ids[b, s + 1]`` when token ``s + 1`` is in token ``s``'s segment (same row, same
+    document index: the seed's segments), else ``ignore_index``: the last token of every document and of every row,
+    and every padding token, get ``ignore_index``. Why before sharding: see docs/loss.md.
 
     Args:
-        input_ids: ``[B, S]`` tensor of any integer dtype.
-        doc_ids: ``[B, S]`` integer document map (1-based index per token, 0 = padding), or the
-            ``PackedSeqParams`` built from it. Same shape and device as ``input_ids``.
-        token_mask: optional ``[B, S]`` bool, True for real tokens. A False token (e.g. a pad token that a padding
-            helper placed inside its document's segment) gets no label and is nobody's label.
-        ignore_index: the value of a masked label (``-100``, PyTorch's and HF's default).
+        input_ids: ``[B, S]``, any integer dtype.
+        doc_ids: ``[B, S]`` integer document map (0 = padding), or its ``PackedSeqParams``. Same shape and device.
+        token_mask: optional bool ``[B, S]``, False for tokens that get no label and are nobody's label (e.g. pad
+            tokens that ``pad_segments`` placed inside a document).
+        ignore_index: the int value of a masked label.
 
     Returns:
         int64 ``[B, S]`` labels on ``input_ids.device``.
 
-    Raises:
-        TypeError: a non-tensor, or a non-integer ``input_ids`` / ``doc_ids``, or a non-bool ``token_mask``.
-        ValueError: shapes or devices differ.
+    >>> next_token_labels(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 1, 2, 2]])).tolist()
+    [[11, -100, 13, -100]]
     """
     if isinstance(doc_ids, PackedSeqParams):
         doc_ids = doc_ids.doc_ids
     check_doc_ids(doc_ids)
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(
-            f"input_ids must be a torch.Tensor [batch, sequence], got {type(input_ids).__name__}; "
-            "wrap it with torch.as_tensor(...)"
-        )
+    check_tensor(input_ids, "input_ids", "[batch, sequence]")
+    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
     if input_ids.dtype not in INTEGER_DTYPES:
         raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}; convert with .long()")
     if input_ids.shape != doc_ids.shape:
-        raise ValueError(
-            f"input_ids shape {tuple(input_ids.shape)} does not match doc_ids shape {tuple(doc_ids.shape)}; "
-            "both must be the same global [B, S] batch (compute labels before sharding)"
-        )
+        raise ValueError(f"input_ids shape {tuple(input_ids.shape)} does not match doc_ids shape "
+                         f"{tuple(doc_ids.shape)}; both must be the same global [B, S] batch (label before sharding)")
     if input_ids.device != doc_ids.device:
-        raise ValueError(
-            f"input_ids is on {input_ids.device} but doc_ids on {doc_ids.device}; move them to one device"
-        )
+        raise ValueError(f"input_ids is on {input_ids.device} but doc_ids on {doc_ids.device}; use one device")
     if token_mask is not None:
-        if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-            got = token_mask.dtype if isinstance(token_mask, torch.Tensor) else type(token_mask).__name__
-            raise TypeError(f"token_mask must be a bool tensor [B, S], got {got}; build it with (x != pad)")
+        check_tensor(token_mask, "token_mask", "(bool [B, S])")
+        if token_mask.dtype != torch.bool:
+            raise TypeError(f"token_mask must be a bool tensor [B, S], got {token_mask.dtype}; build it with x != pad")
         if token_mask.shape != doc_ids.shape:
-            raise ValueError(
-                f"token_mask shape {tuple(token_mask.shape)} does not match doc_ids shape {tuple(doc_ids.shape)}"
-            )
+            raise ValueError(f"token_mask shape {tuple(token_mask.shape)} does not match doc_ids shape "
+                             f"{tuple(doc_ids.shape)}")
         token_mask = token_mask.to(doc_ids.device)
 
     labels = torch.full(input_ids.shape, ignore_index, dtype=torch.int64, device=input_ids.device)  # [B, S]
     if input_ids.shape[1] < 2:
         return labels
-    # Token s and s+1 of one row are in one segment iff their document indices are equal (runs within a row).
-    same_segment = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != 0)  # [B, S-1]
+    same_segment = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != 0)  # [B, S-1]: runs within a row
     if token_mask is not None:
         same_segment &= token_mask[:, 1:] & token_mask[:, :-1]
     labels[:, :-1] = torch.where(same_segment, input_ids[:, 1:].to(torch.int64), labels[:, :-1])
@@ -118,271 +97,258 @@ def next_token_labels(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Loss
+# Local checks, then one agreement per group
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_group(group: Any, name: str):
-    """``None`` -> None (no communication); a 1-D DeviceMesh or ProcessGroup -> the ProcessGroup (checked usable)."""
-    cp = resolve_group(group, name=name, optional=True)
-    return None if cp is None else cp.group
+@dataclass(frozen=True)
+class _Local:
+    """This rank's checked inputs."""
+
+    logits: torch.Tensor  # [T_local, V] floating
+    labels: torch.Tensor  # int64 [T_local], each ignore_index or in [0, V)
+    segment: torch.Tensor | None  # int64 [T_local], global segment of each local token (document reduction)
+    num_segments: int
 
 
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _all_reduce_sum(t: torch.Tensor, group) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-
-
-def _flatten_inputs(logits: Any, labels: Any, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
-        raise TypeError(
-            f"logits and labels must be torch.Tensors, got {type(logits).__name__} and {type(labels).__name__}"
-        )
+def _check_logits_and_labels(logits: object, labels: object, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one label check: dtypes, shapes, device, and every label ``ignore_index`` or in ``[0, V)`` (a host
+    sync: an out-of-range label would crash inside torch, or device-assert on CUDA)."""
+    check_tensor(logits, "logits", "[T_local, V]")
+    check_tensor(labels, "labels", "[T_local]")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor [T_local, V], got dtype {logits.dtype}")
     if labels.dtype not in INTEGER_DTYPES:
-        raise TypeError(
-            f"labels must have an integer dtype (class index, {ignore_index} = ignored), got {labels.dtype}; "
-            "build them with cp_packing.next_token_labels(...) or convert with labels.long()"
-        )
+        raise TypeError(f"labels must have an integer dtype (class index, {ignore_index} = ignored), got "
+                        f"{labels.dtype}; build them with cp_packing.next_token_labels(...) or use labels.long()")
     if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"logits shape {tuple(logits.shape)} does not match labels shape {tuple(labels.shape)}; expected "
-            "logits [T_local, V] with labels [T_local] (or [1, T_local, V] with [1, T_local])"
-        )
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match labels shape {tuple(labels.shape)}; "
+                         "expected logits [T_local, V] with labels [T_local] (or [1, T_local, V] with [1, T_local])")
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits on {logits.device}; move them to one device")
-    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(torch.int64)
-
-
-def _bad_label_slots(labels: torch.Tensor, vocab: int, ignore_index: int, cp_size: int, cp_rank: int):
-    """Out-of-range labels (``!= ignore_index`` and outside ``[0, vocab)``): the bool mask ``[T_local]`` and an int64
-    ``[cp_size]`` vector holding their count at ``cp_rank``. The vector rides along the loss's count all-reduce (no
-    extra collective), so every rank learns that some rank has one, and which CP rank(s), and raises: a rank that
-    raised alone would leave the others waiting in that all-reduce."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))  # [T_local] bool
-    slots = torch.zeros(cp_size, dtype=torch.int64, device=labels.device)  # [cp_size]
-    slots[cp_rank] = bad.sum()
-    return bad, slots
-
-
-def _with_dp_slots(stats: torch.Tensor, dp_group) -> torch.Tensor:
-    """Append ``[dp_size]`` slots to ``stats = [x, cp bad slots...]`` (already reduced over the CP group), this
-    replica's bad-label total at its DP rank, before the all-reduce over ``dp_group``; unchanged without DP."""
-    if dp_group is None:
-        return stats
-    dp_slots = torch.zeros(dist.get_world_size(dp_group), dtype=torch.int64, device=stats.device)
-    dp_slots[dist.get_rank(dp_group)] = stats[1:].sum()
-    return torch.cat([stats, dp_slots])
-
-
-def _raise_bad_labels(
-    labels: torch.Tensor, bad: torch.Tensor, slots: torch.Tensor, cp_size: int, vocab: int, ignore_index: int
-) -> None:
-    """After the all-reduce(s): raise on EVERY rank when any rank of the (CP x DP) groups has an out-of-range label.
-    ``slots`` = ``[cp_size]`` counts per CP rank, then (with DP) ``[dp_size]`` counts per DP rank. One host sync.
-    The rank that holds the label names the value; the others name the rank(s) that hold one."""
-    counts = slots.tolist()
-    cp_counts, dp_counts = counts[:cp_size], counts[cp_size:]
-    if not any(cp_counts):
-        return
-    fix = "check the vocabulary size (logits' last dim) or the ignore_index"
+    vocab = logits.shape[-1]
+    flat = labels.reshape(-1).to(torch.int64)  # [T_local]
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"label {int(labels[pos])} at local position {pos} is outside [0, {vocab}) and is not "
-            f"ignore_index={ignore_index}; {fix} (every rank of the loss's groups raises)"
-        )
-    where = []
-    if cp_size > 1:
-        where.append(f"CP rank(s) {[r for r, n in enumerate(cp_counts) if n]} (ranks in group)")
-    if dp_counts:
-        where.append(f"DP rank(s) {[r for r, n in enumerate(dp_counts) if n]} (ranks in dp_group)")
-    raise ValueError(
-        f"{sum(cp_counts)} label(s) outside [0, {vocab}) that are not ignore_index={ignore_index} on "
-        f"{' of '.join(where)}, not on this rank; that rank's error names the value. Raised on every rank so "
-        f"that none waits in a collective; {fix}"
-    )
+        raise ValueError(f"label {int(flat[pos])} at local position {pos} is outside [0, {vocab}) and is not "
+                         f"ignore_index={ignore_index}; check the vocabulary size (logits' last dim) or ignore_index")
+    return logits.reshape(-1, vocab), flat
 
 
-def _global_segment_ids(sharded: Any, T_local: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Global segment index of every local token (int64 ``[T_local]``) and the number of global segments."""
-    if isinstance(sharded, PackedSeqParams):
-        cu = sharded.cu_seqlens
-        token_index = torch.arange(sharded.total_tokens, device=device)
-        where = "PackedSeqParams (the whole stream)"
+def _check_shard(sharded: object, cp: CPGroup | None, num_labels: int, reduction: str) -> tuple[torch.Tensor, ...]:
+    """``sharded`` against the group (size, rank) and the labels (count); returns the global ``cu_seqlens`` and the
+    local ``token_index`` (empty tuple without ``sharded``)."""
+    cp_size, cp_rank = (1, 0) if cp is None else (cp.size, cp.rank)
+    if sharded is None:
+        if reduction == "document":
+            over = f" over a CP group of {cp_size} ranks" if cp_size > 1 else ""
+            raise ValueError(f"reduction='document'{over} needs sharded= this rank's ShardedPackedSeqParams (or, "
+                             "without CP, the batch's PackedSeqParams): the segment boundaries of each local token")
+        return ()
+    if isinstance(sharded, ShardedPackedSeqParams):
+        if sharded.cp_size != cp_size:
+            raise ValueError(f"sharded.cp_size={sharded.cp_size} but the CP group has {cp_size} rank(s); pass "
+                             "group= the CP process group that the batch was sharded for")
+        if sharded.cp_rank != cp_rank:
+            raise ValueError(f"sharded.cp_rank={sharded.cp_rank} but this process is rank {cp_rank} of the CP "
+                             "group; shard with cp_rank=dist.get_rank(group) (in a DP x CP mesh: mesh['cp'])")
+        cu, token_index, where = sharded.global_params.cu_seqlens, sharded.token_index, f"sharded (cp_rank={cp_rank})"
+    elif isinstance(sharded, PackedSeqParams):
+        if cp_size > 1:
+            raise ValueError(f"sharded is the PackedSeqParams of a whole batch, but the CP group has {cp_size} "
+                             "ranks; pass this rank's ShardedPackedSeqParams")
+        cu, where = sharded.cu_seqlens, "PackedSeqParams (the whole stream)"
+        token_index = torch.arange(sharded.total_tokens, device=cu.device)
     else:
-        gp = getattr(sharded, "global_params", None)
-        token_index = getattr(sharded, "token_index", None)
-        if not isinstance(gp, PackedSeqParams) or not isinstance(token_index, torch.Tensor):
-            raise TypeError(
-                f"sharded must be a ShardedPackedSeqParams (or the PackedSeqParams of an unsharded batch), got "
-                f"{type(sharded).__name__}; build it with cp_packing.shard_packed_seq_params(...)"
-            )
-        cu = gp.cu_seqlens
-        where = f"sharded (cp_rank={getattr(sharded, 'cp_rank', '?')})"
-    if token_index.numel() != T_local:
-        raise ValueError(
-            f"{where} describes {token_index.numel()} local tokens but labels hold {T_local}; pass the metadata "
-            "of this rank's shard of this batch"
-        )
-    cu = cu.to(device=device, dtype=torch.int64)
-    token_index = token_index.to(device=device, dtype=torch.int64)
-    seg = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
-    return seg, int(cu.numel()) - 1
+        raise TypeError(f"sharded must be a ShardedPackedSeqParams (or the PackedSeqParams of an unsharded batch), "
+                        f"got {type(sharded).__name__}; build it with cp_packing.shard_packed_seq_params(...)")
+    if token_index.numel() != num_labels:
+        raise ValueError(f"{where} describes {token_index.numel()} local tokens but labels hold {num_labels}; pass "
+                         "the metadata of this rank's shard of this batch")
+    return cu, token_index
+
+
+def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | None, dp: CPGroup | None,
+                 reduction: object, ignore_index: object) -> tuple[_Local, dict[str, object]]:
+    """Every rank-local check (no communication); returns the inputs and the fields every rank must share."""
+    reduction = check_choice(reduction, "reduction", _REDUCTIONS)
+    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+    logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
+    shard = _check_shard(sharded, cp, labels1d.numel(), reduction)
+    segment, num_segments = None, 0
+    if shard and reduction == "document":
+        cu, token_index = (t.to(device=logits2d.device, dtype=torch.int64) for t in shard)
+        segment = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
+        num_segments = int(cu.numel()) - 1
+    fields: dict[str, object] = {
+        "reduction": reduction, "vocab size": int(logits2d.shape[-1]), "logits dtype": str(logits2d.dtype),
+        "ignore_index": ignore_index, "cp size": 1 if cp is None else cp.size,
+        "dp size": None if dp is None else dp.size,
+        "layout": getattr(sharded, "layout", None), "global segments": len(shard[0]) - 1 if shard else None,
+        "global cu_seqlens (digest)": digest(shard[0]) if shard else None,
+    }
+    return _Local(logits2d, labels1d, segment, num_segments), fields
+
+
+_DP_FIELDS = ("reduction", "vocab size", "logits dtype", "ignore_index", "cp size")
+
+
+def _agree(call: str, cp: CPGroup | None, dp: CPGroup | None, fields: dict[str, object],
+           error: Exception | None) -> None:
+    """One agreement over the CP group, then one over the DP group (which learns a CP group's failure too, so no
+    DP peer waits for a replica that raised). Raises the same error on every rank of both groups."""
+    if cp is not None:
+        try:
+            agree(cp.group, call, fields, error=error, group_name="CP group")
+        except Exception as exc:  # noqa: BLE001 - every rank of this CP group holds it; the DP group must learn it
+            if dp is None:
+                raise
+            error = exc
+    if dp is not None:
+        agree(dp.group, call, {k: fields[k] for k in _DP_FIELDS if k in fields}, error=error, group_name="DP group")
+    elif error is not None:
+        raise error
+
+
+def _checked(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object,
+             reduction: object, ignore_index: object) -> tuple[_Local, CPGroup | None, CPGroup | None]:
+    cp = resolve_group(group, name="group", optional=True)
+    dp = resolve_group(dp_group, name="dp_group", optional=True)
+    local, fields, error = None, {}, None
+    try:
+        local, fields = _check_local(logits, labels, sharded, cp, dp, reduction, ignore_index)
+    except Exception as exc:  # noqa: BLE001 - goes into the agreement: raised on every rank
+        error = exc
+    _agree(_CALL, cp, dp, fields, error)
+    return local, cp, dp
+
+
+def _all_reduce_sum(t: torch.Tensor, group: CPGroup | None) -> torch.Tensor:
+    if group is not None and group.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.group)
+    return t
+
+
+def _cross_entropy(local: _Local, ignore_index: int) -> torch.Tensor:
+    """float32 CE per local token ``[T_local]``; exactly 0 at ignored positions (still connected to the logits)."""
+    return F.cross_entropy(local.logits.float(), local.labels, ignore_index=ignore_index, reduction="none")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def packed_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    group: Any = None,
-    dp_group: Any = None,
-    reduction: str = "token",
-    sharded: Any = None,
+    group: GroupLike = None,
+    dp_group: GroupLike = None,
+    sharded: ShardedPackedSeqParams | PackedSeqParams | None = None,
     ignore_index: int = -100,
+    reduction: str = "token",
 ) -> torch.Tensor:
-    """Cross-entropy of this rank's tokens, normalised by GLOBAL counts, so CP (and DP) shares sum to the true loss.
+    """Token-mean cross-entropy of this rank's tokens over the GLOBAL count of valid labels: this rank's share.
 
-    Contract (every rank of ``group`` and ``dp_group`` must call it, each with its own local tokens):
-
-    - The returned float32 scalar is this rank's **share**: ``sum over CP ranks of the returned values`` equals the
-      loss that one process computes on the whole (unsharded) batch. Likewise, after ``loss.backward()`` on every
-      rank, the all-reduce SUM of each parameter's gradient over the CP ranks equals the non-CP gradient. (CP
-      frameworks do exactly this SUM when they reduce gradients over the CP dimension.)
-    - With ``dp_group``: the normaliser also spans the DP replicas (each with its own batch), so the sum of the
-      shares over ALL CP x DP ranks is the loss of the union of the batches, and the gradient of that loss is the
-      SUM of all ranks' gradients. DDP and FSDP/FSDP2 *average* gradients over their ranks instead: multiply the
-      loss by the number of ranks they average over (``dp_size``, or ``dp_size * cp_size`` when CP is folded into
-      the FSDP mesh) or set their divide factor to 1. Without ``dp_group`` each DP replica is normalised on its own
-      and a DP *mean* of gradients is the right reduction.
-    - ``dp_group`` is the group of ranks that hold the same CP position in the other replicas (a DeviceMesh's
-      ``"dp"`` dimension); ``group`` is this rank's CP group. ``group=None`` means no CP: the world is never assumed
-      to be the CP group.
-    - For logging, :func:`reduce_loss_for_logging` sums the shares into the global (detached) value.
-
-    Reductions:
-
-    - ``"token"``: ``sum of CE over this rank's valid labels / N``, with ``N`` the number of valid labels in the
-      global batch: the local count is all-reduced once over ``group`` (then over ``dp_group``), so each token is
-      counted exactly once (not once per CP rank).
-    - ``"document"``: every document (segment with at least one valid label) weighs the same: the global loss is
-      the mean over documents of the mean CE over that document's valid labels. Needs each local token's global
-      segment id, from ``sharded`` (``searchsorted(global cu_seqlens, token_index, right=True) - 1``), and the
-      per-segment valid counts, all-reduced over ``group`` (one ``[num_segments]`` int64 vector); the number of
-      documents is summed over ``dp_group`` when given.
-
-    Valid labels are those ``!= ignore_index``. A rank whose labels are all ignored still joins every collective
-    (no hang) and returns a zero share; a global count of 0 gives a loss of exactly 0 (not NaN) that is still
-    differentiable (zero gradients). The CE is computed in float32 whatever the logits dtype (bf16 logits are
-    upcast; that costs a float32 copy of ``[T_local, V]``).
+    ``share = sum of CE over local valid labels / N``, ``N`` the valid labels of the whole batch (all-reduced over
+    ``group``, then ``dp_group``): the shares sum to the non-CP loss and their gradients to the non-CP gradient
+    (docs/loss.md: the contract, DP and FSDP). Every rank of ``group`` and ``dp_group`` must call it.
 
     Args:
-        logits: floating ``[T_local, V]`` (or ``[1, T_local, V]``; any leading dims that match ``labels``).
+        logits: floating ``[T_local, V]`` (or ``[1, T_local, V]``); the CE is computed in float32.
         labels: integer ``[T_local]`` (or ``[1, T_local]``), this rank's shard of :func:`next_token_labels`.
-        group: the CP ProcessGroup (or a 1-D DeviceMesh), or None for no CP.
-        dp_group: the DP ProcessGroup (or a 1-D DeviceMesh) to normalise over as well, or None.
-        reduction: ``"token"`` or ``"document"``.
-        sharded: this rank's ``ShardedPackedSeqParams`` (or, without CP, the batch's ``PackedSeqParams``). Needed
-            for ``"document"``; when given, also checked against ``group`` (size and rank).
+        group: the CP ProcessGroup or 1-D DeviceMesh; ``None``: no CP (the world is never assumed).
+        dp_group: the DP group to normalise over as well, or ``None``.
+        sharded: this rank's ``ShardedPackedSeqParams`` (optional): checked against ``group`` (size, rank) and the
+            labels, and its batch and layout against the other ranks'.
         ignore_index: the label value to ignore.
+        reduction: ``"token"``; ``"document"`` is :func:`document_cross_entropy` (kept for compatibility).
 
     Returns:
-        float32 scalar tensor on ``logits.device``, this rank's share of the loss.
+        float32 scalar on ``logits.device``; 0 (not NaN, still differentiable) when no label is valid.
 
     Raises:
-        TypeError: non-tensor inputs, non-float logits, non-integer labels, a ``sharded`` of the wrong type.
-        ValueError: shape/device mismatches, an unknown reduction, a label outside ``[0, V)``, ``"document"``
-            without ``sharded``, a ``sharded`` whose ``cp_size``/``cp_rank`` disagree with ``group``.
+        TypeError / ValueError: on EVERY rank of both groups when any rank's inputs are wrong or differ (vocabulary,
+        dtype, reduction, batch, a label outside ``[0, V)``). Communication: one ``agree`` and one int64 all-reduce
+        per group. Host syncs: the label check (and a digest of ``cu_seqlens`` with ``sharded``).
 
-    Communication: token: one ``[1 + cp_size]`` int64 all-reduce over ``group`` (+ one ``[1 + cp_size + dp_size]``
-    over ``dp_group``): the count and one out-of-range-label slot per CP (and DP) rank. document: one
-    ``[num_segments + cp_size]`` all-reduce over ``group`` (+ one ``[1 + cp_size + dp_size]`` over ``dp_group``). Host syncs: one, for the label range check, after the
-    all-reduce: a label outside ``[0, V)`` on ANY rank raises ``ValueError`` on EVERY rank of the groups (no rank
-    is left waiting in a collective); the rank that holds it names the value, the others name its CP rank.
+    >>> round(float(packed_cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]))), 4)  # ln 3
+    1.0986
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    logits2d, labels1d = _flatten_inputs(logits, labels, ignore_index)  # [T_local, V], [T_local]
-    group = _resolve_group(group, "group")
-    dp_group = _resolve_group(dp_group, "dp_group")
-    cp_size = _group_size(group)
-
-    if sharded is not None and not isinstance(sharded, PackedSeqParams):
-        sh_size, sh_rank = getattr(sharded, "cp_size", None), getattr(sharded, "cp_rank", None)
-        if sh_size is not None and sh_size != cp_size:
-            raise ValueError(
-                f"sharded.cp_size={sh_size} but the CP group has {cp_size} rank(s); pass group= the CP process "
-                "group that the batch was sharded for"
-            )
-        if sh_rank is not None and group is not None and sh_rank != dist.get_rank(group):
-            raise ValueError(
-                f"sharded.cp_rank={sh_rank} but this process is rank {dist.get_rank(group)} of the CP group; "
-                "shard with cp_rank=dist.get_rank(group)"
-            )
-    if reduction == "document" and sharded is None:
-        if cp_size > 1:
-            raise ValueError(
-                f"reduction='document' over a CP group of {cp_size} ranks needs sharded= this rank's "
-                "ShardedPackedSeqParams, to find each local token's global document"
-            )
-        raise ValueError(
-            "reduction='document' needs the segment boundaries: pass sharded= the batch's PackedSeqParams "
-            "(or this rank's ShardedPackedSeqParams)"
-        )
-
-    T_local, vocab = logits2d.shape
-    cp_rank = 0 if group is None else dist.get_rank(group)
-    bad, bad_slots = _bad_label_slots(labels1d, vocab, ignore_index, cp_size, cp_rank)  # [T_local], [cp_size]
-    valid = labels1d != ignore_index  # [T_local] bool
-    device = logits2d.device
-
-    def cross_entropy() -> torch.Tensor:
-        # float32 CE, only once every label is known to be in range (an out-of-range one would crash in torch or
-        # device-assert on CUDA); ignored positions give exactly 0 and keep the graph connected to logits.
-        return F.cross_entropy(logits2d.float(), labels1d, ignore_index=ignore_index, reduction="none")  # [T_local]
-
-    if reduction == "token":
-        # [1 + cp_size]: this rank's valid labels (each token counted once), then the bad-label slots.
-        stats = torch.cat([valid.sum().to(torch.int64).reshape(1), bad_slots])
-        _all_reduce_sum(stats, group)
-        stats = _with_dp_slots(stats, dp_group)  # [1 + cp_size (+ dp_size)]
-        _all_reduce_sum(stats, dp_group)
-        _raise_bad_labels(labels1d, bad, stats[1:], cp_size, vocab, ignore_index)
-        return cross_entropy().sum() / stats[:1].clamp_min(1).to(torch.float32)[0]
-
-    seg, num_segments = _global_segment_ids(sharded, T_local, device)  # [T_local] int64
-    counts = torch.zeros(num_segments + cp_size, dtype=torch.int64, device=device)  # [num_segments + cp_size]
-    counts.scatter_add_(0, seg, valid.to(torch.int64))
-    counts[num_segments:] = bad_slots
-    _all_reduce_sum(counts, group)  # global valid labels per segment (this DP replica's batch), bad-label slots
-    counts, bad_slots = counts[:num_segments], counts[num_segments:]
-    stats = torch.cat([(counts > 0).sum().to(torch.int64).reshape(1), bad_slots])  # [1 + cp_size]: documents, bad
-    stats = _with_dp_slots(stats, dp_group)  # [1 + cp_size (+ dp_size)]
-    _all_reduce_sum(stats, dp_group)
-    _raise_bad_labels(labels1d, bad, stats[1:], cp_size, vocab, ignore_index)
-    num_docs = stats[:1]  # [1]; equal on every CP rank
-    # Valid tokens have counts[seg] >= 1; ignored ones have ce == 0, the clamp only avoids 0 * inf.
-    weight = 1.0 / counts.gather(0, seg).clamp_min(1).to(torch.float32)  # [T_local]
-    return (cross_entropy() * weight).sum() / num_docs.clamp_min(1).to(torch.float32)[0]
+    if reduction == "document":
+        return document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
+                                      ignore_index=ignore_index)
+    local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction=reduction,
+                             ignore_index=ignore_index)
+    count = (local.labels != ignore_index).sum().to(torch.int64).reshape(1)  # this rank's tokens, counted once
+    _all_reduce_sum(_all_reduce_sum(count, cp), dp)
+    return _cross_entropy(local, ignore_index).sum() / count.clamp_min(1).to(torch.float32)[0]
 
 
-def reduce_loss_for_logging(loss: torch.Tensor, *, group: Any = None, dp_group: Any = None) -> torch.Tensor:
-    """The global loss value from the per-rank shares of :func:`packed_cross_entropy`, detached, for logging.
+def document_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    sharded: ShardedPackedSeqParams | PackedSeqParams,
+    group: GroupLike = None,
+    dp_group: GroupLike = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-document mean cross-entropy (every document weighs the same), as this rank's share of the global value.
 
-    All-reduce SUM of the shares over ``group`` (the CP group) and, when the loss was normalised over DP too (the
-    same ``dp_group`` was passed to :func:`packed_cross_entropy`), over ``dp_group``. Every rank of those groups
-    must call it; each gets the same float32 scalar. Without ``dp_group`` the result is this DP replica's loss.
+    ``loss = mean over documents d of (mean CE over d's valid labels)``; a document is a segment with a valid
+    label. Each local token's global segment comes from ``sharded``; the per-segment counts are all-reduced over
+    ``group``, the number of documents over ``dp_group`` (docs/loss.md).
+
+    Args:
+        logits, labels, group, dp_group, ignore_index: as :func:`packed_cross_entropy`.
+        sharded: this rank's ``ShardedPackedSeqParams``; without CP, the batch's ``PackedSeqParams``.
+
+    Returns:
+        float32 scalar on ``logits.device``; 0 (not NaN, still differentiable) when no label is valid.
+
+    Raises:
+        As :func:`packed_cross_entropy`; every rank must hold a shard of the same batch (its ``cu_seqlens`` are
+        compared by digest). Communication: one ``agree`` per group, one ``[num_segments]`` int64 all-reduce over
+        ``group`` and one scalar over ``dp_group``.
+
+    >>> from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+    >>> params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2]]))
+    >>> logits = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [9.0, 0.0], [0.0, 0.0]])
+    >>> round(float(document_cross_entropy(logits, torch.tensor([0, 1, -100, 0, -100]), sharded=params)), 4)
+    0.3466
     """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss must be a scalar tensor (a share from packed_cross_entropy), got {loss!r}")
-    group = _resolve_group(group, "group")
-    dp_group = _resolve_group(dp_group, "dp_group")
+    local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction="document",
+                             ignore_index=ignore_index)
+    valid = (local.labels != ignore_index).to(torch.int64)  # [T_local]
+    counts = torch.zeros(local.num_segments, dtype=torch.int64, device=valid.device)  # [num_segments]
+    _all_reduce_sum(counts.scatter_add_(0, local.segment, valid), cp)  # valid labels per global segment
+    num_docs = _all_reduce_sum((counts > 0).sum().to(torch.int64).reshape(1), dp)  # [1]
+    weight = 1.0 / counts.gather(0, local.segment).clamp_min(1).to(torch.float32)  # [T_local]; ignored: CE == 0
+    return (_cross_entropy(local, ignore_index) * weight).sum() / num_docs.clamp_min(1).to(torch.float32)[0]
+
+
+def reduce_loss_for_logging(loss: torch.Tensor, *, group: GroupLike = None,
+                            dp_group: GroupLike = None) -> torch.Tensor:
+    """The global loss from the per-rank shares of :func:`packed_cross_entropy`, detached, for logging.
+
+    All-reduce SUM of the shares over ``group`` and (when the loss was normalised over DP too) ``dp_group``; every
+    rank of those groups must call it and gets the same float32 scalar. Starts with one ``agree`` per group.
+
+    >>> reduce_loss_for_logging(torch.tensor(2.5, requires_grad=True))  # no group: the share is the loss
+    tensor(2.5000)
+    """
+    cp = resolve_group(group, name="group", optional=True)
+    dp = resolve_group(dp_group, name="dp_group", optional=True)
+    error = None
+    try:
+        check_tensor(loss, "loss", "(a scalar share from packed_cross_entropy)")
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise TypeError(f"loss must be a floating scalar tensor (a share from packed_cross_entropy), got {loss!r}")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    _agree("reduce_loss_for_logging", cp, dp, {"dp size": None if dp is None else dp.size}, error)
     out = loss.detach().to(torch.float32).reshape(1).clone()
-    _all_reduce_sum(out, group)
-    _all_reduce_sum(out, dp_group)
-    return out[0]
+    return _all_reduce_sum(_all_reduce_sum(out, cp), dp)[0]

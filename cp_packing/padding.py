@@ -1,46 +1,54 @@
-"""Re-lay a packed batch so that every segment's length is a multiple of a given number.
+"""Re-lay a packed batch so that every segment's length is a multiple of a given number (docs/padding.md).
 
-Why: the zigzag context-parallel layout cuts every segment (padding segments too) into ``2 * cp_size`` equal chunks.
-ring-flash-attn's ``zigzag_ring_flash_attn_varlen_func`` does not check this and silently computes wrong numbers
-when a length is not divisible; TransformerEngine's THD + CP path asserts it. Megatron therefore pads every sequence
-to a multiple of ``2 * cp_size`` in its dataset. ``pad_segments(doc_ids, 2 * cp_size, tensors)`` does the same for a
-neat-packing doc map and every per-token tensor that goes with it, without touching what real tokens compute.
+Why: the zigzag CP layout cuts every segment into ``2 * cp_size`` equal chunks; ring-flash-attn's zigzag varlen
+kernel computes wrong numbers, silently, on other lengths, and TransformerEngine's THD + CP path asserts them.
+Megatron pads every sequence to a multiple of ``2 * cp_size`` in its dataset; this module does it for a neat-packing
+doc map, in two steps:
 
-Layout of one output row (``m = multiple``)::
+1. the doc map: each document gets pad tokens (same doc index) right after its last real token, original padding is
+   dropped (kept as an ``m``-token separator between two runs of one index), rows are re-padded at the end. This
+   gives a ``PaddedBatch`` with the new map, ``index`` and ``is_pad``;
+2. each per-token tensor: ``PaddedBatch.pad_tensor`` (a fill value the caller chooses) or ``pad_positions``
+   (position ids that continue the document's count).
 
-    [doc a + pad to m] [doc b + pad to m] ... [doc z + pad to m] [row padding (index 0) up to S']
-
-* Each document segment of length ``L`` gets ``ceil(L / m) * m - L`` pad tokens right AFTER its last real token,
-  INSIDE the segment (same doc index). Causal attention of a real token only sees earlier tokens of its segment,
-  so it is unchanged; pad tokens get label ``ignore_index``, so the loss is unchanged.
-* Original padding runs (index 0) are dropped, wherever they are, and every row is re-padded at its end to one
-  common length ``S'`` (a multiple of ``m``), so the padding that was already there absorbs the added pad tokens
-  (with ``row_length=S`` the shape usually does not change at all). One exception: a padding run between two runs
-  of the SAME document index (``[1, 1, 0, 1]``) is replaced by exactly ``m`` padding tokens, because dropping it
-  would merge the two runs into one segment and let the second attend to the first.
-* Runs, not ids, make segments (as in the seed): a reused index is a new segment and is padded on its own. Rows stay
-  rows (a boundary at every row start), in order; real tokens keep their row and their order.
-
-Every output segment has a length that is a multiple of ``m``: document segments by construction, a separator has
-length ``m``, and the row-end padding run has length ``S' - content`` (both multiples of ``m``; a row whose content
-fills ``S'`` has no padding run at all).
-
-The result, ``PaddedBatch``, maps back: ``index`` gives the new flat position of every original token (``-1`` for
-dropped padding), ``unpad`` maps model outputs ``[B, S', ...]`` back to ``[B, S, ...]`` and ``pad_tensor`` re-lays
-one more per-token tensor later.
+``pad_segments(doc_ids, multiple=2 * cp_size, tensors={...})`` does both.
 """
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
+from cp_packing._checks import INT32_MAX, check_doc_ids, check_fits_dtype, check_int, check_tensor
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
 __all__ = ["PaddedBatch", "pad_segments"]
+
+# torch has no index_select / index_copy / comparisons for these: index their bits through a signed view.
+_SIGNED_VIEW = {getattr(torch, u): getattr(torch, s) for u, s in (("uint16", "int16"), ("uint32", "int32"),
+                                                                   ("uint64", "int64")) if hasattr(torch, u)}
+
+
+def _indexable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or a zero-copy signed view of an unsigned ``x`` (same bits; equality and + are preserved)."""
+    return x.view(_SIGNED_VIEW[x.dtype]) if x.dtype in _SIGNED_VIEW else x
+
+
+def _restore(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undo ``_indexable`` (``Tensor.view(dtype)`` is not differentiable: only called when the dtype differs)."""
+    return x if x.dtype == dtype else x.view(dtype)
+
+
+def _bits(fill: float | int | bool, dtype: torch.dtype) -> float | int | bool:
+    """``fill`` as the value of ``_indexable``'s signed view of a ``dtype`` tensor (two's complement)."""
+    if dtype not in _SIGNED_VIEW:
+        return fill
+    width = torch.iinfo(dtype).bits
+    value = int(fill)
+    return value - (1 << width) if value >= 1 << (width - 1) else value
 
 
 @dataclass(frozen=True)
@@ -48,20 +56,17 @@ class PaddedBatch:
     """A batch re-laid by ``pad_segments`` so that every segment length is a multiple of ``multiple``.
 
     Attributes:
-        doc_ids: ``[B, S']`` (the input's dtype), the new doc map. ``S' % multiple == 0`` and every segment of
-            ``packed_seq_params_from_doc_ids(doc_ids)`` has a length that is a multiple of ``multiple``.
+        doc_ids: ``[B, S']`` (the input's dtype), the new doc map; every segment length and ``S'`` are multiples of
+            ``multiple``.
         tensors: ``name -> [B, S', ...]`` re-laid per-token tensors (same dtype and device as given).
         index: int64 ``[B, S]``, for every original token its flat position in the new ``[B * S']`` stream, ``-1``
-            for original padding tokens (index 0), which are dropped. Strictly increasing along a row over real
-            tokens; ``new.reshape(B * S', ...)[index[real]] == original[real]`` where ``real = index >= 0``.
-        is_pad: bool ``[B, S']``, True for every token that is not an original real token (pad tokens inside
-            documents, separators, row-end padding). ``(~is_pad).sum() == num_real_tokens``.
+            for original padding (dropped): ``new.reshape(B * S', ...)[index[real]] == original[real]``.
+        is_pad: bool ``[B, S']``, True for every token that is not an original real token.
         multiple: the ``m`` every segment length is a multiple of.
         num_real_tokens: original tokens with a non-zero doc index (each appears exactly once in the output).
-        num_added_tokens: pad tokens placed INSIDE document segments (``sum ceil(L/m)*m - L`` over document
-            segments). These take part in attention and are the real cost of the padding.
+        num_added_tokens: pad tokens placed INSIDE document segments (they take part in attention: the real cost).
         num_separator_tokens: padding tokens kept between two runs of one document index (``m`` per such gap).
-        num_dropped_tokens: original padding tokens (index 0) that were dropped.
+        num_dropped_tokens: original padding tokens (index 0), dropped.
     """
 
     doc_ids: torch.Tensor
@@ -86,27 +91,73 @@ class PaddedBatch:
 
     @property
     def overhead(self) -> float:
-        """``num_added_tokens / num_real_tokens`` (0.0 without real tokens): the extra attention tokens per real
-        token. Each document adds 0 to ``m - 1`` tokens, so this is about ``(m - 1) / (2 * mean document length)``:
-        small for long documents, up to ``m - 1`` for one-token documents."""
+        """``num_added_tokens / num_real_tokens`` (0.0 without real tokens), about ``(m - 1) / (2 * mean doc
+        length)``: small for long documents, up to ``m - 1`` for one-token documents."""
         return self.num_added_tokens / self.num_real_tokens if self.num_real_tokens else 0.0
 
-    def pad_tensor(self, x: torch.Tensor, fill_value: float | int | bool = 0) -> torch.Tensor:
-        """Re-lay one more per-token tensor ``[B, S, ...]`` -> ``[B, S', ...]``; every token that is not an original
-        real token gets ``fill_value`` (for labels pass ``-100``; position ids continuing the document need
-        ``pad_segments(..., tensors={"position_ids": ...})``)."""
+    def pad_tensor(self, x: torch.Tensor, fill_value: float | int | bool = 0, *, name: str = "x") -> torch.Tensor:
+        """Re-lay a per-token tensor ``[B, S, ...]`` -> ``[B, S', ...]``; every added token gets ``fill_value``.
+
+        Args:
+            x: ``[B, S, ...]`` on the doc map's device, any dtype.
+            fill_value: the value of every token that is not an original real token (labels: ``-100``); it must
+                fit ``x``'s dtype (torch would wrap ``-100`` to ``156`` in uint8).
+            name: how error messages name ``x``.
+
+        Returns:
+            ``[B, S', ...]``, same dtype and device; differentiable with respect to ``x``.
+
+        >>> batch = pad_segments(torch.tensor([[1, 1, 1, 0]]), multiple=2)
+        >>> batch.pad_tensor(torch.tensor([[5, 6, 7, 0]]), -100).tolist()
+        [[5, 6, 7, -100]]
+        """
         B, S = self.original_shape
-        x = _check_per_token("x", x, B, S, self.index.device)
-        src, dst = _real_pairs(self.index.reshape(-1), self.num_real_tokens)
-        Sp = self.padded_length
-        return _scatter_real(x.reshape(B * S, *x.shape[2:]), src, dst, B * Sp, fill_value).view(B, Sp, *x.shape[2:])
+        x = _check_per_token(name, x, B, S, self.index.device)
+        check_fits_dtype(fill_value, x.dtype, f"the pad value {fill_value!r} for tensors[{name!r}]",
+                         fix=f"pass a representable value for {name!r} or convert the tensor (labels: a signed dtype)")
+        rest = tuple(x.shape[2:])
+        src = torch.nonzero_static(self.index.reshape(-1) >= 0, size=self.num_real_tokens).view(-1)  # [R]
+        dst = self.index.reshape(-1).index_select(0, src)  # [R]: no duplicates, no host sync
+        flat = _indexable(x.reshape(B * S, *rest))
+        out = flat.new_full((B * self.padded_length, *rest), _bits(fill_value, x.dtype))
+        out = out.index_copy(0, dst, flat.index_select(0, src))
+        return _restore(out, x.dtype).view(B, self.padded_length, *rest)
+
+    def pad_positions(self, x: torch.Tensor, *, name: str = "position_ids") -> torch.Tensor:
+        """Re-lay position ids ``[B, S, ...]``: a pad token inside a document continues its count (last real value
+        + 1, + 2, ...: real tokens' RoPE positions are unchanged); a padding token (index 0) gets its 0-based
+        position inside its padding run.
+
+        >>> batch = pad_segments(torch.tensor([[1, 1, 1, 0]]), multiple=2)
+        >>> batch.pad_positions(torch.tensor([[0, 1, 2, 0]])).tolist()
+        [[0, 1, 2, 3]]
+        """
+        out = self.pad_tensor(x, 0, name=name)
+        if out.dtype == torch.bool:
+            raise TypeError(f"tensors[{name!r}] holds position ids and cannot be bool; convert it to an integer dtype")
+        B, Sp = out.shape[:2]
+        if B * Sp == 0:
+            return out
+        bshape = (-1, *([1] * (out.dim() - 2)))
+        flat = _indexable(out.reshape(B * Sp, *out.shape[2:]))  # [T', ...]
+        new = _indexable(self.doc_ids).reshape(-1)  # [T']
+        ar = torch.arange(B * Sp, device=new.device)
+        real = ~self.is_pad.reshape(-1)
+        last_real = torch.cummax(torch.where(real, ar, -1), 0).values  # [T']; in a document: its last real token
+        changed = torch.cat([real[:1], new[1:] != new[:-1]])  # [T'] (first entry: irrelevant, a row start)
+        seg_start = (ar % Sp == 0) | changed  # [T']: the seed's segment starts
+        run_pos = ar - torch.cummax(torch.where(seg_start, ar, 0), 0).values  # [T'] position inside the segment
+        count_on = flat.index_select(0, last_real.clamp(min=0)) + (ar - last_real).to(flat.dtype).view(bshape)
+        out = torch.where((new == 0).view(bshape), run_pos.to(flat.dtype).view(bshape),
+                          torch.where(real.view(bshape), flat, count_on))
+        return _restore(out, x.dtype).view(B, Sp, *x.shape[2:])
 
     def unpad(self, x: torch.Tensor, fill_value: float | int | bool = 0) -> torch.Tensor:
         """Map a tensor of the padded stream back to the original layout.
 
         Args:
             x: ``[B, S', ...]``, ``[B * S', ...]`` or ``[1, B * S', ...]`` (e.g. logits of the padded batch).
-            fill_value: value of the original padding tokens (index 0), which have no place in the padded stream.
+            fill_value: value of the original padding tokens (index 0); it must fit ``x``'s dtype.
 
         Returns:
             ``[B, S, ...]``: real tokens get their value from ``x``, original padding tokens ``fill_value``.
@@ -114,346 +165,207 @@ class PaddedBatch:
         """
         B, S = self.original_shape
         Sp = self.padded_length
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"unpad expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() >= 2 and tuple(x.shape[:2]) == (B, Sp):
+        check_tensor(x, "x", "of shape [B, S', ...]")
+        if x.dim() >= 2 and tuple(x.shape[:2]) in ((B, Sp), (1, B * Sp)):
             rest = tuple(x.shape[2:])
         elif x.dim() >= 1 and x.shape[0] == B * Sp:
             rest = tuple(x.shape[1:])
-        elif x.dim() >= 2 and tuple(x.shape[:2]) == (1, B * Sp):
-            rest = tuple(x.shape[2:])
         else:
             raise ValueError(
                 f"unpad expects a tensor of shape [B, S', ...] = [{B}, {Sp}, ...], [B*S', ...] = [{B * Sp}, ...] or "
                 f"[1, B*S', ...], got shape {tuple(x.shape)}; pass an output of the padded batch"
             )
-        flat = x.reshape(B * Sp, *rest)
+        check_fits_dtype(fill_value, x.dtype, f"unpad's fill_value={fill_value!r}",
+                         fix="pass a value the tensor can hold")
+        fill = torch.full((), _bits(fill_value, x.dtype), dtype=_indexable(x).dtype, device=x.device)
+        if B * Sp == 0:  # nothing in the padded stream: every original token was padding
+            return _restore(fill.expand(B, S, *rest).clone(), x.dtype)
+        flat = _indexable(x.reshape(B * Sp, *rest))
         real = (self.index >= 0).reshape(B * S, *([1] * len(rest)))
-        if flat.shape[0] == 0:  # nothing in the padded stream: every original token was padding
-            return x.new_full((B, S, *rest), fill_value)
         gathered = flat.index_select(0, self.index.reshape(-1).clamp(min=0))  # [B*S, ...]
-        fill = torch.full((), fill_value, dtype=x.dtype, device=x.device)
-        return torch.where(real, gathered, fill).view(B, S, *rest)
+        return _restore(torch.where(real, gathered, fill), x.dtype).view(B, S, *rest)
 
 
-def _real_pairs(index: torch.Tensor, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From ``index`` ``[T]`` (``-1`` = dropped): int64 ``src`` ``[R]`` (original flat positions of the real tokens)
-    and ``dst`` ``[R]`` (their new flat positions). ``nonzero_static``: no host sync, no duplicate targets."""
-    src = torch.nonzero_static(index >= 0, size=num_real).view(-1)
-    return src, index.index_select(0, src)
-
-
-def _scatter_real(x_flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, size: int, fill: Any) -> torch.Tensor:
-    """``[T, ...]`` -> ``[size, ...]``: real token ``src[i]`` goes to ``dst[i]``, everything else is ``fill``."""
-    out = x_flat.new_full((size, *x_flat.shape[1:]), fill)
-    return out.index_copy_(0, dst, x_flat.index_select(0, src))
-
-
-def _continue_positions(
-    out: torch.Tensor,  # [T', ...] real tokens already in place
-    x_flat: torch.Tensor,  # [T, ...] original positions
-    new_doc: torch.Tensor,  # [T']
-    pad_run_pos: torch.Tensor,  # int64 [T'] position inside its padding run (where new_doc == 0)
-    cu: torch.Tensor,  # int64 [N + 1] original segments
-    new_start: torch.Tensor,  # int64 [N]
-    lengths: torch.Tensor,  # int64 [N]
-    num_pad: torch.Tensor,  # int64 [N] pad tokens added to each segment (0 for padding runs)
-    total_pad: int,
-) -> torch.Tensor:
-    """Pad tokens of a document continue its count (last real value + 1, + 2, ...); padding tokens (index 0) get
-    their 0-based position inside their padding run."""
-    device = out.device
-    bshape = (-1, *([1] * (out.dim() - 1)))
-    pad_excl = torch.cumsum(num_pad, 0) - num_pad  # [N]
-    ar = torch.arange(total_pad, device=device)
-    pad_pos = ar + torch.repeat_interleave(new_start + lengths - pad_excl, num_pad, output_size=total_pad)  # [P]
-    past_last = ar - torch.repeat_interleave(pad_excl, num_pad, output_size=total_pad) + 1  # [P] 1, 2, ...
-    last_real = torch.repeat_interleave(cu[1:] - 1, num_pad, output_size=total_pad)  # [P]
-    out.index_copy_(0, pad_pos, x_flat.index_select(0, last_real) + past_last.to(out.dtype).view(bshape))
-    in_run = pad_run_pos.to(out.dtype).view(bshape)
-    return torch.where((new_doc == 0).view(bshape), in_run, out)
-
-
-def _position_in_padding_runs(
-    content: torch.Tensor,  # int64 [B] covered tokens per row; the row-end padding run starts there
-    Sp: int,
-    new_start: torch.Tensor,  # int64 [N]
-    separator: torch.Tensor,  # bool [N]
-    m: int,
-    total_sep: int,
-) -> torch.Tensor:
-    """int64 ``[B * S']``: 0-based position of each token inside its padding run; meaningful where the new doc
-    index is 0 (the row-end run and the separators), arbitrary elsewhere."""
-    device = content.device
-    in_run = (torch.arange(Sp, device=device)[None, :] - content[:, None]).reshape(-1)  # row-end run
-    sep_len = separator.to(torch.int64) * m  # [N]
-    sep_excl = torch.cumsum(sep_len, 0) - sep_len
-    ar = torch.arange(total_sep, device=device)
-    sep_pos = ar + torch.repeat_interleave(new_start - sep_excl, sep_len, output_size=total_sep)
-    return in_run.index_copy_(0, sep_pos, ar - torch.repeat_interleave(sep_excl, sep_len, output_size=total_sep))
-
-
-def _check_fill_fits(name: str, fill: Any, dtype: torch.dtype) -> None:
-    """A pad value must be exactly representable: torch silently wraps ``-100`` to ``156`` in ``uint8`` (a real
-    class id that the loss would then count)."""
-    problem = None
-    if dtype == torch.bool:
-        if fill not in (0, 1, True, False):
-            problem = "bool tensors take only 0/1/True/False"
-    elif not (dtype.is_floating_point or dtype.is_complex):
-        if isinstance(fill, float) and not float(fill).is_integer():
-            problem = "an integer tensor cannot hold a fractional value"
-        else:
-            info = torch.iinfo(dtype)
-            try:
-                value = int(fill)
-            except (TypeError, ValueError):
-                problem = "not a number"
-            else:
-                if not info.min <= value <= info.max:
-                    problem = f"{dtype} holds [{info.min}, {info.max}]"
-    else:
-        try:
-            torch.full((), fill, dtype=dtype)
-        except (RuntimeError, TypeError) as exc:
-            problem = str(exc)
-    if problem:
-        raise ValueError(
-            f"the pad value {fill!r} for tensors[{name!r}] does not fit its dtype {dtype} ({problem}); pass a "
-            f"representable value in pad_values[{name!r}] or convert the tensor (labels: a signed dtype for -100)"
-        )
-
-
-def _check_multiple(multiple: Any) -> int:
-    if isinstance(multiple, bool) or not hasattr(multiple, "__index__"):
-        raise TypeError(
-            f"multiple must be a positive int (e.g. 2 * cp_size for the zigzag layout), got {multiple!r} of type "
-            f"{type(multiple).__name__}"
-        )
-    m = operator.index(multiple)
-    if m < 1:
-        raise ValueError(f"multiple must be a positive int (e.g. 2 * cp_size for the zigzag layout), got {m}")
-    return m
-
-
-def _check_per_token(name: str, x: Any, B: int, S: int, device: torch.device) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"tensors[{name!r}] must be a torch.Tensor of shape [B, S, ...], got {type(x).__name__}")
+def _check_per_token(name: str, x: object, B: int, S: int, device: torch.device) -> torch.Tensor:
+    check_tensor(x, f"tensors[{name!r}]", "of shape [B, S, ...]")
     if x.dim() < 2 or tuple(x.shape[:2]) != (B, S):
         raise ValueError(
             f"tensors[{name!r}] has shape {tuple(x.shape)}, but per-token tensors must be [B, S, ...] = "
             f"[{B}, {S}, ...] like doc_ids; add the batch dimension or transpose it"
         )
     if x.device != device:
-        raise ValueError(
-            f"tensors[{name!r}] is on {x.device} but doc_ids is on {device}; move it with .to(doc_ids.device)"
-        )
+        raise ValueError(f"tensors[{name!r}] is on {x.device} but doc_ids is on {device}; move it with .to(...)")
     return x
 
 
-def _check_keys(keys: Any, what: str) -> tuple[str, ...]:
+def _new_segment_lengths(doc: torch.Tensor, cu: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
+    """Per input segment (int64 ``cu`` ``[N + 1]``): its row, length, whether it is a document, and its new length
+    (documents rounded up to ``m``, a padding run between two runs of one index ``m``, other padding 0)."""
+    S = doc.shape[1]
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]  # [N]
+    seg_doc = _indexable(doc).reshape(-1)[starts]  # [N] doc index of each segment
+    seg_row = starts // max(S, 1)  # [N]
+    is_doc = seg_doc != 0
+    separator = torch.zeros_like(is_doc)
+    if starts.numel() >= 3:  # dropping it would merge the two runs into one segment
+        separator[1:-1] = (~is_doc[1:-1] & (seg_row[:-2] == seg_row[1:-1]) & (seg_row[2:] == seg_row[1:-1])
+                           & (seg_doc[:-2] == seg_doc[2:]))
+    zero = torch.zeros_like(lengths)
+    new_len = torch.where(is_doc, (lengths + m - 1) // m * m, torch.where(separator, zero + m, zero))  # [N]
+    return seg_doc, seg_row, lengths, is_doc, new_len
+
+
+def _pad_doc_map(doc_ids: torch.Tensor, m: int, row_length: int | None, max_tokens: int) -> PaddedBatch:
+    """Step 1: the new doc map, ``index`` and ``is_pad`` (``tensors`` empty). One host sync; refuses an output of
+    more than ``max_tokens`` tokens before allocating it."""
+    cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens.to(torch.int64)  # validates doc_ids
+    B, S = doc_ids.shape
+    device = doc_ids.device
+    seg_doc, seg_row, lengths, is_doc, new_len = _new_segment_lengths(doc_ids, cu, m)
+    content = torch.zeros(B, dtype=torch.int64, device=device).index_add_(0, seg_row, new_len)  # [B]
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    longest, covered, num_real, num_added, num_sep = torch.stack([  # the one host sync
+        content.max() if B > 0 else zero, new_len.sum(), torch.where(is_doc, lengths, 0).sum(),
+        torch.where(is_doc, new_len - lengths, 0).sum(), torch.where(is_doc, 0, new_len).sum()]).tolist()
+    if row_length is not None and row_length < longest:
+        raise ValueError(
+            f"row_length={row_length} is too small: the longest row needs {longest} tokens after padding every "
+            f"segment to a multiple of {m}; pass row_length >= {longest} (a multiple of {m}) or None"
+        )
+    Sp = longest if row_length is None else row_length
+    _check_bound(B, Sp, m, max_tokens)
+
+    # New segment starts; every original token moves with its segment (original padding: -1).
+    excl = torch.cumsum(new_len, 0) - new_len  # [N] covered tokens before each segment, whole batch
+    new_start = seg_row * Sp + excl - (torch.cumsum(content, 0) - content)[seg_row]  # [N] flat start in [B * S']
+    real = doc_ids.reshape(-1) != 0  # [T]
+    moved = torch.arange(B * S, device=device) + torch.repeat_interleave(new_start - cu[:-1], lengths,
+                                                                        output_size=B * S)
+    index = torch.where(real, moved, -1)  # [T]
+    cov_pos = torch.arange(covered, device=device) + torch.repeat_interleave(new_start - excl, new_len,
+                                                                             output_size=covered)
+    new_doc = torch.zeros(B * Sp, dtype=seg_doc.dtype, device=device)  # [T']; row-end padding stays 0
+    new_doc.index_copy_(0, cov_pos, torch.repeat_interleave(seg_doc, new_len, output_size=covered))
+    dst = index.index_select(0, torch.nonzero_static(real, size=num_real).view(-1))  # [R], no host sync
+    is_pad = torch.ones(B * Sp, dtype=torch.bool, device=device).index_fill_(0, dst, False)
+    return PaddedBatch(doc_ids=_restore(new_doc, doc_ids.dtype).view(B, Sp), tensors={}, index=index.view(B, S),
+                       is_pad=is_pad.view(B, Sp), multiple=m, num_real_tokens=num_real, num_added_tokens=num_added,
+                       num_separator_tokens=num_sep, num_dropped_tokens=B * S - num_real)
+
+
+def _check_bound(B: int, Sp: int, m: int, max_tokens: int) -> None:
+    if B * Sp > max_tokens:
+        raise ValueError(
+            f"the padded batch would hold B*S' = {B}*{Sp} = {B * Sp} tokens, more than max_tokens={max_tokens} "
+            f"(default {INT32_MAX}, what int32 cu_seqlens can index); nothing was allocated. Use a smaller "
+            f"multiple (got {m}) or row_length, split the batch, or raise max_tokens"
+        )
+
+
+def _check_keys(keys: object, what: str) -> tuple[str, ...]:
     if isinstance(keys, str):
         raise TypeError(f"{what} must be a sequence of tensor names, got the string {keys!r}; write ({keys!r},)")
-    keys = tuple(keys)
+    try:
+        keys = tuple(keys)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of tensor names, got {keys!r}") from None
     for k in keys:
         if not isinstance(k, str):
             raise TypeError(f"{what} must hold tensor names (str), got {k!r}")
-    return keys
+    return tuple(keys)
+
+
+def _check_label_padding(tensors: Mapping[str, torch.Tensor], doc_ids: torch.Tensor, label_keys: tuple[str, ...],
+                         ignore_index: int) -> None:
+    """Labels of original padding tokens must be ``ignore_index``: those tokens are dropped. One host sync."""
+    names = [k for k in label_keys if k in tensors and doc_ids.numel() > 0]
+    if not names:
+        return
+    pad = (doc_ids == 0).reshape(doc_ids.numel(), 1)
+    bad = torch.stack([((_indexable(tensors[k]).reshape(doc_ids.numel(), -1) != _bits(ignore_index, tensors[k].dtype))
+                        & pad).sum() for k in names]).tolist()
+    for name, count in zip(names, bad):
+        if count:
+            raise ValueError(
+                f"tensors[{name!r}] has {count} label(s) other than ignore_index={ignore_index} on padding tokens "
+                f"(doc index 0); those tokens are dropped, which would change the loss. Set labels to "
+                f"{ignore_index} where doc_ids == 0, or leave {name!r} out of label_keys if it is not a label"
+            )
 
 
 def pad_segments(
     doc_ids: torch.Tensor,
+    *,
     multiple: int,
     tensors: Mapping[str, torch.Tensor] | None = None,
-    *,
     pad_values: Mapping[str, float | int | bool] | None = None,
     ignore_index: int = -100,
     label_keys: Sequence[str] = ("labels",),
     position_keys: Sequence[str] = ("position_ids",),
     row_length: int | None = None,
+    max_tokens: int | None = None,
 ) -> PaddedBatch:
-    """Re-lay a doc map (and its per-token tensors) so that every segment's length is a multiple of ``multiple``.
+    """Re-lay a doc map and its per-token tensors so that every segment's length is a multiple of ``multiple``.
 
-    See the module docstring for the layout. For the zigzag CP layout (ring-flash-attn zigzag varlen,
-    TransformerEngine THD) pass ``multiple=2 * cp_size``.
+    Pad tokens go inside each document, after its last real token, so real tokens compute exactly what they did
+    (docs/padding.md has the layout). For the zigzag CP layout pass ``multiple=2 * cp_size``.
 
     Args:
-        doc_ids: integer ``[B, S]``, 1-based document index per token, 0 = padding (checked as by
-            ``packed_seq_params_from_doc_ids``). CPU or CUDA.
-        multiple: positive int ``m``.
-        tensors: ``name -> [B, S, ...]`` per-token tensors on ``doc_ids``' device (input_ids, labels,
-            position_ids, ...). Labels must be already shifted (``labels[i]`` is token i's target, ``-100`` where it
-            would cross a document boundary): each label moves with its token. Labels of original padding tokens
-            must be ``ignore_index`` (they are dropped; anything else would change the loss).
-        pad_values: ``name -> value`` for the tokens added to that tensor; overrides the defaults below.
-        ignore_index: the value added tokens get in tensors named in ``label_keys``.
-        label_keys: names of label tensors (added tokens get ``ignore_index``).
-        position_keys: names of position-id tensors. Pad tokens inside a document continue its count (last real
-            token's value + 1, + 2, ...; so real tokens' RoPE positions are unchanged); padding tokens (index 0)
-            get their 0-based position inside their padding run.
-        row_length: the output row length ``S'``, exactly. Must be a multiple of ``multiple`` and at least the
-            longest padded row. Default: the longest padded row (so ``S'`` may differ from ``S``).
-
-    Other tensors get 0 on added tokens unless ``pad_values`` names them.
+        doc_ids: integer ``[B, S]`` (unsigned too), 1-based document index per token, 0 = padding. CPU or CUDA.
+        multiple: ``m`` in ``[1, 2**31 - 1]``.
+        tensors: ``name -> [B, S, ...]`` on ``doc_ids``' device. Labels must be shifted already (each label moves
+            with its token) and be ``ignore_index`` on padding tokens (which are dropped).
+        pad_values: ``name -> value`` for the added tokens of that tensor (overrides the two rules below; else 0).
+        ignore_index: what added tokens get in ``label_keys`` tensors.
+        label_keys: names of label tensors.
+        position_keys: names of position-id tensors (``PaddedBatch.pad_positions``: the document's count goes on).
+        row_length: the output row length ``S'`` exactly (a multiple of ``m``, at least the longest padded row).
+            Default: the longest padded row.
+        max_tokens: refuse (``ValueError``, before allocating) an output of more than this many tokens ``B * S'``.
+            Default and upper limit: ``2**31 - 1``, what int32 ``cu_seqlens`` can index.
 
     Returns:
-        ``PaddedBatch`` (see its docstring): the new ``doc_ids`` ``[B, S']``, re-laid ``tensors``, ``index``
-        ``[B, S]``, ``is_pad`` ``[B, S']`` and token counts.
+        ``PaddedBatch``: the new ``doc_ids`` ``[B, S']``, re-laid ``tensors``, ``index`` ``[B, S]``, ``is_pad``.
 
-    Raises:
-        TypeError: ``multiple`` not an int; a non-tensor; bad key types.
-        ValueError: ``multiple < 1``; a tensor whose shape is not ``[B, S, ...]`` or on another device; a
-            ``row_length`` too small or not a multiple; a label of a padding token that is not ``ignore_index``;
-            ``pad_values`` naming an unknown tensor; invalid ``doc_ids``.
+    Cost: vectorised, no Python loop over tokens or segments. Host syncs: one for the layout, one for the labels.
 
-    Cost: vectorised (cumsum / repeat_interleave / scatter over tokens and segments, no Python loop). One host sync
-    (``S'`` and the counts are read back together) on top of ``packed_seq_params_from_doc_ids``.
+    >>> out = pad_segments(torch.tensor([[1, 1, 1, 2, 0, 0]]), multiple=2)
+    >>> out.doc_ids.tolist(), out.index.tolist()
+    ([[1, 1, 1, 1, 2, 2]], [[0, 1, 2, 4, -1, -1]])
     """
-    m = _check_multiple(multiple)
-    params = packed_seq_params_from_doc_ids(doc_ids)  # validates doc_ids
-    B, S = doc_ids.shape
-    T = B * S
-    device = doc_ids.device
+    m = check_int(multiple, "multiple", min=1, max=INT32_MAX, hint="e.g. 2 * cp_size for the zigzag layout")
+    limit = INT32_MAX if max_tokens is None else check_int(max_tokens, "max_tokens", min=0, max=INT32_MAX)
+    if row_length is not None:
+        row_length = check_int(row_length, "row_length", min=0, hint="or None")
+        if row_length % m:
+            raise ValueError(f"row_length={row_length} is not a non-negative multiple of multiple={m}; "
+                             f"pass {(row_length + m - 1) // m * m} or None")
+    ignore_index = check_int(ignore_index, "ignore_index")
     tensors = {} if tensors is None else tensors
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a dict name -> [B, S, ...] tensor, got {type(tensors).__name__}")
-    for name, x in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensors keys must be str names, got {name!r}")
-        _check_per_token(name, x, B, S, device)
+    if any(not isinstance(name, str) for name in tensors):
+        raise TypeError(f"tensors keys must be str names, got {list(tensors)}")
+    if pad_values is not None and not isinstance(pad_values, Mapping):
+        raise TypeError(f"pad_values must be a dict name -> value, got {type(pad_values).__name__}")
     pad_values = {} if pad_values is None else dict(pad_values)
     unknown = sorted(set(pad_values) - set(tensors))
     if unknown:
-        raise ValueError(
-            f"pad_values names {unknown}, which are not in tensors ({sorted(tensors)}); fix the name or drop it"
-        )
+        raise ValueError(f"pad_values names {unknown}, which are not in tensors ({sorted(tensors)}); fix the name")
     label_keys = _check_keys(label_keys, "label_keys")
     position_keys = _check_keys(position_keys, "position_keys")
-    both = sorted(set(label_keys) & set(position_keys))
-    if both:
-        raise ValueError(f"{both} are in both label_keys and position_keys; a tensor is one or the other")
-    if isinstance(ignore_index, bool) or not hasattr(ignore_index, "__index__"):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if row_length is not None:
-        if isinstance(row_length, bool) or not hasattr(row_length, "__index__"):
-            raise TypeError(f"row_length must be an int or None, got {row_length!r}")
-        row_length = operator.index(row_length)
-        if row_length < 0 or row_length % m:
-            raise ValueError(
-                f"row_length={row_length} is not a non-negative multiple of multiple={m}; "
-                f"pass {(max(row_length, 0) + m - 1) // m * m} or None"
-            )
-
-    # ---- segments of the input (the seed's), and their new lengths ----
-    cu = params.cu_seqlens.to(torch.int64)  # [N + 1]
-    starts = cu[:-1]  # [N]
-    lengths = cu[1:] - starts  # [N]
-    N = int(starts.numel())
-    flat = doc_ids.reshape(-1)  # [T]
-    seg_doc = flat[starts]  # [N] doc index of each segment
-    seg_row = starts // max(S, 1)  # [N]
-    is_doc = seg_doc != 0  # [N]
-    padded_len = (lengths + m - 1) // m * m  # [N]
-    # A padding run between two runs of the same index in one row is kept as m tokens (else the runs would merge).
-    separator = torch.zeros(N, dtype=torch.bool, device=device)
-    if N >= 3:
-        separator[1:-1] = (
-            ~is_doc[1:-1]
-            & (seg_row[:-2] == seg_row[1:-1])
-            & (seg_row[2:] == seg_row[1:-1])
-            & (seg_doc[:-2] == seg_doc[2:])
-        )
-    zero = torch.zeros_like(lengths)
-    new_len = torch.where(is_doc, padded_len, torch.where(separator, torch.full_like(lengths, m), zero))  # [N]
-    content = torch.zeros(B, dtype=torch.int64, device=device).index_add_(0, seg_row, new_len)  # [B]
-
-    # ---- the one host sync: S', counts, and the padding-label check ----
-    real_tok = flat != 0  # [T]
-    checks = []
-    check_names = []
-    for name in label_keys:
-        if name in tensors and T > 0:
-            lab = tensors[name].reshape(T, -1)
-            checks.append(((lab != ignore_index) & ~real_tok[:, None]).sum())
-            check_names.append(name)
-    zero0 = torch.zeros((), dtype=torch.int64, device=device)
-    stats = torch.stack(
-        [
-            content.max() if B > 0 else zero0,
-            new_len.sum(),
-            torch.where(is_doc, lengths, zero).sum(),
-            torch.where(is_doc, padded_len - lengths, zero).sum(),  # = num_pad.sum()
-            separator.sum().to(torch.int64) * m,
-            *[c.to(torch.int64) for c in checks],
-        ]
-    ).tolist()
-    longest, covered, num_real, num_added, num_sep = stats[:5]
-    for name, bad in zip(check_names, stats[5:]):
-        if bad:
-            raise ValueError(
-                f"tensors[{name!r}] has {bad} label(s) other than ignore_index={ignore_index} on padding tokens "
-                f"(doc index 0); those tokens are dropped, which would change the loss. Set labels to "
-                f"{ignore_index} where doc_ids == 0, or leave {name!r} out of label_keys if it is not a label"
-            )
-    if row_length is None:
-        Sp = int(longest)
-    elif row_length < longest:
-        raise ValueError(
-            f"row_length={row_length} is too small: the longest row needs {longest} tokens after padding every "
-            f"segment to a multiple of {m}; pass row_length >= {longest} (a multiple of {m}) or None"
-        )
-    else:
-        Sp = row_length
-    Tp = B * Sp
-
-    # ---- new segment starts ----
-    excl = torch.cumsum(new_len, 0) - new_len  # [N] exclusive cumsum over the whole batch
-    row_base = torch.cumsum(content, 0) - content  # [B] covered tokens before each row
-    new_start = seg_row * Sp + (excl - row_base[seg_row])  # [N] flat start in the new stream
-
-    # ---- original tokens -> new positions: each segment moves by one shift ----
-    shift = new_start - starts  # [N]
-    tok_shift = torch.repeat_interleave(shift, lengths, output_size=T)  # [T]
-    index = torch.where(real_tok, torch.arange(T, device=device) + tok_shift, torch.full_like(tok_shift, -1))  # [T]
-    src, dst = _real_pairs(index, int(num_real))  # [R], [R]: original and new flat position of each real token
-
-    # ---- covered new tokens (documents with their pads, separators), then the row-end padding stays 0 ----
-    C = int(covered)
-    cov_pos = torch.arange(C, device=device) + torch.repeat_interleave(new_start - excl, new_len, output_size=C)
-    new_doc = torch.zeros(Tp, dtype=doc_ids.dtype, device=device)
-    new_doc.index_copy_(0, cov_pos, torch.repeat_interleave(seg_doc, new_len, output_size=C))
-    is_pad = torch.ones(Tp, dtype=torch.bool, device=device).index_fill_(0, dst, False)
-
-    num_pad = torch.where(is_doc, padded_len - lengths, zero)  # [N] pad tokens added inside each segment
-    new_tensors: dict[str, torch.Tensor] = {}
-    pad_run_pos = None
+    if set(label_keys) & set(position_keys):
+        raise ValueError(f"{sorted(set(label_keys) & set(position_keys))} are in both label_keys and "
+                         "position_keys; a tensor is one or the other")
+    check_doc_ids(doc_ids)
     for name, x in tensors.items():
-        rest = tuple(x.shape[2:])
-        x_flat = x.reshape(T, *rest)
-        if name in pad_values:
-            fill = pad_values[name]
-        elif name in label_keys:
-            fill = ignore_index
-        else:
-            fill = 0
-        _check_fill_fits(name, fill, x.dtype)
-        out = _scatter_real(x_flat, src, dst, Tp, fill)
+        _check_per_token(name, x, doc_ids.shape[0], doc_ids.shape[1], doc_ids.device)
+    batch = _pad_doc_map(doc_ids, m, row_length, limit)
+    _check_label_padding(tensors, doc_ids, label_keys, ignore_index)
+    out: dict[str, torch.Tensor] = {}
+    for name, x in tensors.items():
         if name in position_keys and name not in pad_values:
-            if pad_run_pos is None:
-                pad_run_pos = _position_in_padding_runs(content, Sp, new_start, separator, m, int(num_sep))
-            out = _continue_positions(
-                out, x_flat, new_doc, pad_run_pos, cu, new_start, lengths, num_pad, int(num_added)
-            )
-        new_tensors[name] = out.view(B, Sp, *rest)
-
-    return PaddedBatch(
-        doc_ids=new_doc.view(B, Sp),
-        tensors=new_tensors,
-        index=index.view(B, S),
-        is_pad=is_pad.view(B, Sp),
-        multiple=m,
-        num_real_tokens=int(num_real),
-        num_added_tokens=int(num_added),
-        num_separator_tokens=int(num_sep),
-        num_dropped_tokens=T - int(num_real),
-    )
+            out[name] = batch.pad_positions(x, name=name)
+        else:
+            out[name] = batch.pad_tensor(x, pad_values.get(name, ignore_index if name in label_keys else 0), name=name)
+    return dataclasses.replace(batch, tensors=out)

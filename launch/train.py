@@ -85,7 +85,7 @@ def synthetic_batch(args, step: int, dp_rank: int, cp_size: int, device: torch.d
     if args.layout == "zigzag":
         from cp_packing.padding import pad_segments
 
-        padded = pad_segments(doc, 2 * cp_size, {"input_ids": ids, "labels": labels})
+        padded = pad_segments(doc, multiple=2 * cp_size, tensors={"input_ids": ids, "labels": labels})
         doc, ids, labels, real = padded.doc_ids, padded.tensors["input_ids"], padded.tensors["labels"], ~padded.is_pad
     out = {"doc_ids": doc, "input_ids": ids, "labels": labels, "real": real}
     return {k: v.to(device) for k, v in out.items()}

@@ -76,7 +76,7 @@ def trial_batch(layout: str, cp_size: int, B: int, S: int, seed: int) -> torch.T
     if layout == "zigzag":
         from cp_packing.padding import pad_segments
 
-        return pad_segments(random_doc_map(B, S, g), 2 * cp_size).doc_ids
+        return pad_segments(random_doc_map(B, S, g), multiple=2 * cp_size).doc_ids
     S = -(-S // cp_size) * cp_size
     return random_doc_map(B, S, g)
 

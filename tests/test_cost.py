@@ -84,7 +84,7 @@ def test_layout_cost_equals_brute_force_from_the_shards(layout):
     def check(case):
         doc_ids, cp = case
         if layout == "zigzag":  # a map zigzag takes as is: every segment a multiple of 2cp
-            doc_ids = pad_segments(doc_ids, 2 * cp).doc_ids
+            doc_ids = pad_segments(doc_ids, multiple=2 * cp).doc_ids
         params = packed_seq_params_from_doc_ids(doc_ids)
         c = layout_cost(params, cp_size=cp, layout=layout, num_kv_heads=2, head_dim=4, dtype_bytes=2)
         idx = [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout=layout).token_index for r in range(cp)]
@@ -130,7 +130,7 @@ def test_rowzigzag_reference_equals_brute_force(case):
 def test_zigzag_on_a_map_that_needs_padding_is_measured_after_pad_segments():
     doc_ids = synthetic_doc_ids("lognormal", 2, 2048, seed=3)
     cp = 4
-    padded = pad_segments(doc_ids, 2 * cp)
+    padded = pad_segments(doc_ids, multiple=2 * cp)
     c = layout_cost(doc_ids, cp_size=cp, layout="zigzag")
     direct = layout_cost(padded.doc_ids, cp_size=cp, layout="zigzag")
     assert c.padding_overhead == pytest.approx(padded.num_added_tokens / padded.num_real_tokens)

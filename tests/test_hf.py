@@ -53,7 +53,7 @@ CONTIGUOUS_MAP = torch.tensor([
     [1] * 4 + [2] * 12 + [3] * 4,
     [1] * 9 + [2] * 1 + [3] * 7 + [0] * 3,
 ])
-# Zigzag needs every segment % 2cp == 0: this map is re-laid with pad_segments(map, 2 * cp) first.
+# Zigzag needs every segment % 2cp == 0: this map is re-laid with pad_segments(map, multiple=2 * cp) first.
 ZIGZAG_BASE_MAP = torch.tensor([
     [1] * 11 + [2] * 5,
     [1] * 3 + [2] * 9 + [0] * 4,
@@ -66,7 +66,7 @@ def make_case(layout: str, cp: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, base.shape, generator=g)
     if layout == "zigzag":
-        padded = pad_segments(base, 2 * cp, {"input_ids": ids})
+        padded = pad_segments(base, multiple=2 * cp, tensors={"input_ids": ids})
         doc, ids, real = padded.doc_ids, padded.tensors["input_ids"], ~padded.is_pad
     else:
         padded, doc, real = None, base, base != 0

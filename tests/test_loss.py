@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import doctest
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +12,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+import cp_packing.loss
+from cp_packing.agreement import AgreementError
+from cp_packing.loss import document_cross_entropy, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from tests.dist_utils import run_distributed
 from tests.maps import segments_of
@@ -141,6 +146,28 @@ def test_next_token_labels_errors():
         next_token_labels(doc, doc, token_mask=doc)
 
 
+@pytest.mark.parametrize("ignore_index", [True, False, 1.5, "x", None])
+def test_next_token_labels_refuses_a_non_int_ignore_index(ignore_index):
+    """Issue 9: ignore_index=True used to turn every masked label into class 1."""
+    doc = torch.tensor([[1, 1, 2]])
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        next_token_labels(doc, doc, ignore_index=ignore_index)
+
+
+def test_next_token_labels_meta_tensors_and_unsigned_maps():
+    doc = torch.tensor([[1, 1, 2, 2, 0]])
+    with pytest.raises(ValueError, match="input_ids is a meta tensor"):
+        next_token_labels(torch.zeros(1, 5, dtype=torch.int64, device="meta"), doc)
+    with pytest.raises(ValueError, match="doc_ids is a meta tensor"):
+        next_token_labels(doc, doc.to("meta"))
+    with pytest.raises(ValueError, match="token_mask is a meta tensor"):
+        next_token_labels(doc, doc, token_mask=(doc > 0).to("meta"))
+    ids = torch.tensor([[10, 11, 12, 13, 14]])
+    expected = [[11, IGNORE, 13, IGNORE, IGNORE]]
+    for dtype in [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]:
+        assert next_token_labels(ids.to(dtype), doc.to(dtype)).tolist() == expected, dtype
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # packed_cross_entropy, single process
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,6 +241,30 @@ def test_loss_errors():
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="not initialized"):
             packed_cross_entropy(logits, labels, group=dist.ProcessGroup(dist.HashStore(), 0, 2))
+
+
+def test_document_cross_entropy_is_the_document_reduction():
+    doc, labels, logits, _ = _single_batch(seed=4)
+    params = packed_seq_params_from_doc_ids(doc)
+    got = document_cross_entropy(logits, labels, sharded=params)
+    torch.testing.assert_close(got, ref_doc_loss(logits, labels, doc), rtol=RTOL, atol=ATOL)
+    assert torch.equal(got, packed_cross_entropy(logits, labels, reduction="document", sharded=params))
+    with pytest.raises(ValueError, match="needs sharded="):
+        document_cross_entropy(logits, labels, sharded=None)
+    with pytest.raises(TypeError, match="sharded must be a ShardedPackedSeqParams"):
+        document_cross_entropy(logits, labels, sharded=doc)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        packed_cross_entropy(logits, labels, ignore_index=True)
+    with pytest.raises(ValueError, match="logits is a meta tensor"):
+        packed_cross_entropy(logits.to("meta"), labels)
+    with pytest.raises(TypeError, match="loss must be a floating scalar tensor"):
+        reduce_loss_for_logging(torch.ones(2))
+    with pytest.raises(ValueError, match="loss is a meta tensor"):
+        reduce_loss_for_logging(torch.ones((), device="meta"))
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(cp_packing.loss).failed == 0
 
 
 def test_sharded_for_cp_without_group_is_an_error():
@@ -370,6 +421,7 @@ def _dp_cp_worker(rank, world_size):
         doc, ids = make_batch(40 + r, 2, 16, multiple=2 * cp_size, pad_p=pad_p)
         batches.append((doc, ids, next_token_labels(ids, doc)))
     model = make_model()
+    messages = []
     for reduction in ("token", "document"):
         # Reference on the union of both batches, one process.
         logits = [model(ids.reshape(-1)) for _, ids, _ in batches]
@@ -397,21 +449,24 @@ def _dp_cp_worker(rank, world_size):
         _assert_grads_close(grads, ref_grads)
         total = reduce_loss_for_logging(share, group=cp_group, dp_group=dp_group)
         torch.testing.assert_close(total, ref.detach(), rtol=RTOL, atol=ATOL)
-        # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise, the others say where it is.
+        # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise the same error, which names it.
         bad_labels = sharded.shard(labels).clone()
         if rank == 3:
             bad_labels[0] = V
         with pytest.raises(ValueError) as info:
             packed_cross_entropy(local_logits, bad_labels, group=cp_group, dp_group=dp_group, reduction=reduction,
                                  sharded=sharded)
-        where = f"label {V} at local position 0" if rank == 3 else "CP rank(s) [1] (ranks in group) of DP rank(s) [1]"
-        assert where in str(info.value), str(info.value)
-    return True
+        messages.append(str(info.value))
+    return messages
 
 
 @pytest.mark.distributed
 def test_dp_x_cp_loss_is_mean_over_union_of_batches():
-    assert run_distributed(_dp_cp_worker, 4) == [True] * 4
+    per_rank = run_distributed(_dp_cp_worker, 4)
+    assert all(messages == per_rank[0] for messages in per_rank)  # the same error on every rank of CP x DP
+    for message in per_rank[0]:
+        assert f"label {V} at local position 0 is outside [0, {V})" in message, message
+        assert "CP group rank 1" in message and "DP group rank 1" in message, message
 
 
 def _bad_label_on_one_rank_worker(rank, world_size):
@@ -442,7 +497,118 @@ def _bad_label_on_one_rank_worker(rank, world_size):
 @pytest.mark.distributed
 def test_bad_label_on_one_rank_raises_on_every_rank():
     per_rank = run_distributed(_bad_label_on_one_rank_worker, 2, timeout=60)
-    for message in per_rank[1]:  # the rank that holds it names the value and the vocabulary
+    assert per_rank[0] == per_rank[1]  # the same message on every rank: it names the value and the rank
+    for message, group in zip(per_rank[0], ("CP", "CP", "DP")):
         assert f"label {V} at local position 0 is outside [0, {V})" in message, message
-    for message in per_rank[0]:  # the others say where it is and why they raise
-        assert f"outside [0, {V})" in message and "rank(s) [1] (ranks in " in message, message
+        assert f"{group} group rank 1" in message, message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fault injection (issue 9): a mistake on one rank raises the same error on EVERY rank, within seconds
+# ----------------------------------------------------------------------------------------------------------------
+
+FAULT_TIMEOUT = 90  # seconds for the whole run; a hang (the old behaviour) fails the test here
+
+
+def _fault_worker(rank, world_size, fault):
+    """Rank 1 makes ``fault``; the others call the loss correctly. Returns (error type, message, seconds)."""
+    from cp_packing.sharding import shard_packed_seq_params
+
+    world = dist.group.WORLD
+    solo = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    doc, ids = make_batch(11, 2, 4 * world_size, multiple=2 * world_size, pad_p=0.2)
+    labels = next_token_labels(ids, doc)
+    wrong = rank == 1
+    if fault == "other_batch" and wrong:  # another batch of the same shape, with other documents
+        doc, ids = make_batch(12, 2, 4 * world_size, multiple=2, pad_p=0.2)
+        labels = next_token_labels(ids, doc)
+    layout = "zigzag" if fault == "layout" and wrong else "contiguous"
+    cp_rank = 0 if fault == "wrong_cp_rank" and wrong else rank  # shard_packed_seq_params(cp_rank=0) on both
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=world_size, cp_rank=cp_rank,
+                                      layout=layout)
+    vocab = V + 1 if fault == "vocab" and wrong else V
+    logits = torch.randn(sharded.num_local_tokens, vocab, requires_grad=True)
+    if fault == "dtype" and wrong:
+        logits = logits.to(torch.bfloat16)
+    local = sharded.shard(labels).clone()
+    if fault == "bad_label" and wrong:
+        local[0] = V
+    if fault == "shape" and wrong:
+        local = local[:-1]
+    kwargs = {"group": world, "sharded": sharded}
+    if fault == "dp_on_one_rank" and wrong:
+        kwargs["dp_group"] = solo[rank]
+    if fault == "ignore_index" and wrong:
+        kwargs["ignore_index"] = True
+    document = fault in ("other_batch", "mixed_reduction") and not (fault == "mixed_reduction" and wrong)
+    start = time.monotonic()
+    try:
+        if fault == "logging":
+            reduce_loss_for_logging(torch.ones(2) if wrong else torch.ones(()), group=world)
+        elif document:
+            document_cross_entropy(logits, local, **kwargs)
+        else:
+            packed_cross_entropy(logits, local, **kwargs)
+        outcome = ("no error", "")
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        outcome = (type(exc).__name__, str(exc))
+    elapsed = time.monotonic() - start
+    probe = torch.ones(1)
+    dist.all_reduce(probe)  # every rank reaches this: nobody is left in the loss's collectives
+    assert float(probe) == world_size
+    return (*outcome, elapsed)
+
+
+FAULTS = {  # fault on rank 1 -> (error type on every rank, words the message must hold)
+    "wrong_cp_rank": ("ValueError", "sharded.cp_rank=0 but this process is rank 1 of the CP group"),
+    "vocab": ("AgreementError", "disagree on vocab size (ranks 0, 2: 13; rank 1: 14)"),
+    "dtype": ("AgreementError", "disagree on logits dtype"),
+    "mixed_reduction": ("AgreementError", "disagree on reduction (ranks 0, 2: 'document'; rank 1: 'token')"),
+    "bad_label": ("ValueError", f"label {V} at local position 0 is outside [0, {V})"),
+    "other_batch": ("AgreementError", "disagree on global"),
+    "layout": ("AgreementError", "disagree on layout"),
+    "shape": ("ValueError", "does not match labels shape"),
+    "dp_on_one_rank": ("AgreementError", "disagree on dp size"),
+    "ignore_index": ("TypeError", "ignore_index must be an int"),
+    "logging": ("TypeError", "loss must be a floating scalar tensor"),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_mistake_on_one_rank_raises_the_same_error_on_every_rank(fault):
+    per_rank = run_distributed(_fault_worker, 3, fault, timeout=FAULT_TIMEOUT)
+    kind, words = FAULTS[fault]
+    assert {(t, m) for t, m, _ in per_rank} == {per_rank[0][:2]}, per_rank  # same type and message everywhere
+    assert per_rank[0][0] == kind and words in per_rank[0][1], per_rank[0]
+    if kind != "AgreementError":  # a rank's own error names the rank it came from
+        assert "raised on CP group rank 1" in per_rank[0][1], per_rank[0]
+    assert max(seconds for *_, seconds in per_rank) < 30, per_rank
+
+
+def _dp_cp_fault_worker(rank, world_size):
+    """2 x 2 DP x CP; CP rank 1 of replica 0 (global rank 1) shards with cp_rank=0. Replica 1 passes its CP
+    agreement and must still learn the error in the DP agreement instead of waiting for replica 0."""
+    from cp_packing.sharding import shard_packed_seq_params
+
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, cp_rank = divmod(rank, 2)
+    doc, ids = make_batch(50 + replica, 2, 8, multiple=4)
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2,
+                                      cp_rank=0 if rank == 1 else cp_rank, layout="contiguous")
+    logits = torch.randn(sharded.num_local_tokens, V)
+    try:
+        packed_cross_entropy(logits, sharded.shard(next_token_labels(ids, doc)), group=cp_groups[replica],
+                             dp_group=dp_groups[cp_rank], sharded=sharded)
+        return ("no error", "")
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.distributed
+def test_a_mistake_in_one_replica_raises_on_every_rank_of_dp_x_cp():
+    per_rank = run_distributed(_dp_cp_fault_worker, 4, timeout=FAULT_TIMEOUT)
+    assert len(set(per_rank)) == 1, per_rank
+    assert per_rank[0][0] == "ValueError" and "sharded.cp_rank=0 but this process is rank 1" in per_rank[0][1]
+    assert issubclass(AgreementError, ValueError)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import pytest
@@ -105,7 +106,7 @@ def row_length_choice(draw, doc_ids, m):
 @given(doc_maps(), st.integers(1, 6), st.data())
 def test_every_segment_is_a_multiple_and_layout_matches_reference(doc_ids, m, data):
     need, row_length = row_length_choice(data.draw, doc_ids, m)
-    out = pad_segments(doc_ids, m, row_length=row_length)
+    out = pad_segments(doc_ids, multiple=m, row_length=row_length)
     B, S = doc_ids.shape
     Sp = out.padded_length
     assert Sp % m == 0
@@ -152,7 +153,7 @@ def test_real_tokens_keep_order_and_content(doc_ids, m, seed):
         "features": torch.randn(B, S, 2, 3, generator=g),
         "mask": torch.rand(B, S, generator=g) > 0.5,
     }
-    out = pad_segments(doc_ids, m, tensors)
+    out = pad_segments(doc_ids, multiple=m, tensors=tensors)
     real = ~pad
     for name, x in tensors.items():
         y = out.tensors[name]
@@ -182,7 +183,7 @@ def test_causal_attention_of_real_tokens_unchanged(doc_ids, m, seed):
     B, S = doc_ids.shape
     H, D = 2, 4
     q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
-    out = pad_segments(doc_ids, m)
+    out = pad_segments(doc_ids, multiple=m)
     qp, kp, vp = (relay_with_random_pads(out, x, g) for x in (q, k, v))
     Sp = out.padded_length
     ref = causal_attention_per_segment(
@@ -212,7 +213,7 @@ def test_loss_unchanged(doc_ids, m, seed):
     labels = torch.randint(0, V, (B, S), generator=g)
     labels = labels.masked_fill(pad | (torch.rand(B, S, generator=g) < 0.2), -100)
     logits = torch.randn(B, S, V, generator=g, dtype=torch.float64)
-    out = pad_segments(doc_ids, m, {"labels": labels})
+    out = pad_segments(doc_ids, multiple=m, tensors={"labels": labels})
     logits_p = relay_with_random_pads(out, logits, g)
     labels_p = out.tensors["labels"]
     assert int((labels_p != -100).sum()) == int((labels != -100).sum())
@@ -232,7 +233,7 @@ def test_position_ids_continue_inside_documents(doc_ids, m, offset):
     for b, row in enumerate(doc_ids.tolist()):
         for _, start, end in runs_of_row(row):
             pos[b, start:end] = torch.arange(end - start) + offset
-    out = pad_segments(doc_ids, m, {"position_ids": pos.to(torch.int32)})
+    out = pad_segments(doc_ids, multiple=m, tensors={"position_ids": pos.to(torch.int32)})
     got = out.tensors["position_ids"]
     assert got.dtype == torch.int32
     assert torch.equal(out.unpad(got)[doc_ids != 0], pos.to(torch.int32)[doc_ids != 0])
@@ -251,7 +252,7 @@ def test_labels_shift_then_pad_equals_pad_then_shift(doc_ids, m, seed):
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, 1000, doc_ids.shape, generator=g)
     labels = loss.next_token_labels(input_ids, doc_ids)
-    out = pad_segments(doc_ids, m, {"input_ids": input_ids, "labels": labels})
+    out = pad_segments(doc_ids, multiple=m, tensors={"input_ids": input_ids, "labels": labels})
     relabeled = loss.next_token_labels(out.tensors["input_ids"], out.doc_ids, token_mask=~out.is_pad)
     assert torch.equal(relabeled, out.tensors["labels"])
 
@@ -261,7 +262,7 @@ def test_worked_example_by_hand():
     doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
     labels = torch.tensor([[11, 12, -100, 21, -100, -100, -100, -100], [13, -100, -100, -100, 22, 23, 24, -100]])
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 0, 0, 0, 1, 2, 3]])
-    out = pad_segments(doc_ids, 4, {"labels": labels, "position_ids": position_ids})
+    out = pad_segments(doc_ids, multiple=4, tensors={"labels": labels, "position_ids": position_ids})
     # m = 4: 3 -> 4 (+1), 2 -> 4 (+2); 2 -> 4 (+2), the 0 between two runs of doc 1 -> 4 separator tokens,
     # 1 -> 4 (+3), 4 -> 4 (+0). Row contents 8 and 16, so S' = 16.
     assert out.doc_ids.tolist() == [
@@ -284,20 +285,21 @@ def test_worked_example_by_hand():
     assert out.overhead == 8 / 12
     assert int(out.is_pad.sum()) == 2 * 16 - 12
     # with row_length the shape is fixed
-    assert pad_segments(doc_ids, 4, row_length=24).doc_ids.shape == (2, 24)
+    assert pad_segments(doc_ids, multiple=4, row_length=24).doc_ids.shape == (2, 24)
 
 
 def test_full_row_has_no_trailing_padding_and_all_padding_rows():
     doc_ids = torch.tensor([[1, 1, 2, 2], [0, 0, 0, 0]])
-    out = pad_segments(doc_ids, 2)
+    out = pad_segments(doc_ids, multiple=2)
     assert out.doc_ids.tolist() == [[1, 1, 2, 2], [0, 0, 0, 0]]
     assert seglens(out.doc_ids) == [2, 2, 4]
     # all padding: nothing to keep, S' = 0 unless row_length says otherwise
-    empty = pad_segments(torch.zeros(2, 5, dtype=torch.int64), 4, {"labels": torch.full((2, 5), -100)})
+    empty = pad_segments(torch.zeros(2, 5, dtype=torch.int64), multiple=4, tensors={"labels": torch.full((2, 5), -100)})
     assert empty.doc_ids.shape == (2, 0) and empty.tensors["labels"].shape == (2, 0)
     assert empty.overhead == 0.0 and empty.num_dropped_tokens == 10
     assert torch.equal(empty.unpad(empty.tensors["labels"], fill_value=-100), torch.full((2, 5), -100))
-    fixed = pad_segments(torch.zeros(2, 5, dtype=torch.int64), 4, {"position_ids": torch.zeros(2, 5)}, row_length=8)
+    fixed = pad_segments(torch.zeros(2, 5, dtype=torch.int64), multiple=4, tensors={"position_ids": torch.zeros(2, 5)},
+                         row_length=8)
     assert fixed.doc_ids.tolist() == [[0] * 8] * 2
     assert fixed.tensors["position_ids"].tolist() == [list(map(float, range(8)))] * 2
 
@@ -306,17 +308,17 @@ def test_full_row_has_no_trailing_padding_and_all_padding_rows():
 def test_empty_maps(shape):
     doc_ids = torch.zeros(shape, dtype=torch.int64)
     x = torch.zeros(*shape, 2)
-    out = pad_segments(doc_ids, 4, {"x": x, "labels": torch.zeros(shape, dtype=torch.int64) - 100})
+    out = pad_segments(doc_ids, multiple=4, tensors={"x": x, "labels": torch.zeros(shape, dtype=torch.int64) - 100})
     assert out.doc_ids.shape == (shape[0], 0)
     assert out.index.shape == shape
     assert out.unpad(out.tensors["x"]).shape == (*shape, 2)
-    assert pad_segments(doc_ids, 4, row_length=4).doc_ids.shape == (shape[0], 4)
+    assert pad_segments(doc_ids, multiple=4, row_length=4).doc_ids.shape == (shape[0], 4)
 
 
 def test_pad_values_and_pad_tensor_and_gradients():
     doc_ids = torch.tensor([[1, 1, 1, 0]])
     ids = torch.tensor([[5, 6, 7, 0]])
-    out = pad_segments(doc_ids, 2, {"input_ids": ids}, pad_values={"input_ids": 99})
+    out = pad_segments(doc_ids, multiple=2, tensors={"input_ids": ids}, pad_values={"input_ids": 99})
     assert out.tensors["input_ids"].tolist() == [[5, 6, 7, 99]]
     w = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
     laid = out.pad_tensor(w, fill_value=-1.0)
@@ -330,7 +332,7 @@ def test_output_works_with_zigzag_sharding():
     sharding = pytest.importorskip("cp_packing.sharding")
     doc_ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 3, 0, 0], [1] * 5 + [0] * 6])
     cp = 2
-    out = pad_segments(doc_ids, 2 * cp)
+    out = pad_segments(doc_ids, multiple=2 * cp)
     params = packed_seq_params_from_doc_ids(out.doc_ids)
     parts = [
         sharding.shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="zigzag").token_index
@@ -343,8 +345,8 @@ def test_output_works_with_zigzag_sharding():
 def test_cuda_matches_cpu():
     doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
     tensors = {"labels": doc_ids.masked_fill(doc_ids == 0, -100), "position_ids": torch.arange(8).repeat(2, 1)}
-    cpu = pad_segments(doc_ids, 4, tensors)
-    gpu = pad_segments(doc_ids.cuda(), 4, {k: v.cuda() for k, v in tensors.items()})
+    cpu = pad_segments(doc_ids, multiple=4, tensors=tensors)
+    gpu = pad_segments(doc_ids.cuda(), multiple=4, tensors={k: v.cuda() for k, v in tensors.items()})
     assert torch.equal(gpu.doc_ids.cpu(), cpu.doc_ids) and torch.equal(gpu.index.cpu(), cpu.index)
     for k in tensors:
         assert torch.equal(gpu.tensors[k].cpu(), cpu.tensors[k])
@@ -356,56 +358,139 @@ def test_cuda_matches_cpu():
 
 @pytest.mark.parametrize("multiple", [2.0, "4", None, True])
 def test_multiple_type_error(multiple):
-    with pytest.raises(TypeError, match="multiple must be a positive int"):
-        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple)
+    with pytest.raises(TypeError, match=f"multiple must be an int, got {multiple!r}"):
+        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple=multiple)
 
 
 @pytest.mark.parametrize("multiple", [0, -2])
 def test_multiple_value_error(multiple):
-    with pytest.raises(ValueError, match=f"multiple must be a positive int.*got {multiple}"):
-        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple)
+    with pytest.raises(ValueError, match=f"multiple must be >= 1, got {multiple}"):
+        pad_segments(torch.ones(1, 4, dtype=torch.int64), multiple=multiple)
 
 
 def test_bad_inputs():
     doc_ids = torch.tensor([[1, 1, 2, 0]])
     with pytest.raises(ValueError, match=r"tensors\['labels'\] has shape \(1, 3\).*\[1, 4, \.\.\.\]"):
-        pad_segments(doc_ids, 2, {"labels": torch.zeros(1, 3, dtype=torch.int64)})
+        pad_segments(doc_ids, multiple=2, tensors={"labels": torch.zeros(1, 3, dtype=torch.int64)})
     with pytest.raises(ValueError, match=r"tensors\['x'\] has shape \(4,\)"):
-        pad_segments(doc_ids, 2, {"x": torch.zeros(4)})
+        pad_segments(doc_ids, multiple=2, tensors={"x": torch.zeros(4)})
     with pytest.raises(TypeError, match=r"tensors\['x'\] must be a torch.Tensor"):
-        pad_segments(doc_ids, 2, {"x": [[1, 2, 3, 4]]})
-    with pytest.raises(ValueError, match=r"tensors\['x'\] is on meta"):
-        pad_segments(doc_ids, 2, {"x": torch.zeros(1, 4, device="meta")})
+        pad_segments(doc_ids, multiple=2, tensors={"x": [[1, 2, 3, 4]]})
+    with pytest.raises(ValueError, match=r"tensors\['x'\] is a meta tensor"):
+        pad_segments(doc_ids, multiple=2, tensors={"x": torch.zeros(1, 4, device="meta")})
     with pytest.raises(ValueError, match=r"row_length=2 is too small.*needs 4"):
-        pad_segments(doc_ids, 2, row_length=2)
+        pad_segments(doc_ids, multiple=2, row_length=2)
     with pytest.raises(ValueError, match=r"row_length=6 is not a non-negative multiple of multiple=4; pass 8"):
-        pad_segments(doc_ids, 4, row_length=6)
+        pad_segments(doc_ids, multiple=4, row_length=6)
     with pytest.raises(ValueError, match=r"pad_values names \['lables'\]"):
-        pad_segments(doc_ids, 2, {"labels": torch.zeros(1, 4)}, pad_values={"lables": -100})
+        pad_segments(doc_ids, multiple=2, tensors={"labels": torch.zeros(1, 4)}, pad_values={"lables": -100})
     with pytest.raises(ValueError, match=r"tensors\['labels'\] has 1 label\(s\) other than ignore_index=-100"):
-        pad_segments(doc_ids, 2, {"labels": torch.tensor([[1, 2, 3, 4]])})
+        pad_segments(doc_ids, multiple=2, tensors={"labels": torch.tensor([[1, 2, 3, 4]])})
     with pytest.raises(ValueError, match=r"pad value 300 for tensors\['ids'\] does not fit its dtype torch.uint8"):
-        pad_segments(doc_ids, 2, {"ids": torch.ones(1, 4, dtype=torch.uint8)}, pad_values={"ids": 300})
+        pad_segments(doc_ids, multiple=2, tensors={"ids": torch.ones(1, 4, dtype=torch.uint8)}, pad_values={"ids": 300})
+    with pytest.raises(TypeError, match="pad_values must be a dict name -> value, got int"):
+        pad_segments(doc_ids, multiple=2, tensors={"labels": torch.zeros(1, 4)}, pad_values=5)
+    with pytest.raises(ValueError, match="doc_ids is a meta tensor"):
+        pad_segments(doc_ids.to("meta"), multiple=2)
+    with pytest.raises(ValueError, match="doc_ids must be 2D"):
+        pad_segments(doc_ids[0], multiple=2)
     with pytest.raises(TypeError, match="label_keys must be a sequence of tensor names"):
-        pad_segments(doc_ids, 2, label_keys="labels")
+        pad_segments(doc_ids, multiple=2, label_keys="labels")
     with pytest.raises(ValueError, match="both label_keys and position_keys"):
-        pad_segments(doc_ids, 2, label_keys=("x",), position_keys=("x",))
+        pad_segments(doc_ids, multiple=2, label_keys=("x",), position_keys=("x",))
     with pytest.raises(TypeError, match="doc_ids must have an integer dtype"):  # the seed's check
-        pad_segments(doc_ids.float(), 2)
+        pad_segments(doc_ids.float(), multiple=2)
     with pytest.raises(ValueError, match="negative document index"):
-        pad_segments(torch.tensor([[1, -1]]), 2)
+        pad_segments(torch.tensor([[1, -1]]), multiple=2)
     with pytest.raises(ValueError, match=r"unpad expects a tensor of shape \[B, S', \.\.\.\] = \[1, 4"):
-        pad_segments(doc_ids, 2).unpad(torch.zeros(1, 3))
+        pad_segments(doc_ids, multiple=2).unpad(torch.zeros(1, 3))
 
 
 def test_pad_value_that_does_not_fit_the_dtype_is_refused():
     """torch wraps -100 to 156 in uint8: a real class id the loss would count."""
     doc_ids = torch.tensor([[1, 1, 1, 2]])
     with pytest.raises(ValueError, match=r"-100 for tensors\['labels'\] does not fit its dtype torch.uint8"):
-        pad_segments(doc_ids, 4, {"labels": torch.ones(1, 4, dtype=torch.uint8)})
+        pad_segments(doc_ids, multiple=4, tensors={"labels": torch.ones(1, 4, dtype=torch.uint8)})
     with pytest.raises(ValueError, match="bool"):
-        pad_segments(doc_ids, 4, {"mask": torch.ones(1, 4, dtype=torch.bool)}, pad_values={"mask": 2})
+        pad_segments(doc_ids, multiple=4, tensors={"mask": torch.ones(1, 4, dtype=torch.bool)}, pad_values={"mask": 2})
     with pytest.raises(ValueError, match="fractional"):
-        pad_segments(doc_ids, 4, {"ids": torch.ones(1, 4, dtype=torch.int32)}, pad_values={"ids": 0.5})
-    out = pad_segments(doc_ids, 4, {"labels": torch.ones(1, 4, dtype=torch.int16)})
+        pad_segments(doc_ids, multiple=4, tensors={"ids": torch.ones(1, 4, dtype=torch.int32)}, pad_values={"ids": 0.5})
+    out = pad_segments(doc_ids, multiple=4, tensors={"labels": torch.ones(1, 4, dtype=torch.int16)})
     assert int((out.tensors["labels"] == -100).sum()) == out.doc_ids.numel() - 4
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError, match="positional"):
+        pad_segments(torch.ones(1, 4, dtype=torch.int64), 2)  # type: ignore[misc]
+
+
+def test_output_beyond_the_bound_is_refused_before_allocating():
+    """Issue 9: ``multiple=2**40`` on a one-token map used to try 8 TB; the padded batch must fit int32 cu_seqlens."""
+    one = torch.tensor([[1]])
+    with pytest.raises(ValueError, match=r"multiple must be <= 2147483647, got 1099511627776"):
+        pad_segments(one, multiple=2**40)
+    # 4 rows of 2**30 tokens each: 2**32 tokens, more than int32 cu_seqlens can index (would be 32 GB of int64)
+    with pytest.raises(ValueError, match=r"would hold B\*S' = 4\*1073741824 = 4294967296 tokens, more than "
+                                         r"max_tokens=2147483647.*nothing was allocated"):
+        pad_segments(torch.ones(4, 1, dtype=torch.int64), multiple=2**30)
+    with pytest.raises(ValueError, match=r"would hold B\*S' = 1\*4294967296 = 4294967296 tokens"):
+        pad_segments(one, multiple=1, row_length=2**32)
+    doc_ids = torch.tensor([[1, 1, 1, 2, 0, 0]])  # needs S' = 8 with m = 4
+    with pytest.raises(ValueError, match="more than max_tokens=7"):
+        pad_segments(doc_ids, multiple=4, max_tokens=7)
+    assert pad_segments(doc_ids, multiple=4, max_tokens=8).doc_ids.shape == (1, 8)
+    with pytest.raises(ValueError, match="max_tokens must be <= 2147483647"):
+        pad_segments(doc_ids, multiple=4, max_tokens=2**31)
+
+
+def test_fill_values_that_do_not_fit_are_refused_in_pad_tensor_and_unpad():
+    """Issue 9: ``unpad`` wrapped -100 to 156 in uint8, silently."""
+    out = pad_segments(torch.tensor([[1, 1, 1, 0]]), multiple=2)
+    ids = torch.tensor([[5, 6, 7, 0]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"fill_value=-100 does not fit its dtype torch.uint8"):
+        out.unpad(out.pad_tensor(ids), fill_value=-100)
+    with pytest.raises(ValueError, match=r"pad value -100 for tensors\['x'\] does not fit its dtype torch.uint8"):
+        out.pad_tensor(ids, -100)
+    assert out.unpad(out.pad_tensor(ids, 255), fill_value=255).tolist() == [[5, 6, 7, 255]]
+
+
+UNSIGNED = [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED)
+def test_unsigned_maps_and_tensors_work_and_keep_their_dtype(dtype):
+    """Issue 9: torch has no index_select for UInt16/32/64; the result must equal the int64 one, in the user's dtype."""
+    doc64 = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
+    ids64 = torch.arange(16).view(2, 8) + 1000
+    labels = doc64.masked_fill(doc64 == 0, -100)
+    ref = pad_segments(doc64, multiple=4, tensors={"input_ids": ids64, "labels": labels,
+                                                  "position_ids": torch.arange(8).repeat(2, 1)})
+    got = pad_segments(doc64.to(dtype), multiple=4, tensors={"input_ids": ids64.to(dtype), "labels": labels,
+                                                             "position_ids": torch.arange(8).repeat(2, 1).to(dtype)})
+    assert got.doc_ids.dtype == dtype and got.tensors["input_ids"].dtype == dtype
+    assert torch.equal(got.doc_ids.to(torch.int64), ref.doc_ids)
+    assert torch.equal(got.index, ref.index) and torch.equal(got.is_pad, ref.is_pad)
+    for key in ("input_ids", "position_ids"):
+        assert torch.equal(got.tensors[key].to(torch.int64), ref.tensors[key]), key
+    assert torch.equal(got.tensors["labels"], ref.tensors["labels"])
+    back = got.unpad(got.tensors["input_ids"], fill_value=torch.iinfo(dtype).max)
+    assert back.dtype == dtype
+    real = doc64 != 0
+    assert back.to(torch.int64)[real].tolist() == ids64[real].tolist()
+    top = torch.tensor(torch.iinfo(dtype).max, dtype=dtype).to(torch.int64)  # the same bits, compared as int64
+    assert bool((back.to(torch.int64)[~real] == top).all()) and not bool((back.to(torch.int64)[real] == top).any())
+
+
+def test_docstring_examples_run():
+    import cp_packing.padding
+
+    assert doctest.testmod(cp_packing.padding).failed == 0
+
+
+def test_pad_positions_is_what_pad_segments_does_for_position_keys():
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 0, 0, 0, 1, 2, 3]])
+    out = pad_segments(doc_ids, multiple=4, tensors={"position_ids": pos})
+    assert torch.equal(out.pad_positions(pos), out.tensors["position_ids"])
+    with pytest.raises(TypeError, match="position ids and cannot be bool"):
+        out.pad_positions(pos > 0)
