@@ -38,7 +38,7 @@ DOC_IDS_KEY = "doc_ids"
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 _Batch = dict[str, torch.Tensor]
-_Prepare = Callable[[], tuple[PackedSeqParams, "_Batch | None"]]
+_Prepare = Callable[[str], tuple[PackedSeqParams, "_Batch | None"]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class _Metadata:
     max_seqlen: int
     segment_doc: torch.Tensor  # [num_segments] doc index of every segment (a signed view of the map's dtype), CPU
     doc_dtype: torch.dtype
-    layout: str  # resolved: never "auto"
+    layout: str  # resolved on the source (set after sharding there)
     keys: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] | None  # (name, dtype, trailing shape) per key
 
 
@@ -84,21 +84,21 @@ def _check_args(cp: CPGroup, src: object, layout: object, check_consistent: obje
         )
 
 
-def _prepare_params(params: object) -> tuple[PackedSeqParams, None]:
+def _prepare_params(params: object, where: str) -> tuple[PackedSeqParams, None]:
     if not isinstance(params, PackedSeqParams):
         raise TypeError(
-            f"params must be PackedSeqParams, got {type(params).__name__}; build it with "
-            "packed_seq_params_from_doc_ids(doc_ids) (with src set, only the source passes it, the others None)"
+            f"params must be PackedSeqParams, got {type(params).__name__} ({where}); build it with "
+            "packed_seq_params_from_doc_ids(doc_ids)"
         )
     return params, None
 
 
-def _prepare_batch(batch: object, params: object) -> tuple[PackedSeqParams, _Batch]:
+def _prepare_batch(batch: object, params: object, where: str) -> tuple[PackedSeqParams, _Batch]:
     """Validate a batch dict (and build params from ``batch[DOC_IDS_KEY]`` when None). Local, no communication."""
     if not isinstance(batch, Mapping):
         raise TypeError(
             f"batch must be a dict of per-token tensors [B, S, ...] (input_ids, labels, ...), got "
-            f"{type(batch).__name__} (with src set, only the source passes it, the others None)"
+            f"{type(batch).__name__} ({where})"
         )
     for key, value in batch.items():
         if not isinstance(key, str):
@@ -112,7 +112,7 @@ def _prepare_batch(batch: object, params: object) -> tuple[PackedSeqParams, _Bat
                 f"[B, S] doc map in batch[{DOC_IDS_KEY!r}] (keys given: {sorted(batch)})"
             )
         params = packed_seq_params_from_doc_ids(batch[DOC_IDS_KEY])
-    params, _ = _prepare_params(params)
+    params, _ = _prepare_params(params, where)
     B, S = params.doc_ids.shape
     for key, value in batch.items():
         if value.dim() < 2 or tuple(value.shape[:2]) != (B, S):
@@ -124,7 +124,7 @@ def _prepare_batch(batch: object, params: object) -> tuple[PackedSeqParams, _Bat
     return params, dict(batch)
 
 
-def _metadata(params: PackedSeqParams, layout: str, batch: _Batch | None) -> _Metadata:
+def _metadata(params: PackedSeqParams, batch: _Batch | None) -> _Metadata:
     """The source's metadata, after checking that it rebuilds ``params`` exactly (a hand-built ``PackedSeqParams``
     whose segments are not runs of one document would otherwise shard differently on the other ranks)."""
     doc_ids = check_doc_ids(params.doc_ids, "params.doc_ids")
@@ -149,7 +149,7 @@ def _metadata(params: PackedSeqParams, layout: str, batch: _Batch | None) -> _Me
                 )
         keys = tuple((key, x.dtype, tuple(x.shape[2:])) for key, x in batch.items())
     return _Metadata((B, S), params.cu_seqlens.cpu(), int(params.max_seqlen), segment_doc.cpu(), doc_ids.dtype,
-                     layout, keys)
+                     "auto", keys)
 
 
 def _rebuild(meta: _Metadata, device: torch.device) -> PackedSeqParams:
@@ -211,16 +211,17 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
     checked, per_key = {"doc map": None, "cu_seqlens": None, "batch keys, dtypes and shapes": None}, {}
     try:
         _check_args(cp, src, layout, check_consistent)
-        if src is None or cp.rank == src:
-            params, batch = prepare()
-            if src is not None:
-                params = PackedSeqParams(params.cu_seqlens.to(cp.device), params.max_seqlen,
-                                         params.doc_ids.to(cp.device))
+        if src is None:
+            params, batch = prepare("src=None: every rank passes the same batch, or set src= on every rank")
             sharded = _shard(params, cp, layout)
-            if src is not None:
-                meta = _metadata(params, sharded.layout, batch)
-            elif check_consistent:
+            if check_consistent:
                 checked, per_key = _consistency_fields(params, batch)
+        elif cp.rank == src:
+            params, batch = prepare(f"this rank is the source, src={src}: it passes the batch, the others None")
+            meta = _metadata(params, batch)  # validates params before they are sharded
+            params = PackedSeqParams(params.cu_seqlens.to(cp.device), params.max_seqlen, params.doc_ids.to(cp.device))
+            sharded = _shard(params, cp, layout)
+            meta = dataclasses.replace(meta, layout=sharded.layout)
     except Exception as exc:  # noqa: BLE001 - every rank raises it, through the agreement
         error = exc
         args = {name: repr(value) for name, value in args.items()}  # an invalid value may not even pickle
@@ -272,7 +273,7 @@ def distribute_packed_seq_params(
     with ``src`` one ``broadcast_object_list`` of ``cu_seqlens`` and the segments' doc indices.
     """
     return _distribute("distribute_packed_seq_params", group, src, layout, check_consistent,
-                       lambda: _prepare_params(params))[0]
+                       lambda where: _prepare_params(params, where))[0]
 
 
 def distribute_batch(
@@ -313,7 +314,7 @@ def distribute_batch(
         out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], ...)
     """
     sharded, local = _distribute("distribute_batch", group, src, layout, check_consistent,
-                                 lambda: _prepare_batch(batch, params))
+                                 lambda where: _prepare_batch(batch, params, where))
     if src is None:  # the local path: this rank's tokens of its own batch (autograd kept)
         local = {name: _take(x, sharded).unsqueeze(0) for name, x in local.items()}  # [1, T_local, ...]
     if "position_ids" not in local:
