@@ -15,7 +15,8 @@ Methods (each ends with every rank holding its ``[1, T_local]`` tensors and its 
 - ``local+check``: the same with ``check_consistent=True`` (digests of the doc map, ``cu_seqlens`` and every tensor).
 - ``scatter``: ``distribute_batch(batch, params, src=0)``; the source builds ``params`` inside the timed region.
 - ``broadcast``: the source ``dist.broadcast``s the full doc map and the three tensors; every rank shards locally.
-- ``agree``: one ``cp_packing.agreement.agree`` call with the fields ``distribute_batch`` sends (its fixed cost).
+- ``agree``: one ``cp_packing.agreement.agree`` call with the fields ``distribute_batch`` sends (its fixed cost);
+  also timed back to back (``4 x repeats`` calls, no barrier in between) next to ``shard``: the per-call cost.
 
 Bytes received: MEASURED, not computed: ``count_received_bytes`` wraps ``torch.distributed``'s ``broadcast``,
 ``all_gather`` and ``scatter`` (the object collectives call them too) and adds up the bytes that land in this rank's
@@ -212,6 +213,13 @@ def _rank_main(rank, world, port, B, S, repeats, queue):
                 if not torch.equal(out[1].token_index, want_sh.token_index):
                     raise AssertionError(f"rank {rank}: {name} differs from local sharding on token_index")
         row = _timed(fns, repeats)
+        for name in ("agree", "shard"):  # back to back, no barrier in between: the per-call cost
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(4 * repeats):
+                fns[name]()
+            dist.barrier()
+            row[f"{name} back to back"] = (time.perf_counter() - t0) / (4 * repeats) * 1e3
         dist.destroy_process_group()
         queue.put((rank, "ok", (row, received)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -279,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {cp:>2} | {method:>11} | {total:>17,} | {got.get('all_gather', 0):>10,} | "
                   f"{got.get('broadcast', 0):>9,} | {got.get('scatter', 0):>9,} | {times[method]:>11.3f} | "
                   f"{times[method] / times['shard']:>11.2f}x |")
+        print(f"|    | (back to back, {4 * repeats} calls: agree {times['agree back to back']:.3f} ms per call, local "
+              f"sharding {times['shard back to back']:.3f} ms per call) | | | | | | |")
         token_bytes = B * S // cp * 8 * len(KEYS)
         bound = token_bytes + 32 * segments + 4096 * cp
         if sum(received["scatter"].values()) > bound:

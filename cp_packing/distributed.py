@@ -271,6 +271,11 @@ def distribute_packed_seq_params(
 
     Communication: one ``all_gather_object`` of a small record (the agreement; none in a one-rank group), plus
     with ``src`` one ``broadcast_object_list`` of ``cu_seqlens`` and the segments' doc indices.
+
+    Example (on every rank of ``mesh["cp"]``; ``docs/distributed.md``)::
+
+        params = packed_seq_params_from_doc_ids(doc_ids) if cp_rank == 0 else None
+        sharded = distribute_packed_seq_params(params, group=mesh["cp"], src=0)
     """
     return _distribute("distribute_packed_seq_params", group, src, layout, check_consistent,
                        lambda where: _prepare_params(params, where))[0]
