@@ -182,7 +182,8 @@ def _scatter_tokens(cp: CPGroup, src: int, sharded: ShardedPackedSeqParams, meta
     return local
 
 
-def _consistency_fields(params: PackedSeqParams, batch: _Batch | None) -> tuple[dict[str, str | None], dict]:
+def _consistency_fields(params: PackedSeqParams,
+                        batch: _Batch | None) -> tuple[dict[str, str | None], dict[str, str]]:
     """Fields every rank must share with ``check_consistent`` (BLAKE2b digests), and per-key digests."""
     per_key = {} if batch is None else {k: digest(v) for k, v in sorted(batch.items())}
     keys = None if batch is None else digest(*[(k, str(v.dtype), tuple(v.shape)) for k, v in sorted(batch.items())])
@@ -191,7 +192,8 @@ def _consistency_fields(params: PackedSeqParams, batch: _Batch | None) -> tuple[
             "batch keys, dtypes and shapes": keys}, per_key
 
 
-def _raise_if_tensors_differ(call: str, per_rank: list[dict]) -> None:
+def _raise_if_tensors_differ(call: str, per_rank: list[dict[str, str]]) -> None:
+    """Every rank sees every rank's per-key digests (the same records): all raise the same error, or none."""
     for key in per_rank[0]:
         differ = [r for r, d in enumerate(per_rank) if d[key] != per_rank[0][key]]
         if differ:
