@@ -138,6 +138,9 @@ def _scatter_equals_local(rank: int, world: int) -> int:
         _assert_batch_equal(local, want, small)
         assert local["position_ids"].dtype == torch.int64
 
+        if layout == "auto":  # the default layout: works on any batch, and every path resolves it alike
+            _assert_sharded_equal(distribute_packed_seq_params(params), want)
+            _assert_sharded_equal(distribute_packed_seq_params(params if rank == src else None, src=src), want)
         # every rank holds the batch: local path, with and without the consistency check
         for check in (False, True):
             _assert_sharded_equal(
