@@ -1,4 +1,4 @@
-"""Benchmark the source-rank path of ``distribute_batch`` (RLE metadata + one scatter) against broadcasting the batch.
+"""Benchmark ``distribute_batch``: bytes each rank receives and time, against local sharding and a full broadcast.
 
 Run:  .venv/bin/python benchmarks/bench_distribute.py            (full: B=4, S=16384, cp in {2, 4}, 20 repeats)
       .venv/bin/python benchmarks/bench_distribute.py --quick    (smoke run: S=2048, 3 repeats)
@@ -9,39 +9,49 @@ and an int32 doc map with lognormal document lengths (median ~665 tokens) rounde
 ``layout="zigzag"`` is valid for cp 2 and 4.
 
 Methods (each ends with every rank holding its ``[1, T_local]`` tensors and its ``ShardedPackedSeqParams``):
-- ``scatter``: ``distribute_batch(batch, params, src=0, layout="zigzag")``; the source builds ``params`` from the doc
-  map inside the timed region. Two broadcasts (header, RLE doc map + key JSON) and one ``dist.scatter``.
-- ``broadcast``: the source ``dist.broadcast``s the full doc map and the three full tensors; every rank then builds
-  ``params`` and shards locally (``shard_packed_seq_params`` + ``index_select``).
-- ``local``: every rank already holds the batch (``distribute_batch(..., src=None)``); no communication, reference.
+- ``shard``: local sharding without cp-packing's distributed layer (``packed_seq_params_from_doc_ids`` +
+  ``shard_packed_seq_params`` + ``sharded.shard`` per key); the floor every other row is divided by.
+- ``local``: ``distribute_batch(batch, params, src=None)``: every rank holds the batch.
+- ``local+check``: the same with ``check_consistent=True`` (digests of the doc map, ``cu_seqlens`` and every tensor).
+- ``scatter``: ``distribute_batch(batch, params, src=0)``; the source builds ``params`` inside the timed region.
+- ``broadcast``: the source ``dist.broadcast``s the full doc map and the three tensors; every rank shards locally.
+- ``agree``: one ``cp_packing.agreement.agree`` call with the fields ``distribute_batch`` sends (its fixed cost);
+  also timed back to back (``4 x repeats`` calls, no barrier in between) next to ``shard``: the per-call cost.
 
-Bytes received per non-source rank are counted analytically from the tensors each collective moves (numel x
-element size): ``scatter`` = header (``HEADER_LEN`` int64) + metadata (``2*num_segments+1`` int64 + JSON words) +
-this rank's row of the scatter (``T_local x 24`` bytes), from ``cp_packing.distributed.src_message_bytes``;
-``broadcast`` = ``B*S*(4 + 3*8)`` bytes. Times: every repeat is bracketed by ``dist.barrier()`` on both sides and
-timed on rank 0 (so it covers the slowest rank), median over ``--repeats`` after one warm-up; the three methods take
-turns within every repeat (so a change in machine load hits them alike). The scatter and
-broadcast results are checked equal before timing.
+Bytes received: MEASURED, not computed: ``count_received_bytes`` wraps ``torch.distributed``'s ``broadcast``,
+``all_gather`` and ``scatter`` (the object collectives call them too) and adds up the bytes that land in this rank's
+buffers from other ranks (broadcast: the tensor unless this rank is the source; scatter: the output tensor unless
+this rank is the source; all_gather: every other rank's slot). Reported for group rank 1 (a non-source rank), split
+by collective. The run fails if a non-source rank of ``scatter`` receives more than its own token bytes plus
+``32 B x segments + 4 KiB x cp``. Times: every repeat is bracketed by ``dist.barrier()`` on both sides and timed on
+rank 0 (so it covers the slowest rank), median over ``--repeats`` after one warm-up; the methods take turns within
+every repeat (so a change in machine load hits them alike). The scatter and broadcast results are checked equal to
+local sharding before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cp_packing.distributed import distribute_batch, src_message_bytes
+from cp_packing.agreement import agree
+from cp_packing.distributed import distribute_batch
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
 
 KEYS = ("input_ids", "labels", "position_ids")
+METHODS = ("shard", "local", "local+check", "scatter", "broadcast", "agree")
 
 
 def make_batch(B: int, S: int, *, multiple: int = 8, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -68,13 +78,84 @@ def make_batch(B: int, S: int, *, multiple: int = 8, seed: int = 0) -> tuple[tor
     return torch.from_numpy(doc), batch
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_source(args: tuple, kwargs: dict, src_pos: int) -> bool:
+    """Whether this process is the source of a broadcast / scatter call (``src``: global rank at position
+    ``src_pos``; ``group_src``: group rank)."""
+    if kwargs.get("group_src") is not None:
+        return dist.get_rank(kwargs.get("group", args[src_pos + 1] if len(args) > src_pos + 1 else None)) == \
+            kwargs["group_src"]
+    return dist.get_rank() == kwargs.get("src", args[src_pos] if len(args) > src_pos else None)
+
+
+@contextlib.contextmanager
+def count_received_bytes() -> Iterator[Counter]:
+    """Count the bytes that reach this rank from other ranks, per collective, while the block runs.
+
+    Wraps ``broadcast``, ``all_gather`` and ``scatter`` in ``torch.distributed`` (and in ``distributed_c10d``, where
+    ``all_gather_object`` and ``broadcast_object_list`` find them); restores them on exit.
+    """
+    counts: Counter = Counter()
+    c10d = dist.distributed_c10d
+    originals = {name: getattr(c10d, name) for name in ("broadcast", "all_gather", "scatter")}
+
+    def broadcast(*args, **kwargs):
+        if not _is_source(args, kwargs, 1):
+            counts["broadcast"] += _nbytes(args[0] if args else kwargs["tensor"])
+        return originals["broadcast"](*args, **kwargs)
+
+    def scatter(*args, **kwargs):
+        if not _is_source(args, kwargs, 2):
+            counts["scatter"] += _nbytes(args[0] if args else kwargs["tensor"])
+        return originals["scatter"](*args, **kwargs)
+
+    def all_gather(*args, **kwargs):
+        out = args[0] if args else kwargs["tensor_list"]
+        mine = dist.get_rank(kwargs.get("group", args[2] if len(args) > 2 else None))
+        counts["all_gather"] += sum(_nbytes(t) for r, t in enumerate(out) if r != mine)
+        return originals["all_gather"](*args, **kwargs)
+
+    wrappers = {"broadcast": broadcast, "scatter": scatter, "all_gather": all_gather}
+    try:
+        for name, fn in wrappers.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Methods
+
+
+def _shard(rank, world, doc_ids, batch):
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc_ids), cp_size=world, cp_rank=rank,
+                                      layout="zigzag")
+    return {k: sharded.shard(v).unsqueeze(0) for k, v in batch.items()}, sharded
+
+
+def _local(doc_ids, batch, check):
+    return distribute_batch(batch, packed_seq_params_from_doc_ids(doc_ids), layout="zigzag", check_consistent=check)
+
+
 def _scatter(rank, doc_ids, batch):
     if rank == 0:
         return distribute_batch(batch, packed_seq_params_from_doc_ids(doc_ids), src=0, layout="zigzag")
     return distribute_batch(None, src=0, layout="zigzag")
 
 
-def _broadcast(rank, world, doc_ids, batch, B, S):
+def _broadcast(rank, world, doc_ids, batch):
+    B, S = doc_ids.shape
     doc = doc_ids if rank == 0 else torch.empty(B, S, dtype=torch.int32)
     dist.broadcast(doc, src=0)
     full = {}
@@ -82,16 +163,15 @@ def _broadcast(rank, world, doc_ids, batch, B, S):
         t = batch[k] if rank == 0 else torch.empty(B, S, dtype=torch.int64)
         dist.broadcast(t, src=0)
         full[k] = t
-    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=world, cp_rank=rank,
-                                      layout="zigzag")
-    return {k: sharded.shard(v).unsqueeze(0) for k, v in full.items()}, sharded
+    return _shard(rank, world, doc, full)
 
 
-def _local(rank, doc_ids, batch):
-    return distribute_batch(batch, packed_seq_params_from_doc_ids(doc_ids), layout="zigzag")
+def _agree():
+    return agree(dist.group.WORLD, "distribute_batch", {"src": None, "check_consistent": False, "layout": "zigzag",
+                                                       "doc map": None, "cu_seqlens": None, "batch": None})
 
 
-def _timed(fns: dict, repeats: int) -> dict[str, float]:
+def _timed(fns: dict[str, Callable], repeats: int) -> dict[str, float]:
     """Median ms per method; the methods take turns within every repeat, so load drift hits them alike."""
     for fn in fns.values():
         fn()  # warm-up
@@ -111,28 +191,45 @@ def _rank_main(rank, world, port, B, S, repeats, queue):
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read, except by `local`)
-        a_local, a_sh = _scatter(rank, doc_ids, batch)
-        b_local, b_sh = _broadcast(rank, world, doc_ids, batch, B, S)
-        for k in KEYS:
-            if not torch.equal(a_local[k], b_local[k]):
-                raise AssertionError(f"rank {rank}: scatter and broadcast disagree on {k}")
-        if not torch.equal(a_sh.token_index, b_sh.token_index):
-            raise AssertionError(f"rank {rank}: scatter and broadcast disagree on token_index")
-        row = _timed({
+        doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read by scatter and broadcast)
+        fns = {
+            "shard": lambda: _shard(rank, world, doc_ids, batch),
+            "local": lambda: _local(doc_ids, batch, False),
+            "local+check": lambda: _local(doc_ids, batch, True),
             "scatter": lambda: _scatter(rank, doc_ids, batch),
-            "broadcast": lambda: _broadcast(rank, world, doc_ids, batch, B, S),
-            "local": lambda: _local(rank, doc_ids, batch),
-        }, repeats)
+            "broadcast": lambda: _broadcast(rank, world, doc_ids, batch),
+            "agree": _agree,
+        }
+        want, want_sh = fns["shard"]()
+        received = {}
+        for name, fn in fns.items():
+            with count_received_bytes() as counts:
+                out = fn()
+            received[name] = dict(counts)
+            if name != "agree":
+                for k in KEYS:
+                    if not torch.equal(out[0][k], want[k]):
+                        raise AssertionError(f"rank {rank}: {name} differs from local sharding on {k}")
+                if not torch.equal(out[1].token_index, want_sh.token_index):
+                    raise AssertionError(f"rank {rank}: {name} differs from local sharding on token_index")
+        row = _timed(fns, repeats)
+        for name in ("agree", "shard"):  # back to back, no barrier in between: the per-call cost
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(4 * repeats):
+                fns[name]()
+            dist.barrier()
+            row[f"{name} back to back"] = (time.perf_counter() - t0) / (4 * repeats) * 1e3
         dist.destroy_process_group()
-        queue.put((rank, "ok", row))
+        queue.put((rank, "ok", (row, received)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
 
         queue.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
 
 
-def run_cp(world: int, B: int, S: int, repeats: int, timeout: float = 300.0) -> dict[str, float]:
+def run_cp(world: int, B: int, S: int, repeats: int, timeout: float = 300.0) -> tuple[dict, dict]:
+    """``(ms per method on rank 0, bytes received per method and collective on group rank 1)``."""
     ctx = mp.get_context("fork")
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
     queue = ctx.Queue()
@@ -153,7 +250,7 @@ def run_cp(world: int, B: int, S: int, repeats: int, timeout: float = 300.0) -> 
             if p.is_alive():
                 p.kill()
                 p.join()
-    return rows[0]
+    return rows[0][0], rows[min(1, world - 1)][1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,28 +265,37 @@ def main(argv: list[str] | None = None) -> int:
     S = args.seq if args.seq is not None else (2048 if args.quick else 16384)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 20)
     cps = [int(c) for c in args.cps.split(",")]
-    if S % 8 or B < 1 or repeats < 1 or any(c not in (1, 2, 4, 8) for c in cps):
-        parser.error("need S % 8 == 0, B >= 1, repeats >= 1 and cp sizes in {1, 2, 4, 8}")
+    if S % 8 or B < 1 or repeats < 1 or any(c not in (2, 4, 8) for c in cps):
+        parser.error("need S % 8 == 0, B >= 1, repeats >= 1 and cp sizes in {2, 4, 8}")
 
     doc_ids, batch = make_batch(B, S)
-    params = packed_seq_params_from_doc_ids(doc_ids)
+    segments = packed_seq_params_from_doc_ids(doc_ids).num_segments
     full_bytes = doc_ids.numel() * doc_ids.element_size() + sum(batch[k].numel() * 8 for k in KEYS)
-    print(f"torch {torch.__version__}, gloo, B={B}, S={S}, {params.num_segments} segments, keys {', '.join(KEYS)} "
-          f"(int64) + int32 doc map; median of {repeats} repeats, 1 thread per rank")
-    header = (f"| {'cp':>2} | {'method':>9} | {'bytes recv / rank':>17} | {'of broadcast':>12} | {'ms (median)':>11} | "
-              f"{'time / broadcast':>16} |")
+    print(f"torch {torch.__version__}, gloo, B={B}, S={S}, {segments} segments, keys {', '.join(KEYS)} (int64) + "
+          f"int32 doc map ({full_bytes:,} B); median of {repeats} repeats, 1 thread per rank; bytes measured on "
+          "group rank 1 (all_gather + broadcast + scatter)")
+    header = (f"| {'cp':>2} | {'method':>11} | {'bytes recv / rank':>17} | {'all_gather':>10} | {'broadcast':>9} | "
+              f"{'scatter':>9} | {'ms (median)':>11} | {'time / shard':>12} |")
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    failures = []
     for cp in cps:
-        t = run_cp(cp, B, S, repeats)
-        sizes = src_message_bytes(params, batch, cp_size=cp, layout="zigzag")
-        got = {"scatter": sizes["total"], "broadcast": full_bytes, "local": 0}
-        for method in ("scatter", "broadcast", "local"):
-            print(f"| {cp:>2} | {method:>9} | {got[method]:>17,} | {got[method] / full_bytes:>11.1%} | "
-                  f"{t[method]:>11.3f} | {t[method] / t['broadcast']:>15.2f}x |")
-        print(f"|    | (scatter: header {sizes['header']} B + metadata {sizes['metadata']:,} B + tokens "
-              f"{sizes['tokens']:,} B) | | | | |")
-    return 0
+        times, received = run_cp(cp, B, S, repeats)
+        for method in METHODS:
+            got = received[method]
+            total = sum(got.values())
+            print(f"| {cp:>2} | {method:>11} | {total:>17,} | {got.get('all_gather', 0):>10,} | "
+                  f"{got.get('broadcast', 0):>9,} | {got.get('scatter', 0):>9,} | {times[method]:>11.3f} | "
+                  f"{times[method] / times['shard']:>11.2f}x |")
+        print(f"|    | (back to back, {4 * repeats} calls: agree {times['agree back to back']:.3f} ms per call, local "
+              f"sharding {times['shard back to back']:.3f} ms per call) | | | | | | |")
+        token_bytes = B * S // cp * 8 * len(KEYS)
+        bound = token_bytes + 32 * segments + 4096 * cp
+        if sum(received["scatter"].values()) > bound:
+            failures.append(f"cp={cp}: scatter received {sum(received['scatter'].values()):,} B > {bound:,} B")
+    for failure in failures:
+        print(f"FAIL: {failure} (own tokens + 32 B x segments + 4 KiB x cp)")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

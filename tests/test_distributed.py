@@ -12,17 +12,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from cp_packing.distributed import (
-    HEADER_LEN,
-    distribute_batch,
-    distribute_packed_seq_params,
-    src_message_bytes,
-)
+from cp_packing.agreement import AgreementError
+from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
 from cp_packing.groups import device_for_backend, resolve_group
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
@@ -108,6 +105,8 @@ def _cases(world: int):
         cases.append(("zigzag", _doc_map(2, 6 * world, multiple=2 * world, seed=10 + i, dtype=dtype), (i + 1) % world))
     cases.append(("contiguous", _doc_map(2, 4 * world, seed=5, pad_row=1), world - 1))  # the last ranks: padding only
     cases.append(("zigzag", _doc_map(2, 4 * world, multiple=2 * world, seed=6, pad_row=0), 0))
+    cases.append(("balanced", _doc_map(2, 8 * world, seed=7), world - 1))
+    cases.append(("auto", _doc_map(2, 6 * world, multiple=2 * world, seed=8), 0))  # resolved once, on the source
     return cases
 
 
@@ -139,6 +138,9 @@ def _scatter_equals_local(rank: int, world: int) -> int:
         _assert_batch_equal(local, want, small)
         assert local["position_ids"].dtype == torch.int64
 
+        if layout == "auto":  # the default layout: works on any batch, and every path resolves it alike
+            _assert_sharded_equal(distribute_packed_seq_params(params), want)
+            _assert_sharded_equal(distribute_packed_seq_params(params if rank == src else None, src=src), want)
         # every rank holds the batch: local path, with and without the consistency check
         for check in (False, True):
             _assert_sharded_equal(
@@ -205,17 +207,17 @@ def _mesh(rank: int, world: int) -> list:
     assert cp.global_rank(src) == 2 * dp_rank + src
 
     for group in (mesh["cp"], mesh["cp"].get_group()):
-        local, got = distribute_batch(batch if cp_rank == src else None, group=group, src=src,
+        local, got = distribute_batch(batch if cp_rank == src else None, group=group, src=src, layout="zigzag",
                                       check_consistent=True)
         _assert_sharded_equal(got, want)
         _assert_batch_equal(local, want, batch)
-        got = distribute_packed_seq_params(params, group=group, check_consistent=True)
+        got = distribute_packed_seq_params(params, group=group, layout="zigzag", check_consistent=True)
         _assert_sharded_equal(got, want)
 
     with pytest.raises(ValueError, match=r"2-D DeviceMesh.*mesh\['cp'\]"):
         distribute_batch(batch, group=mesh)
     # the DP groups hold different batches: a consistency check over the DP group (the wrong group) catches it
-    with pytest.raises(ValueError, match=r"group rank\(s\) \[1\]"):
+    with pytest.raises(AgreementError, match=r"disagree on doc map .*rank 1"):
         distribute_packed_seq_params(params, group=mesh["dp"], check_consistent=True)
     return [dp_rank, cp_rank, got.token_index.tolist()]
 
@@ -256,30 +258,33 @@ def _consistency(rank: int, world: int) -> list:
     if rank == 2:
         batch = dict(reversed(list(batch.items())))
     out.append(_catch(distribute_batch, batch, layout="contiguous", check_consistent=True))
-    # the src path: ranks that disagree on src all raise instead of hanging
-    out.append(_catch(distribute_batch, batch, src=0 if rank != 2 else 1, layout="contiguous",
+    # the same rows in another order, and a +1/-2/+1 change: a linear checksum misses both, the digest does not
+    swapped = same.flip(0) if rank == 1 else same
+    out.append(_catch(distribute_packed_seq_params, packed_seq_params_from_doc_ids(swapped), layout="contiguous",
                       check_consistent=True))
-    # one rank's own input fails to shard: it raises its error, the others learn that it failed
+    ids = batch["input_ids"].clone()
+    if rank == 1:
+        ids[0, :3] += torch.tensor([1, -2, 1])
+    out.append(_catch(distribute_batch, {**batch, "input_ids": ids}, layout="contiguous", check_consistent=True))
+    # one rank's own input fails to shard: every rank raises its error, naming it
     bad = {"input_ids": torch.zeros(2, 13 if rank == 0 else 12, dtype=torch.int64)}
     out.append(_catch(distribute_batch, bad, params, layout="contiguous", check_consistent=True))
     return out
 
 
-def test_check_consistent_names_the_differing_rank_on_every_rank():
+def test_check_consistent_names_the_difference_on_every_rank():
     results = run_distributed(_consistency, 3, timeout=120)
-    for rank_result in results:
-        params_err, batch_err, ok, src_err, shape_err = rank_result
-        assert params_err[0] == "ValueError"
-        assert "group rank(s) [1]" in params_err[1] and "cu_seqlens / doc_ids checksum" in params_err[1]
-        assert batch_err[0] == "ValueError"
-        assert "group rank(s) [2]" in batch_err[1] and "batch tensor checksum" in batch_err[1]
-        assert "cu_seqlens" not in batch_err[1]
+    for params_err, batch_err, ok, swapped_err, linear_err, shape_err in results:
+        assert params_err[0] == "AgreementError" and "disagree on doc map" in params_err[1]
+        assert "rank 1:" in params_err[1] and "ranks 0, 2:" in params_err[1]
+        assert batch_err[0] == "AgreementError" and "batch['labels'] differs" in batch_err[1]
+        assert "rank(s) [2]" in batch_err[1] and "doc map" not in batch_err[1]
         assert ok is None
-        assert src_err[0] == "ValueError" and "group rank(s) [2]" in src_err[1] and "src" in src_err[1]
-        assert shape_err[0] == "ValueError"
-    if not under_torchrun():
-        assert "batch['input_ids'] has shape (2, 13)" in results[0][4][1]
-        assert all("group rank(s) [0]" in r[4][1] and "could not shard" in r[4][1] for r in results[1:])
+        assert swapped_err[0] == "AgreementError" and "doc map" in swapped_err[1]
+        assert linear_err[0] == "AgreementError" and "batch['input_ids'] differs" in linear_err[1]
+        assert shape_err[0] == "ValueError" and "batch['input_ids'] has shape (2, 13)" in shape_err[1]
+        assert "CP group rank 0" in shape_err[1]
+    assert all(r == results[0] for r in results)  # every rank raised the very same errors
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,23 +302,21 @@ def _errors(rank: int, world: int) -> list:
         _catch(distribute_packed_seq_params, params, src="0"),
         _catch(distribute_packed_seq_params, params, layout="diagonal"),
         _catch(distribute_batch, batch, group="cp"),
-        # only the source sees these: shipped in the header, raised everywhere
+        # only the source sees these: raised on every rank through the agreement
         _catch(distribute_batch, {**batch, "labels": torch.zeros(2, 9)} if mine else None, src=0),
         _catch(distribute_batch, {"input_ids": batch["input_ids"]} if mine else None, src=0),
         _catch(distribute_packed_seq_params, None, src=0),
         _catch(distribute_packed_seq_params, params if mine else None, src=0, layout="zigzag"),  # odd segments
         _catch(distribute_batch, {"x": torch.zeros(2, 7)} if mine else None, params if mine else None, src=0,
                layout="contiguous"),
+        _catch(distribute_packed_seq_params, None, check_consistent=1),
     ]
-    # ranks that make different calls (no check_consistent): the others raise, the source is not left waiting in
-    # its scatter (it returns normally, having no way to know)
+    # ranks that make different calls: every rank raises (the source too), none waits in a scatter
     if mine:
         out.append(_catch(distribute_batch, batch, src=0, layout="contiguous"))
-        out.append(_catch(distribute_packed_seq_params, params, src=0, layout="contiguous"))
     else:
         out.append(_catch(distribute_packed_seq_params, None, src=0, layout="contiguous"))
-        out.append(_catch(distribute_batch, None, src=0, layout="contiguous"))
-    # the group is still usable afterwards (no half-finished protocol left behind)
+    # the group is still usable afterwards (no half-finished exchange left behind)
     local, sharded = distribute_batch(batch if mine else None, src=0, layout="contiguous")
     want = shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="contiguous")
     _assert_sharded_equal(sharded, want)
@@ -333,24 +336,181 @@ def test_errors_are_raised_on_every_rank():
         assert r[3][0] == "ValueError" and "'diagonal'" in r[3][1]
         assert r[4][0] == "TypeError" and "ProcessGroup" in r[4][1]
         assert r[5][0] == "ValueError" and "batch['labels'] has shape (2, 9)" in r[5][1] and "[2, 8, ...]" in r[5][1]
-        assert "raised on the source, group rank 0" in r[5][1]
+        assert "raised on CP group rank 0" in r[5][1]
         assert r[6][0] == "ValueError" and "batch['doc_ids']" in r[6][1]
         assert r[7][0] == "TypeError" and "params must be PackedSeqParams" in r[7][1]
         assert r[8][0] == "ValueError" and "not divisible by 2*cp_size=4" in r[8][1]
         assert r[9][0] == "ValueError" and "batch['x'] has shape (2, 7)" in r[9][1]
-    assert results[0][10] is None and results[0][11] is None  # the source
-    for r in results[1:]:
-        assert r[10][0] == "ValueError" and "called distribute_batch while this rank called distribute_packed" in r[10][1]
-        assert r[11][0] == "ValueError" and "called distribute_packed_seq_params while this rank called distribute_batch" in r[11][1]
+        assert r[10][0] == "TypeError" and "check_consistent must be True or False" in r[10][1]
+        assert r[11][0] == "AgreementError" and "different calls" in r[11][1]
+        assert "distribute_batch" in r[11][1] and "distribute_packed_seq_params" in r[11][1]
     if not under_torchrun():
         assert results[0][12] is None
         assert results[1][12][0] == "ValueError" and "not a member" in results[1][12][1]
-        # the source and the receivers read the same message
-        assert results[0][5] == results[1][5] and results[0][8] == results[1][8]
+        assert results[0][:12] == results[1][:12]  # the source and the others read the same messages
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Local pieces: device choice, byte accounting, no process group
+# Unsigned doc maps, autograd
+
+
+def _unsigned(rank: int, world: int) -> list:
+    checked = []
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        for layout, doc64 in (("contiguous", _doc_map(2, 4 * world, seed=20)),
+                              ("zigzag", _doc_map(2, 4 * world, multiple=2 * world, seed=21))):
+            want = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc64), cp_size=world, cp_rank=rank,
+                                           layout=layout)  # the int64 map: the reference
+            doc_ids = doc64.to(dtype)
+            batch = {"doc_ids": doc_ids, "input_ids": doc64 * 7}
+            local_l, got_l = distribute_batch(batch, layout=layout, check_consistent=True)
+            local_s, got_s = distribute_batch(batch if rank == 0 else None, src=0, layout=layout)
+            params_s = distribute_packed_seq_params(packed_seq_params_from_doc_ids(doc_ids) if rank == 0 else None,
+                                                    src=0, layout=layout)
+            _assert_sharded_equal(got_s, got_l)  # bit for bit, the global params' unsigned map included
+            _assert_sharded_equal(params_s, got_l)
+            for got, local in ((got_l, local_l), (got_s, local_s)):
+                assert got.doc_ids.dtype == dtype and local["doc_ids"].dtype == dtype
+                assert got.global_params.doc_ids.dtype == dtype
+                assert torch.equal(got.token_index.cpu(), want.token_index)
+                assert got.doc_ids.cpu().to(torch.int64).tolist() == want.doc_ids.tolist()
+                assert local["doc_ids"][0].cpu().to(torch.int64).tolist() == want.doc_ids.tolist()
+                assert torch.equal(local["input_ids"][0].cpu(), want.doc_ids * 7)
+            checked.append(str(dtype))
+    return checked
+
+
+def test_unsigned_doc_maps_keep_their_dtype_on_both_paths():
+    results = run_distributed(_unsigned, 2, timeout=120)
+    assert all(len(r) == 8 for r in results)
+
+
+def _autograd(rank: int, world: int) -> list:
+    doc_ids = _doc_map(2, 4 * world, seed=30)
+    embeds = torch.randn(2, 4 * world, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    local, sharded = distribute_batch({"doc_ids": doc_ids, "embeds": embeds}, layout="contiguous")
+    local["embeds"].sum().backward()  # the local path keeps autograd: grad 1 exactly at this rank's tokens
+    grad_ok = embeds.grad.reshape(-1, 3)[sharded.token_index].eq(1).all().item() and \
+        embeds.grad.sum().item() == 3 * sharded.num_local_tokens
+    err = _catch(distribute_batch, {"doc_ids": doc_ids, "embeds": embeds} if rank == 0 else None, src=0,
+                 layout="contiguous")
+    detached = distribute_batch({"doc_ids": doc_ids, "embeds": embeds.detach()} if rank == 0 else None, src=0,
+                                layout="contiguous")[0]
+    return [grad_ok, err, torch.equal(detached["embeds"], local["embeds"].detach())]
+
+
+def test_autograd_kept_locally_refused_with_src():
+    for grad_ok, err, same in run_distributed(_autograd, 2, timeout=90):
+        assert grad_ok and same
+        assert err[0] == "ValueError" and "batch['embeds'] requires grad" in err[1] and ".detach()" in err[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fault injection: each distributed mistake raises the same error type on EVERY rank, within the runner's timeout
+
+
+def _faults(rank: int, world: int) -> dict:
+    doc_ids = _doc_map(2, 6 * world, multiple=2 * world, seed=40)
+    batch = _batch(doc_ids, 40)
+    src_batch = batch if rank == 0 else None
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    other = _batch(doc_ids, 41)  # another sample of the same shape
+    holey = PackedSeqParams(params.cu_seqlens[:-1].clone(), params.max_seqlen, doc_ids)  # drops the last segment
+    scenarios = {
+        "src on one rank only": lambda: distribute_batch(batch, src=0 if rank == 0 else None),
+        "src on one rank only, the others pass None": lambda: distribute_batch(src_batch, src=0 if rank == 0 else None),
+        "different src values": lambda: distribute_batch(src_batch, src=0 if rank < 2 else 1),
+        "check_consistent on one rank only": lambda: distribute_batch(batch, check_consistent=rank == 1),
+        "check_consistent on one rank only, src path": lambda: distribute_batch(src_batch, src=0,
+                                                                               check_consistent=rank == 1),
+        "different layout on one rank": lambda: distribute_batch(batch, layout="zigzag" if rank else "contiguous"),
+        "different layout on one rank, src path": lambda: distribute_batch(src_batch, src=0,
+                                                                          layout="balanced" if rank == 2 else "auto"),
+        "different batches with check_consistent": lambda: distribute_batch(other if rank == 2 else batch,
+                                                                            check_consistent=True),
+        "source-only: indivisible map": lambda: distribute_batch(
+            {"doc_ids": torch.ones(1, 3 * world + 1, dtype=torch.int64)} if rank == 0 else None, src=0,
+            layout="contiguous"),
+        "source-only: float doc map": lambda: distribute_batch(
+            {"doc_ids": doc_ids.float()} if rank == 0 else None, src=0),
+        "source-only: tensor requires grad": lambda: distribute_batch(
+            {**batch, "embeds": batch["embeds"].clone().requires_grad_()} if rank == 0 else None, src=0),
+        "source-only: cu_seqlens miss tokens": lambda: distribute_packed_seq_params(holey if rank == 0 else None,
+                                                                                    src=0),
+        "distribute_batch vs distribute_packed_seq_params": lambda: (
+            distribute_batch(src_batch, src=0) if rank != 1 else distribute_packed_seq_params(None, src=0)),
+        "bad argument on one rank only": lambda: distribute_batch(batch, layout="diagonal" if rank == 1 else "auto"),
+    }
+    out = {}
+    for name, fn in scenarios.items():
+        t0 = time.perf_counter()
+        err = _catch(fn)
+        out[name] = (err, time.perf_counter() - t0)
+    local, sharded = distribute_batch(src_batch, src=0)  # the group still works after every failure
+    _assert_batch_equal(local, sharded, batch)
+    return out
+
+
+FAULTS = {  # scenario -> (error type on every rank, a phrase of its message)
+    "src on one rank only": ("AgreementError", "disagree on src"),
+    "src on one rank only, the others pass None": ("TypeError", "batch must be a dict"),
+    "different src values": ("AgreementError", "disagree on src"),
+    "check_consistent on one rank only": ("AgreementError", "disagree on check_consistent"),
+    "check_consistent on one rank only, src path": ("AgreementError", "disagree on check_consistent"),
+    "different layout on one rank": ("AgreementError", "disagree on layout"),
+    "different layout on one rank, src path": ("AgreementError", "disagree on layout"),
+    "different batches with check_consistent": ("AgreementError", "batch['embeds'] differs"),
+    "source-only: indivisible map": ("ValueError", "divisible"),
+    "source-only: float doc map": ("TypeError", "integer dtype"),
+    "source-only: tensor requires grad": ("ValueError", "requires grad"),
+    "source-only: cu_seqlens miss tokens": ("ValueError", "params.cu_seqlens ends at"),
+    "distribute_batch vs distribute_packed_seq_params": ("AgreementError", "different calls"),
+    "bad argument on one rank only": ("ValueError", "unknown layout 'diagonal'"),
+}
+
+
+@pytest.mark.skipif(under_torchrun(), reason="compares every rank's error in one process")
+def test_fault_injection_every_rank_raises_the_same_error():
+    results = run_distributed(_faults, 3, timeout=180)
+    assert set(results[0]) == set(FAULTS)
+    for name, (kind, phrase) in FAULTS.items():
+        errors = [r[name][0] for r in results]
+        assert all(e is not None for e in errors), (name, errors)
+        assert {e[0] for e in errors} == {kind}, (name, errors)
+        assert all(phrase in e[1] for e in errors), (name, errors)
+        assert all(r[name][1] < 60 for r in results), (name, [r[name][1] for r in results])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes received per rank, device choice, no process group
+
+
+def _bytes(rank: int, world: int) -> dict:
+    from benchmarks.bench_distribute import count_received_bytes
+
+    doc_ids = _doc_map(4, 16 * world, multiple=2 * world, seed=7)
+    batch = {"input_ids": torch.zeros(4, 16 * world, dtype=torch.int64),
+             "mask": torch.zeros(4, 16 * world, 3, dtype=torch.bool), "doc_ids": doc_ids}
+    out = {"segments": packed_seq_params_from_doc_ids(doc_ids).num_segments}
+    with count_received_bytes() as out["scatter"]:
+        distribute_batch(batch if rank == 0 else None, src=0, layout="zigzag")
+    with count_received_bytes() as out["local"]:
+        distribute_batch(batch, layout="zigzag")
+    return {k: v if isinstance(v, int) else dict(v) for k, v in out.items()}
+
+
+def test_a_rank_receives_its_tokens_plus_small_metadata():
+    world = 3
+    results = run_distributed(_bytes, world, timeout=90)
+    if under_torchrun():
+        return
+    T_local = 4 * 16
+    for rank, r in enumerate(results):
+        token_bytes = T_local * (8 + 3 + 8)  # input_ids int64, mask bool [3], doc_ids int64
+        assert r["scatter"].get("scatter", 0) == (0 if rank == 0 else token_bytes)
+        assert r["scatter"].get("broadcast", 0) <= (0 if rank == 0 else 32 * r["segments"] + 2048)
+        assert r["scatter"]["all_gather"] <= 1024 * world  # the agreement
+        assert set(r["local"]) == {"all_gather"} and r["local"]["all_gather"] <= 1024 * world
 
 
 def test_device_follows_backend():
@@ -370,26 +530,11 @@ def test_needs_an_initialised_process_group():
         distribute_packed_seq_params(packed_seq_params_from_doc_ids(torch.ones(1, 4, dtype=torch.int64)))
 
 
-def test_src_message_bytes_counts_only_the_ranks_tokens():
-    doc_ids = _doc_map(4, 64, multiple=8, seed=7)
-    params = packed_seq_params_from_doc_ids(doc_ids)
-    batch = {"input_ids": torch.zeros(4, 64, dtype=torch.int64), "mask": torch.zeros(4, 64, 3, dtype=torch.bool)}
-    for cp_size in (2, 4):
-        sizes = src_message_bytes(params, batch, cp_size=cp_size, layout="zigzag")
-        T_local = 4 * 64 // cp_size
-        assert sizes["header"] == 8 * HEADER_LEN
-        assert sizes["tokens"] == T_local * (8 + 3)
-        assert 8 * (2 * params.num_segments + 1) < sizes["metadata"] <= 8 * (2 * params.num_segments + 1) + 512
-        assert sizes["total"] == sizes["header"] + sizes["metadata"] + sizes["tokens"]
-    only_params = src_message_bytes(params, None, cp_size=2)
-    assert only_params["tokens"] == 0 and only_params["metadata"] == 8 * (2 * params.num_segments + 1)
-
-
 @pytest.mark.skipif(under_torchrun(), reason="spawns its own process groups")
 def test_bench_distribute_quick_runs():
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "bench_distribute.py"), "--quick"],
+        [sys.executable, os.path.join(REPO, "benchmarks", "bench_distribute.py"), "--quick", "--cps", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "scatter" in proc.stdout and "broadcast" in proc.stdout
+    assert "scatter" in proc.stdout and "broadcast" in proc.stdout and "local+check" in proc.stdout
