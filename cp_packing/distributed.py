@@ -27,15 +27,12 @@ from cp_packing.agreement import AgreementError, agree, digest
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
-from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
+from cp_packing.sharding import ShardedPackedSeqParams, as_signed, shard_packed_seq_params
 
 __all__ = ["DOC_IDS_KEY", "distribute_batch", "distribute_packed_seq_params"]
 
 DOC_IDS_KEY = "doc_ids"
 """The batch key ``distribute_batch`` builds ``PackedSeqParams`` from when ``params`` is not given."""
-
-# index_select has no kernel for these (torch 2.13): take tokens through a same-width signed view.
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 _Batch = dict[str, torch.Tensor]
 _Prepare = Callable[[str], tuple[PackedSeqParams, "_Batch | None"]]
@@ -52,22 +49,6 @@ class _Metadata:
     doc_dtype: torch.dtype
     layout: str  # resolved on the source (set after sharding there)
     keys: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] | None  # (name, dtype, trailing shape) per key
-
-
-def _take(x: torch.Tensor, sharded: ShardedPackedSeqParams) -> torch.Tensor:
-    """``sharded.shard(x)`` for every dtype (an unsigned one through its signed view; autograd is kept)."""
-    signed = _SIGNED.get(x.dtype)
-    return sharded.shard(x) if signed is None else sharded.shard(x.view(signed)).view(x.dtype)
-
-
-def _shard(params: PackedSeqParams, cp: CPGroup, layout: str) -> ShardedPackedSeqParams:
-    """``shard_packed_seq_params`` that also takes an unsigned doc map (sharded through its signed view)."""
-    signed = _SIGNED.get(params.doc_ids.dtype)
-    if signed is None:
-        return shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
-    view = PackedSeqParams(params.cu_seqlens, params.max_seqlen, params.doc_ids.view(signed))
-    sharded = shard_packed_seq_params(view, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
-    return dataclasses.replace(sharded, global_params=params, doc_ids=sharded.doc_ids.view(params.doc_ids.dtype))
 
 
 def _check_args(cp: CPGroup, src: object, layout: object, check_consistent: object) -> None:
@@ -130,7 +111,7 @@ def _metadata(params: PackedSeqParams, batch: _Batch | None) -> _Metadata:
     doc_ids = check_doc_ids(params.doc_ids, "params.doc_ids")
     B, S = doc_ids.shape
     check_cu_seqlens(params.cu_seqlens, "params.cu_seqlens", total=B * S)
-    flat = doc_ids.reshape(-1).view(_SIGNED.get(doc_ids.dtype, doc_ids.dtype))
+    flat = as_signed(doc_ids.reshape(-1))
     cu = params.cu_seqlens.to(device=flat.device, dtype=torch.int64)
     segment_doc = flat.index_select(0, cu[:-1])
     if not torch.equal(torch.repeat_interleave(segment_doc, cu[1:] - cu[:-1], output_size=B * S), flat):
@@ -174,7 +155,7 @@ def _scatter_tokens(cp: CPGroup, src: int, sharded: ShardedPackedSeqParams, meta
             rows = None
             if cp.rank == src:
                 x = batch[name].detach()
-                x = x.view(_SIGNED.get(x.dtype, x.dtype)).reshape(-1, *([features] if features > 1 else []))
+                x = as_signed(x).reshape(-1, *([features] if features > 1 else []))
                 picked = x.index_select(0, order.to(x.device))  # [cp * T_local(, F)], contiguous
                 rows = list(picked.view(torch.uint8).to(cp.device).reshape(cp.size, -1).unbind(0))
             dist.scatter(received, rows, src=cp.global_rank(src), group=cp.group)
@@ -215,14 +196,14 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
         _check_args(cp, src, layout, check_consistent)
         if src is None:
             params, batch = prepare("src=None: every rank passes the same batch, or set src= on every rank")
-            sharded = _shard(params, cp, layout)
+            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
             if check_consistent:
                 checked, per_key = _consistency_fields(params, batch)
         elif cp.rank == src:
             params, batch = prepare(f"this rank is the source, src={src}: it passes the batch, the others None")
             meta = _metadata(params, batch)  # validates params before they are sharded
             params = PackedSeqParams(params.cu_seqlens.to(cp.device), params.max_seqlen, params.doc_ids.to(cp.device))
-            sharded = _shard(params, cp, layout)
+            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
             meta = dataclasses.replace(meta, layout=sharded.layout)
     except Exception as exc:  # noqa: BLE001 - every rank raises it, through the agreement
         error = exc
@@ -236,7 +217,8 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
     dist.broadcast_object_list(shipped, src=cp.global_rank(src), group=cp.group)
     meta = shipped[0]
     if cp.rank != src:
-        sharded = _shard(_rebuild(meta, cp.device), cp, meta.layout)
+        params = _rebuild(meta, cp.device)
+        sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=meta.layout)
     return sharded, None if meta.keys is None else _scatter_tokens(cp, src, sharded, meta, batch)
 
 
@@ -323,7 +305,7 @@ def distribute_batch(
     sharded, local = _distribute("distribute_batch", group, src, layout, check_consistent,
                                  lambda where: _prepare_batch(batch, params, where))
     if src is None:  # the local path: this rank's tokens of its own batch (autograd kept)
-        local = {name: _take(x, sharded).unsqueeze(0) for name, x in local.items()}  # [1, T_local, ...]
+        local = {name: sharded.shard(x).unsqueeze(0) for name, x in local.items()}  # [1, T_local, ...]
     if "position_ids" not in local:
         local["position_ids"] = sharded.position_ids.unsqueeze(0)  # int64 [1, T_local]
     return local, sharded

@@ -21,7 +21,7 @@ from cp_packing.planner import choose_layout
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
-__all__ = ["ShardedPackedSeqParams", "shard_packed_seq_params", "take_rows"]
+__all__ = ["ShardedPackedSeqParams", "as_signed", "shard_packed_seq_params", "take_rows"]
 
 _T = TypeVar("_T")
 
@@ -39,14 +39,18 @@ _UNSIGNED_AS_SIGNED = {
 }
 
 
-def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)`` for every dtype (torch has no index_select for uint16/32/64: those go through
-    the signed type of the same width, bit for bit)."""
+def as_signed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed bit for bit as the signed integer type of the same width when it is uint16/32/64 (torch has no
+    index_select, repeat_interleave or equality kernels for those), else ``x`` itself."""
     signed = _UNSIGNED_AS_SIGNED.get(x.dtype)
-    index = index.to(x.device)
-    if signed is None:
-        return x.index_select(0, index)
-    return x.view(signed).index_select(0, index).view(x.dtype)
+    return x if signed is None else x.view(signed)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` for every dtype (unsigned ones through ``as_signed``, bit for bit)."""
+    signed = as_signed(x)
+    taken = signed.index_select(0, index.to(x.device))
+    return taken if signed is x else taken.view(x.dtype)  # view(dtype) would drop autograd
 
 
 @dataclass(frozen=True, eq=False)
