@@ -1,11 +1,12 @@
 """Train a tiny causal LM with context parallelism on synthetic neat-packed documents.
 
     torchrun --nproc-per-node 2 launch/train.py                       # CP over every rank (NCCL on GPUs, else gloo)
-    torchrun --nproc-per-node 4 launch/train.py --cp 2                # DP x CP = 2 x 2, DeviceMesh ("dp", "cp")
-    python launch/train.py --nproc 2 --steps 5 --check-parity         # no torchrun: spawns a gloo group on CPU
+    torchrun --nproc-per-node 4 -m cp_packing train --cp 2            # DP x CP = 2 x 2, DeviceMesh ("dp", "cp")
+    python -m cp_packing train --nproc 2 --steps 5 --check-parity     # no torchrun: forks a gloo group on CPU
 
 Each step, CP rank 0 of every DP replica draws a batch of ``--batch`` rows of ``--seq-len`` tokens, packed with
-documents of long-tailed (lognormal) lengths and some row padding; each document is an arithmetic progression of
+documents of long-tailed (lognormal) lengths and up to 10% row padding (``cp_packing.testing.synthetic_doc_ids``);
+each document is an arithmetic progression of
 token ids (mod the vocabulary), so the loss has something to learn. Labels are shifted on the global stream
 (``cp_packing.next_token_labels``); for ``--layout zigzag`` every document is padded to a multiple of ``2*cp``
 (``cp_packing.padding.pad_segments``, pad tokens get label -100). ``cp_packing.distributed.distribute_batch`` ships
@@ -14,8 +15,9 @@ model (a random-init HF Llama or Qwen3 with ``attn_implementation="cp_packing"``
 ``cp_packing.hf.cp_model_inputs``, the loss is ``cp_packing.loss.packed_cross_entropy`` (local sum / GLOBAL count),
 gradients are all-reduced with SUM over the CP group and then the DP group, and AdamW steps.
 
-Rank 0 prints a progress bar (tqdm when installed) and per-step lines with the global loss, tokens/s (real tokens,
-all ranks) and the CP attention-cost imbalance: causal cost of a rank = sum over its tokens of (position in
+Rank 0 prints a progress bar (tqdm when installed) and per-step lines with the global loss, step time, tokens/s
+(real tokens, all ranks), peak memory (CUDA max allocated, else the largest RSS of a rank) and the CP
+attention-cost imbalance: causal cost of a rank = sum over its tokens of (position in
 segment + 1); imbalance = busiest / mean over the CP ranks (the worst DP replica).
 
 ``--check-parity``: for the first ``--parity-steps`` steps every rank also trains a copy of the model WITHOUT
@@ -30,8 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import math
-import os
+import resource
 import sys
 import time
 import traceback
@@ -41,14 +42,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from cp_packing import packed_seq_params_from_doc_ids  # noqa: E402
-from cp_packing._launch import run_ranks  # noqa: E402
-from cp_packing.cost import causal_cost  # noqa: E402
-from cp_packing.distributed import distribute_batch  # noqa: E402
-from cp_packing.hf import cp_model_inputs, register_cp_attention  # noqa: E402
-from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging  # noqa: E402
+from cp_packing.cost import causal_cost
+from cp_packing.distributed import distribute_batch
+from cp_packing.hf import cp_model_inputs, register_cp_attention
+from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.testing import rank_device, synthetic_doc_ids
+from cp_packing.tools import launch, rank0_parser
 
 LAYOUT_CHOICES = ("contiguous", "zigzag", "balanced", "auto")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,21 +65,21 @@ def synthetic_batch(args, step: int, dp_rank: int, cp_size: int, device: torch.d
     Returns ``{"doc_ids", "input_ids", "labels", "real"}``, each ``[B, S]`` (``S = --seq-len``; for zigzag the
     padded length ``S'``, a multiple of ``2*cp``). ``real`` is False on padding and on zigzag pad tokens.
     """
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank)
+    seed = args.seed * 1_000_003 + step * 1009 + dp_rank
     B, S, V = args.batch, args.seq_len, args.vocab
-    doc = torch.zeros(B, S, dtype=torch.int64)
-    ids = torch.zeros(B, S, dtype=torch.int64)
-    mu = math.log(args.mean_doc_len)
-    for b in range(B):  # data generation, not a hot path of the library
-        limit = S - int(S * 0.1 * float(torch.rand((), generator=g)))  # up to 10% row padding
-        pos, d = 0, 1
-        while pos < limit:
-            length = min(limit - pos, 1 + int(torch.empty(()).log_normal_(mu, args.doc_len_sigma, generator=g)))
-            start = int(torch.randint(0, V, (), generator=g))
-            stride = int(torch.randint(1, 8, (), generator=g))
-            doc[b, pos:pos + length] = d
-            ids[b, pos:pos + length] = (start + stride * torch.arange(length)) % V
-            pos, d = pos + length, d + 1
+    doc = synthetic_doc_ids("lognormal", B, S, seed=seed, median=args.mean_doc_len, sigma=args.doc_len_sigma,
+                            pad=0.1)
+    # Every document: an arithmetic progression of token ids (mod V) with its own start and stride.
+    flat = doc.reshape(-1)
+    t = torch.arange(B * S)
+    is_start = torch.ones(B * S, dtype=torch.bool)
+    is_start[1:] = (flat[1:] != flat[:-1]) | (t[1:] % S == 0)
+    seg = torch.cumsum(is_start, 0) - 1  # [T] segment of every token
+    seg_start = t[is_start]
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, V, (seg_start.numel(),), generator=g)
+    stride = torch.randint(1, 8, (seg_start.numel(),), generator=g)
+    ids = ((start[seg] + stride[seg] * (t - seg_start[seg])) % V).where(flat != 0, 0).view(B, S)
     labels = next_token_labels(ids, doc)  # on the GLOBAL stream, before any padding or sharding
     real = doc != 0
     if args.layout == "zigzag":
@@ -224,6 +224,13 @@ class UsageError(Exception):
     mistaken for one."""
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: CUDA max allocated on a GPU, else the largest resident set size so far."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def train(args, rank: int, world: int, device: torch.device) -> int:
     if world % args.cp:
         raise UsageError(f"--cp {args.cp} does not divide the world size {world}; pick a divisor")
@@ -305,17 +312,19 @@ def train(args, rank: int, world: int, device: torch.device) -> int:
         run_start = sharded.token_index.index_select(0, run_cu[:-1].to(sharded.token_index.device))
         cost = causal_cost(sharded.global_params.cu_seqlens, run_start, run_cu[1:] - run_cu[:-1]).sum()
         real_tokens = local["real"].sum()
-        stats = torch.stack([cost.to(torch.float64), real_tokens.cpu().to(torch.float64)]).to(device)
+        stats = torch.stack([cost.to(torch.float64), real_tokens.cpu().to(torch.float64),
+                             torch.tensor(float(peak_memory_bytes(device)), dtype=torch.float64)]).to(device)
         gathered = [torch.empty_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
-        stats = torch.stack(gathered).cpu()  # [world, 2]
+        stats = torch.stack(gathered).cpu()  # [world, 3]
         cost_by_rank = stats[:, 0].view(groups.dp_size, cp) if groups.dp is not None else stats[:, 0].view(1, cp)
         imbalance = float((cost_by_rank.max(1).values / cost_by_rank.mean(1).clamp_min(1e-30)).max())
         tokens_per_s = float(stats[:, 1].sum()) / dt
+        peak_mib = float(stats[:, 2].max()) / 2**20
         history.append((loss, tokens_per_s, imbalance, sharded.layout))
         progress.step(
-            f"step {step + 1:>4}/{args.steps}  loss {loss:.4f}  tok/s {tokens_per_s:,.0f}  "
-            f"imbalance {imbalance:.3f}  layout {sharded.layout}",
+            f"step {step + 1:>4}/{args.steps}  loss {loss:.4f}  time {dt * 1e3:,.0f} ms  tok/s {tokens_per_s:,.0f}  "
+            f"imbalance {imbalance:.3f}  peak mem {peak_mib:,.0f} MiB  layout {sharded.layout}",
             {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "imb": f"{imbalance:.3f}"},
             log=(step + 1) % log_every == 0 or step == 0 or step + 1 == args.steps,
         )
@@ -346,9 +355,11 @@ def sync(device: torch.device) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    from cp_packing.attention.kernels import KERNELS
+
+    p = rank0_parser(argparse.ArgumentParser(prog="python -m cp_packing train", description=__doc__.split("\n\n")[0],
+                                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                                             epilog=__doc__.split("\n\n", 1)[1]))
     p.add_argument("--nproc", type=int, default=None,
                    help="without torchrun: spawn this many CPU processes in a gloo group (default 2)")
     p.add_argument("--cp", type=int, default=None, help="CP group size (default: the world size; else DP x CP)")
@@ -369,7 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attn-backend", choices=("auto", "allgather", "ring_flash_attn"), default="auto")
-    p.add_argument("--kernel", default="auto", help="varlen kernel of the allgather backend (default auto)")
+    p.add_argument("--kernel", default="auto", choices=("auto", *KERNELS),
+                   help="varlen kernel of the allgather backend (default auto: the best one available)")
     p.add_argument("--local-data", action="store_true",
                    help="every CP rank builds the batch and shards it locally (default: CP rank 0 scatters it)")
     p.add_argument("--check-parity", action="store_true", help="compare the first steps with a non-CP model")
@@ -388,23 +400,37 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.mean_doc_len is None:
         args.mean_doc_len = max(1.0, args.seq_len / 8)
     if args.mean_doc_len <= 0:
         p.error(f"--mean-doc-len must be > 0, got {args.mean_doc_len}")
+    if args.doc_len_sigma < 0:
+        p.error(f"--doc-len-sigma must be >= 0, got {args.doc_len_sigma}")
+    if args.attn_backend == "ring_flash_attn" and args.layout == "auto":
+        args.layout = "contiguous"  # ring-flash-attn has kernels for contiguous and zigzag only; contiguous fits any batch
+    if args.attn_backend == "ring_flash_attn" and args.layout == "balanced":
+        p.error("--attn-backend ring_flash_attn has no kernel for --layout balanced; use contiguous, zigzag or auto")
     return args
 
 
 def _finish(args, world: int, device: torch.device):
+    from cp_packing.attention.kernels import available_kernels
+
     args = copy.copy(args)
     if args.cp is None:
         args.cp = world
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if args.kernel != "auto" and args.kernel not in available_kernels(device):
+        raise UsageError(f"--kernel {args.kernel} is not available on {device.type} here (available: "
+                         f"{', '.join(available_kernels(device))}); pick one of them or --kernel auto")
     return args
 
 
-def _run(args, rank: int, world: int, device: torch.device) -> int:
+def _run(args, rank: int, world: int) -> int:
+    device = rank_device()
     try:
         return train(_finish(args, world, device), rank, world, device)
     except UsageError as e:  # options that do not fit the world, the same on every rank: one line, exit 2
@@ -417,10 +443,11 @@ def _run(args, rank: int, world: int, device: torch.device) -> int:
 
 
 def main(argv=None) -> int:
+    """``python -m cp_packing train``: returns the exit status (0 ok, 1 error or parity FAIL, 2 usage error)."""
     args = parse_args(argv)
     import transformers  # noqa: F401 - imported once here, inherited by forked ranks
 
-    return run_ranks(functools.partial(_run, args), args.nproc)
+    return launch(functools.partial(_run, args), args.nproc)
 
 
 if __name__ == "__main__":

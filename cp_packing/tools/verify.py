@@ -1,12 +1,14 @@
 """Check context-parallel attention against full attention on YOUR cluster: every layout, backend and kernel.
 
     torchrun --nproc-per-node 4 launch/verify.py                      # NCCL + CUDA (gloo + CPU without GPUs)
-    torchrun --nproc-per-node 8 launch/verify.py --dtype bfloat16 float16 --trials 5 --seq-len 4096
-    python launch/verify.py --nproc 2                                 # no torchrun: spawns a gloo group on CPU
+    torchrun --nproc-per-node 8 -m cp_packing verify --dtype bfloat16 float16 --trials 5 --seq-len 4096
+    python -m cp_packing verify --nproc 2                             # no torchrun: forks a gloo group on CPU
 
-For each trial, every rank draws the same seeded packed batch (lognormal document lengths, documents that cross
-shard edges, row padding; for ``zigzag`` every document padded to a multiple of ``2*cp`` with
-``cp_packing.pad_segments``) and the same random q/k/v/dout. Every rank computes full causal attention per
+For each trial, every rank draws the same seeded packed batch (``trial_doc_ids``: lognormal document lengths, row 0
+opening with a document of 3/4 of the row, row padding, and a document across every shard edge of the contiguous
+layout, with one row more than ``--batch`` when cp divides it, where contiguous shards would be whole rows; for
+``zigzag`` every document padded to a multiple of ``2*cp`` with ``cp_packing.pad_segments``) and the same random
+q/k/v/dout. Every rank computes full causal attention per
 segment on the whole global stream (the pure-torch varlen reference in float32, or float64 for float64 runs) and
 its gradients, shards them, and compares its context-parallel output and q/k/v gradients. Rank 0 prints one row
 per (layout, backend, kernel, dtype) with the largest errors over all ranks and trials, and PASS/FAIL against
@@ -25,19 +27,18 @@ import argparse
 import dataclasses
 import functools
 import math
-import os
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params  # noqa: E402
-from cp_packing._launch import run_ranks  # noqa: E402
-from cp_packing.attention import kernels  # noqa: E402
-from cp_packing.attention.dispatch import context_parallel_attention  # noqa: E402
+from cp_packing.attention import kernels
+from cp_packing.attention.dispatch import context_parallel_attention
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.sharding import shard_packed_seq_params
+from cp_packing.testing import rank_device, synthetic_doc_ids
+from cp_packing.tools import launch, rank0_parser
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 BACKENDS = ("allgather", "ring_flash_attn")
@@ -55,30 +56,34 @@ TOLERANCES = {
 # ---------------------------------------------------------------------------------------------------- batches
 
 
-def random_doc_map(B: int, S: int, generator: torch.Generator) -> torch.Tensor:
-    """``[B, S]`` int64 doc map: lognormal document lengths (median about S/6, some longer than a shard), a random
-    padded tail per row. Seeded: every rank draws the same map."""
-    out = torch.zeros(B, S, dtype=torch.int64)
-    for b in range(B):
-        limit = S - int(S * 0.2 * float(torch.rand((), generator=generator)))
-        pos, doc = 0, 1
-        while pos < limit:
-            length = int(torch.empty(()).log_normal_(math.log(max(S / 6, 1.0)), 1.0, generator=generator)) + 1
-            out[b, pos : min(limit, pos + length)] = doc
-            pos += length
-            doc += 1
-    return out
+def trial_shape(cp_size: int, batch: int, seq_len: int) -> tuple[int, int]:
+    """``(rows, S)`` of a trial's map: ``S`` = ``seq_len`` rounded up to a multiple of ``cp_size``; one row more
+    than ``batch`` when ``cp_size`` divides it (else every contiguous shard would be whole rows, and no query would
+    need keys from another rank)."""
+    rows = batch + 1 if cp_size > 1 and batch % cp_size == 0 else batch
+    return rows, -(-seq_len // cp_size) * cp_size
 
 
-def trial_batch(layout: str, cp_size: int, B: int, S: int, seed: int) -> torch.Tensor:
-    """The doc map of one trial, valid for ``layout`` (zigzag: every segment a multiple of 2*cp)."""
-    g = torch.Generator().manual_seed(seed)
+def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    """The doc map of one trial, valid for ``layout`` (zigzag: every segment a multiple of 2*cp), in which every
+    layout splits documents across ranks, so that wrong key metadata changes the output at every cp >= 2.
+
+    Lognormal lengths (median S/6, so some documents are longer than a shard), up to 20% row padding, row 0 opening
+    with a document of 3/4 of the row (a balanced layout must split it), and at every contiguous shard edge inside
+    a row the same document (or padding run) on both sides.
+    """
+    rows, S = trial_shape(cp_size, batch, seq_len)
+    doc_ids = synthetic_doc_ids("huge", rows, S, seed=seed, median=max(S / 6, 1.0), sigma=1.0, pad=0.2)
+    flat = doc_ids.view(-1)
+    T_local = rows * S // cp_size
+    for edge in range(T_local, rows * S, T_local):
+        if edge % S and flat[edge - 1] != 0:
+            flat[edge] = flat[edge - 1]  # the document before the edge reaches across it
     if layout == "zigzag":
         from cp_packing.padding import pad_segments
 
-        return pad_segments(random_doc_map(B, S, g), 2 * cp_size).doc_ids
-    S = -(-S // cp_size) * cp_size
-    return random_doc_map(B, S, g)
+        return pad_segments(doc_ids, 2 * cp_size).doc_ids
+    return doc_ids
 
 
 def inject_fault(sharded):
@@ -163,7 +168,7 @@ def plan_rows(layouts, backends, dtypes, device: torch.device) -> list[Row]:
 def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, trial: int) -> None:
     """One trial of one row: update the row's max errors (this rank's view)."""
     seed = args.seed + 1000 * trial
-    doc_ids = trial_batch(row.layout, cp_size, args.batch, args.seq_len, seed).to(device)
+    doc_ids = trial_doc_ids(row.layout, cp_size, args.batch, args.seq_len, seed).to(device)
     params = packed_seq_params_from_doc_ids(doc_ids)
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=rank, layout=row.layout)
     if args.inject_fault:
@@ -233,7 +238,8 @@ def verify(args, rank: int, cp_size: int, device: torch.device) -> int:
 
 
 def print_table(rows: list[Row], cp_size: int, device: torch.device, args) -> None:
-    print(f"cp-packing verify: cp_size={cp_size}, device={device.type}, batch={args.batch}x{args.seq_len}, "
+    n_rows, S = trial_shape(cp_size, args.batch, args.seq_len)
+    print(f"cp-packing verify: cp_size={cp_size}, device={device.type}, batch={n_rows}x{S}, "
           f"heads={args.heads}/{args.kv_heads}, head_dim={args.head_dim}, trials={args.trials}, seed={args.seed}"
           + ("  [--inject-fault]" if args.inject_fault else ""))
     header = ("layout", "backend", "kernel", "dtype", "max|err| out", "max|err| grads", "result")
@@ -257,7 +263,8 @@ def print_table(rows: list[Row], cp_size: int, device: torch.device, args) -> No
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = rank0_parser(argparse.ArgumentParser(prog="python -m cp_packing verify", description=__doc__.split("\n\n")[0],
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None,
@@ -274,9 +281,12 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--inject-fault", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("trials", "batch", "heads", "kv_heads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("trials", "batch", "heads", "kv_heads", "seq_len", "head_dim"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}: a size of {value} tests nothing")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.nproc is not None and args.nproc < 1:
@@ -292,13 +302,20 @@ def _finish_args(args, cp_size: int, device: torch.device):
     return args
 
 
-def _run(args, rank: int, world: int, device: torch.device) -> int:
+def _run(args, rank: int, world: int) -> int:
+    if args.inject_fault and world < 2:
+        if rank == 0:
+            print("error: --inject-fault needs at least 2 ranks (one rank holds whole documents: no key metadata "
+                  "to break); run with --nproc 2 or more", file=sys.stderr, flush=True)
+        return 2
+    device = rank_device()
     return verify(_finish_args(args, world, device), rank, world, device)
 
 
 def main(argv=None) -> int:
+    """``python -m cp_packing verify``: returns the exit status (0 all PASS, 1 a FAIL or an error, 2 usage error)."""
     args = parse_args(argv)
-    return run_ranks(functools.partial(_run, args), args.nproc)
+    return launch(functools.partial(_run, args), args.nproc)
 
 
 if __name__ == "__main__":
