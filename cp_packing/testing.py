@@ -154,12 +154,15 @@ class RankResult:
         value: ``fn``'s return value (``None`` when it raised or did not finish).
         error: the traceback text when ``fn`` raised, or why no result came back (a timeout, a dead process).
         exception: the exception ``fn`` raised, when it could be pickled back; else ``None``.
+        seconds: when its result came back, in seconds after the start (``None``: it never did); the earliest
+            failure is usually the cause, later ones its echo in the other ranks' collectives.
     """
 
     rank: int
     value: Any = None
     error: str | None = None
     exception: BaseException | None = None
+    seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -217,10 +220,11 @@ def _on_torchrun(fn: Callable, world_size: int | None, args: tuple) -> list[Rank
         else:
             dist.init_process_group("gloo")
     rank = dist.get_rank()
+    t0 = time.monotonic()
     try:
-        return [RankResult(rank, fn(rank, dist.get_world_size(), *args))]
+        return [RankResult(rank, fn(rank, dist.get_world_size(), *args), seconds=time.monotonic() - t0)]
     except Exception as exc:  # noqa: BLE001 - returned like a spawned rank's
-        return [RankResult(rank, error=traceback.format_exc(), exception=exc)]
+        return [RankResult(rank, error=traceback.format_exc(), exception=exc, seconds=time.monotonic() - t0)]
 
 
 @contextlib.contextmanager
@@ -289,7 +293,8 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                               wait_for_workers=False)
         for _ in procs:
             port_queue.put(store.port)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
         try:
             while len(results) < world_size:
                 wait = None if deadline is None else deadline - time.monotonic()
@@ -303,7 +308,8 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                         deadline = limit if deadline is None else min(deadline, limit)
                     continue
                 exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
-                results[rank] = RankResult(rank, pickle.loads(value) if error is None else None, error, exc)
+                results[rank] = RankResult(rank, pickle.loads(value) if error is None else None, error, exc,
+                                           time.monotonic() - t0)
                 if error is not None:
                     limit = time.monotonic() + grace
                     deadline = limit if deadline is None else min(deadline, limit)
@@ -326,11 +332,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     """``run_ranks`` for tests: the per-rank return values in rank order (only this rank's under torchrun).
 
     Raises:
-        RanksFailed: a rank raised (its traceback is in the message) or did not finish within ``timeout``.
+        RanksFailed: a rank raised (the traceback of the first one that did is in the message) or did not finish
+            within ``timeout``.
     """
     results = run_ranks(fn, world_size, *args, backend=backend, timeout=timeout)
     failed = [r for r in results if not r.ok]
     if failed:
-        first = failed[0]
+        first = min(failed, key=lambda r: (r.seconds is None, r.seconds or 0.0, r.rank))
         raise RanksFailed(f"rank {first.rank} of {world_size} failed:\n{first.error}")
     return [r.value for r in results]
