@@ -154,7 +154,7 @@ class RankResult:
         value: ``fn``'s return value (``None`` when it raised or did not finish).
         error: the traceback text when ``fn`` raised, or why no result came back (a timeout, a dead process).
         exception: the exception ``fn`` raised, when it could be pickled back; else ``None``.
-        seconds: when its result came back, in seconds after the start (``None``: it never did); the earliest
+        seconds: when it returned or raised, in seconds after the start (``None``: it never did); the earliest
             failure is usually the cause, later ones its echo in the other ranks' collectives.
     """
 
@@ -201,13 +201,14 @@ def _child(fn: Callable, rank: int, world_size: int, port_queue, backend: str, a
             dist.destroy_process_group()
         # Plain pickle copies tensors by value; the queue's ForkingPickler would share them through file
         # descriptors that vanish with this process once torch.multiprocessing is imported (transformers does).
-        queue.put((rank, pickle.dumps(result), None, None))
+        queue.put((rank, pickle.dumps(result), None, None, time.time()))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        when = time.time()  # when it raised (not when the message arrives): orders the cause before its echoes
         try:
             exc_bytes = pickle.dumps(exc)
         except Exception:  # noqa: BLE001 - an exception that does not pickle comes back as text only
             exc_bytes = None
-        queue.put((rank, None, traceback.format_exc(), exc_bytes))
+        queue.put((rank, None, traceback.format_exc(), exc_bytes, when))
 
 
 def _on_torchrun(fn: Callable, world_size: int | None, args: tuple) -> list[RankResult]:
@@ -293,7 +294,7 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                               wait_for_workers=False)
         for _ in procs:
             port_queue.put(store.port)
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         deadline = None if timeout is None else t0 + timeout
         try:
             while len(results) < world_size:
@@ -301,7 +302,7 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                 if wait is not None and wait <= 0:
                     break
                 try:
-                    rank, value, error, exc_bytes = queue.get(timeout=wait if wait is not None else 1.0)
+                    rank, value, error, exc_bytes, when = queue.get(timeout=wait if wait is not None else 1.0)
                 except queue_module.Empty:
                     if any(not p.is_alive() and r not in results for r, p in enumerate(procs)):
                         limit = time.monotonic() + grace  # a rank died without a word (killed): the rest may hang
@@ -309,7 +310,7 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                     continue
                 exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
                 results[rank] = RankResult(rank, pickle.loads(value) if error is None else None, error, exc,
-                                           time.monotonic() - t0)
+                                           when - t0_wall)
                 if error is not None:
                     limit = time.monotonic() + grace
                     deadline = limit if deadline is None else min(deadline, limit)
