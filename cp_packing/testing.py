@@ -190,6 +190,7 @@ def _child(fn: Callable, rank: int, world_size: int, port_queue, backend: str, a
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C stops a rank without a KeyboardInterrupt traceback
     torch.set_num_threads(1)
+    when = None
     try:
         port = port_queue.get()  # the parent starts its store only after every child is forked
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, False, timeout=timedelta(seconds=_STORE_TIMEOUT))
@@ -197,13 +198,16 @@ def _child(fn: Callable, rank: int, world_size: int, port_queue, backend: str, a
                                 timeout=timedelta(seconds=_STORE_TIMEOUT))
         try:
             result = fn(rank, world_size, *args)
+        except BaseException:
+            when = time.time()  # when it raised, before the teardown below echoes it into the other ranks
+            raise
         finally:
             dist.destroy_process_group()
         # Plain pickle copies tensors by value; the queue's ForkingPickler would share them through file
         # descriptors that vanish with this process once torch.multiprocessing is imported (transformers does).
         queue.put((rank, pickle.dumps(result), None, None, time.time()))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        when = time.time()  # when it raised (not when the message arrives): orders the cause before its echoes
+        when = time.time() if when is None else when  # orders the cause before its echoes in other ranks
         try:
             exc_bytes = pickle.dumps(exc)
         except Exception:  # noqa: BLE001 - an exception that does not pickle comes back as text only
