@@ -27,11 +27,9 @@ broadcast results are checked equal before timing.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -40,32 +38,26 @@ import torch.distributed as dist
 from cp_packing.distributed import distribute_batch, src_message_bytes
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
+from cp_packing.testing import RanksFailed, run_distributed, synthetic_doc_ids
 
 KEYS = ("input_ids", "labels", "position_ids")
 
 
 def make_batch(B: int, S: int, *, multiple: int = 8, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """int32 doc map ``[B, S]`` (lognormal lengths rounded up to ``multiple``, ids restarting per row) and the
-    three int64 per-token tensors."""
-    rng = np.random.default_rng(seed)
-    doc = np.zeros((B, S), dtype=np.int32)
-    pos_ids = np.zeros((B, S), dtype=np.int64)
-    for b in range(B):
-        pos, d = 0, 1
-        while pos < S:
-            length = int(np.ceil(max(1.0, rng.lognormal(6.5, 1.0)) / multiple) * multiple)
-            length = min(length, S - pos)
-            doc[b, pos : pos + length] = d
-            pos_ids[b, pos : pos + length] = np.arange(length)
-            pos += length
-            d += 1
+    """int32 doc map ``[B, S]`` (``synthetic_doc_ids``: lognormal lengths, median ~665, sigma 1.0, in units of
+    ``multiple``) and the three int64 per-token tensors."""
+    doc = synthetic_doc_ids("lognormal", B, S, seed=seed, median=float(np.exp(6.5)), sigma=1.0, multiple=multiple,
+                            dtype=torch.int32)
+    cu = packed_seq_params_from_doc_ids(doc).cu_seqlens.to(torch.int64)
+    t = torch.arange(B * S)
+    pos_ids = t - cu[torch.searchsorted(cu, t, right=True) - 1]  # position inside the segment
     g = torch.Generator().manual_seed(seed)
     batch = {
         "input_ids": torch.randint(0, 128000, (B, S), generator=g),
         "labels": torch.randint(0, 128000, (B, S), generator=g),
-        "position_ids": torch.from_numpy(pos_ids),
+        "position_ids": pos_ids.view(B, S),
     }
-    return torch.from_numpy(doc), batch
+    return doc, batch
 
 
 def _scatter(rank, doc_ids, batch):
@@ -106,54 +98,28 @@ def _timed(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
-def _rank_main(rank, world, port, B, S, repeats, queue):
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=120))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read, except by `local`)
-        a_local, a_sh = _scatter(rank, doc_ids, batch)
-        b_local, b_sh = _broadcast(rank, world, doc_ids, batch, B, S)
-        for k in KEYS:
-            if not torch.equal(a_local[k], b_local[k]):
-                raise AssertionError(f"rank {rank}: scatter and broadcast disagree on {k}")
-        if not torch.equal(a_sh.token_index, b_sh.token_index):
-            raise AssertionError(f"rank {rank}: scatter and broadcast disagree on token_index")
-        row = _timed({
-            "scatter": lambda: _scatter(rank, doc_ids, batch),
-            "broadcast": lambda: _broadcast(rank, world, doc_ids, batch, B, S),
-            "local": lambda: _local(rank, doc_ids, batch),
-        }, repeats)
-        dist.destroy_process_group()
-        queue.put((rank, "ok", row))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        import traceback
-
-        queue.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
+def _rank_main(rank, world, B, S, repeats):
+    doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read, except by `local`)
+    a_local, a_sh = _scatter(rank, doc_ids, batch)
+    b_local, b_sh = _broadcast(rank, world, doc_ids, batch, B, S)
+    for k in KEYS:
+        if not torch.equal(a_local[k], b_local[k]):
+            raise AssertionError(f"rank {rank}: scatter and broadcast disagree on {k}")
+    if not torch.equal(a_sh.token_index, b_sh.token_index):
+        raise AssertionError(f"rank {rank}: scatter and broadcast disagree on token_index")
+    return _timed({
+        "scatter": lambda: _scatter(rank, doc_ids, batch),
+        "broadcast": lambda: _broadcast(rank, world, doc_ids, batch, B, S),
+        "local": lambda: _local(rank, doc_ids, batch),
+    }, repeats)
 
 
 def run_cp(world: int, B: int, S: int, repeats: int, timeout: float = 300.0) -> dict[str, float]:
-    ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, B, S, repeats, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = {}
+    """Rank 0's median ms per method, on ``world`` forked gloo ranks (``cp_packing.testing.run_distributed``)."""
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"cp={world}, rank {rank} failed:\n{payload}")
-            rows[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return rows[0]
+        return run_distributed(_rank_main, world, B, S, repeats, timeout=timeout)[0]
+    except RanksFailed as exc:
+        raise RuntimeError(f"cp={world}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
