@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from tests.dist_utils import run_distributed
+from cp_packing.testing import run_distributed
 from tests.maps import segments_of
 
 IGNORE = -100
