@@ -1,13 +1,12 @@
 """Train a tiny causal LM with context parallelism on synthetic neat-packed documents.
 
-    torchrun --nproc-per-node 2 launch/train.py                       # CP over every rank (NCCL on GPUs, else gloo)
+    torchrun --nproc-per-node 2 -m cp_packing train                   # CP over every rank (NCCL on GPUs, else gloo)
     torchrun --nproc-per-node 4 -m cp_packing train --cp 2            # DP x CP = 2 x 2, DeviceMesh ("dp", "cp")
     python -m cp_packing train --nproc 2 --steps 5 --check-parity     # no torchrun: forks a gloo group on CPU
 
 Each step, CP rank 0 of every DP replica draws a batch of ``--batch`` rows of ``--seq-len`` tokens, packed with
 documents of long-tailed (lognormal) lengths and up to 10% row padding (``cp_packing.testing.synthetic_doc_ids``);
-each document is an arithmetic progression of
-token ids (mod the vocabulary), so the loss has something to learn. Labels are shifted on the global stream
+each document is an arithmetic progression of token ids (mod the vocabulary), so the loss has something to learn. Labels are shifted on the global stream
 (``cp_packing.next_token_labels``); for ``--layout zigzag`` every document is padded to a multiple of ``2*cp``
 (``cp_packing.padding.pad_segments``, pad tokens get label -100). ``cp_packing.distributed.distribute_batch`` ships
 each CP rank its own tokens and metadata (``--local-data``: every rank builds the batch and shards it itself), the

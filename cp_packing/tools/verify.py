@@ -1,6 +1,6 @@
 """Check context-parallel attention against full attention on YOUR cluster: every layout, backend and kernel.
 
-    torchrun --nproc-per-node 4 launch/verify.py                      # NCCL + CUDA (gloo + CPU without GPUs)
+    torchrun --nproc-per-node 4 -m cp_packing verify                  # NCCL + CUDA (gloo + CPU without GPUs)
     torchrun --nproc-per-node 8 -m cp_packing verify --dtype bfloat16 float16 --trials 5 --seq-len 4096
     python -m cp_packing verify --nproc 2                             # no torchrun: forks a gloo group on CPU
 
