@@ -4,7 +4,8 @@
     python benchmarks/bench_sharding.py --quick    # small smoke run
 
 The map (``cp_packing.testing.synthetic_doc_ids``) has lognormal document lengths (median 600, sigma 1.2) in units
-of 32 tokens (so zigzag is valid up to cp=16) and up to S/8 padding at each row's tail. Ratios are medians over repeats, measured in the same process as the clone baseline.
+of 32 tokens (so zigzag is valid up to cp=16) and up to S/8 padding at each row's tail. Ratios are medians over
+repeats, measured in the same process as the clone baseline.
 """
 
 from __future__ import annotations

@@ -306,13 +306,16 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                 if wait is not None and wait <= 0:
                     break
                 try:
-                    rank, value, error, exc_bytes, when = queue.get(timeout=wait if wait is not None else 1.0)
+                    rank, value, error, exc_bytes, when = queue.get(timeout=1.0 if wait is None else min(wait, 1.0))
                 except queue_module.Empty:
                     if any(not p.is_alive() and r not in results for r, p in enumerate(procs)):
                         limit = time.monotonic() + grace  # a rank died without a word (killed): the rest may hang
                         deadline = limit if deadline is None else min(deadline, limit)
                     continue
-                exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+                try:
+                    exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+                except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt: its traceback text stays
+                    exc = None
                 results[rank] = RankResult(rank, pickle.loads(value) if error is None else None, error, exc,
                                            when - t0_wall)
                 if error is not None:
@@ -324,10 +327,15 @@ def run_ranks(fn: Callable, world_size: int | None, *args: Any, backend: str = "
                 if p.is_alive():
                     p.kill()
                     p.join()
+    failed = sorted(r.rank for r in results.values() if not r.ok)
     for r, p in enumerate(procs):
         if r not in results:
-            why = f"did not finish within {timeout}s (a hang?)" if p.exitcode in (None, -signal.SIGKILL) else \
-                f"exited with status {p.exitcode} without a result"
+            if p.exitcode not in (None, -signal.SIGKILL):
+                why = f"exited with status {p.exitcode} without a result"
+            elif failed:
+                why = f"was stopped {grace}s after rank {failed[0]} failed (probably waiting in a collective)"
+            else:
+                why = f"did not finish within {timeout}s (a hang?)"
             results[r] = RankResult(r, error=f"rank {r} of {world_size} {why}")
     return [results[r] for r in range(world_size)]
 

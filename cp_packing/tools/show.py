@@ -83,8 +83,8 @@ def _print_summary(doc_ids, params, shards, layout: str) -> None:
                                                          else ""))
     costs = [_run_cost(s) for s in shards]
     mean = sum(costs) / len(costs)
-    header = f"{'rank':>4}  {'tokens':>9}  {'real':>9}  {'runs':>6}  {'longest run':>11}  {'causal cost':>14}  cost/mean"
-    print(header)
+    print(f"{'rank':>4}  {'tokens':>9}  {'real':>9}  {'runs':>6}  {'longest run':>11}  {'causal cost':>14}  "
+          "cost/mean")
     for rank, (s, cost) in enumerate(zip(shards, costs)):
         run_lengths = s.run_cu_seqlens[1:] - s.run_cu_seqlens[:-1]
         longest = int(run_lengths.max()) if run_lengths.numel() else 0

@@ -6,8 +6,9 @@
 
 Each step, CP rank 0 of every DP replica draws a batch of ``--batch`` rows of ``--seq-len`` tokens, packed with
 documents of long-tailed (lognormal) lengths and up to 10% row padding (``cp_packing.testing.synthetic_doc_ids``);
-each document is an arithmetic progression of token ids (mod the vocabulary), so the loss has something to learn. Labels are shifted on the global stream
-(``cp_packing.next_token_labels``); for ``--layout zigzag`` every document is padded to a multiple of ``2*cp``
+each document is an arithmetic progression of token ids (mod the vocabulary), so the loss has something to learn.
+Labels are shifted on the global stream (``cp_packing.next_token_labels``); for ``--layout zigzag`` every document is
+padded to a multiple of ``2*cp``
 (``cp_packing.padding.pad_segments``, pad tokens get label -100). ``cp_packing.distributed.distribute_batch`` ships
 each CP rank its own tokens and metadata (``--local-data``: every rank builds the batch and shards it itself), the
 model (a random-init HF Llama or Qwen3 with ``attn_implementation="cp_packing"``) runs
@@ -408,7 +409,7 @@ def parse_args(argv=None):
     if args.doc_len_sigma < 0:
         p.error(f"--doc-len-sigma must be >= 0, got {args.doc_len_sigma}")
     if args.attn_backend == "ring_flash_attn" and args.layout == "auto":
-        args.layout = "contiguous"  # ring-flash-attn has kernels for contiguous and zigzag only; contiguous fits any batch
+        args.layout = "contiguous"  # ring-flash-attn has kernels for contiguous and zigzag; contiguous fits any batch
     if args.attn_backend == "ring_flash_attn" and args.layout == "balanced":
         p.error("--attn-backend ring_flash_attn has no kernel for --layout balanced; use contiguous, zigzag or auto")
     return args
