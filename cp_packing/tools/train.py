@@ -7,13 +7,13 @@
 Each step, CP rank 0 of every DP replica draws a batch of ``--batch`` rows of ``--seq-len`` tokens, packed with
 documents of long-tailed (lognormal) lengths and up to 10% row padding (``cp_packing.testing.synthetic_doc_ids``);
 each document is an arithmetic progression of token ids (mod the vocabulary), so the loss has something to learn.
-Labels are shifted on the global stream (``cp_packing.next_token_labels``); for ``--layout zigzag`` every document is
-padded to a multiple of ``2*cp``
-(``cp_packing.padding.pad_segments``, pad tokens get label -100). ``cp_packing.distributed.distribute_batch`` ships
-each CP rank its own tokens and metadata (``--local-data``: every rank builds the batch and shards it itself), the
-model (a random-init HF Llama or Qwen3 with ``attn_implementation="cp_packing"``) runs
-``cp_packing.hf.cp_model_inputs``, the loss is ``cp_packing.loss.packed_cross_entropy`` (local sum / GLOBAL count),
-gradients are all-reduced with SUM over the CP group and then the DP group, and AdamW steps.
+Labels are shifted on the global stream (``cp_packing.next_token_labels``); for ``--layout zigzag`` every document
+is padded to a multiple of ``2*cp`` (``cp_packing.padding.pad_segments``, pad tokens get label -100).
+``cp_packing.distributed.distribute_batch`` ships each CP rank its own tokens and metadata (``--local-data``: every
+rank builds the batch and shards it itself), the model (a random-init HF Llama or Qwen3 with
+``attn_implementation="cp_packing"``) runs ``cp_packing.hf.cp_model_inputs``, the loss is
+``cp_packing.loss.packed_cross_entropy`` (local sum / GLOBAL count), gradients are all-reduced with SUM over the CP
+group and then the DP group, and AdamW steps.
 
 Rank 0 prints a progress bar (tqdm when installed) and per-step lines with the global loss, step time, tokens/s
 (real tokens, all ranks), peak memory (CUDA max allocated, else the largest RSS of a rank) and the CP
