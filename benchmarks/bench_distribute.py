@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import statistics
 import sys
 import time
 from collections import Counter
-from datetime import timedelta
 from typing import Callable, Iterator
 
 import numpy as np
@@ -49,33 +47,27 @@ from cp_packing.agreement import agree
 from cp_packing.distributed import distribute_batch
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
+from cp_packing.testing import RanksFailed, run_distributed, synthetic_doc_ids
 
 KEYS = ("input_ids", "labels", "position_ids")
 METHODS = ("shard", "local", "local+check", "scatter", "broadcast", "agree")
 
 
 def make_batch(B: int, S: int, *, multiple: int = 8, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """int32 doc map ``[B, S]`` (lognormal lengths rounded up to ``multiple``, ids restarting per row) and the
-    three int64 per-token tensors."""
-    rng = np.random.default_rng(seed)
-    doc = np.zeros((B, S), dtype=np.int32)
-    pos_ids = np.zeros((B, S), dtype=np.int64)
-    for b in range(B):
-        pos, d = 0, 1
-        while pos < S:
-            length = int(np.ceil(max(1.0, rng.lognormal(6.5, 1.0)) / multiple) * multiple)
-            length = min(length, S - pos)
-            doc[b, pos : pos + length] = d
-            pos_ids[b, pos : pos + length] = np.arange(length)
-            pos += length
-            d += 1
+    """int32 doc map ``[B, S]`` (``synthetic_doc_ids``: lognormal lengths, median ~665, sigma 1.0, in units of
+    ``multiple``) and the three int64 per-token tensors."""
+    doc = synthetic_doc_ids("lognormal", B, S, seed=seed, median=float(np.exp(6.5)), sigma=1.0, multiple=multiple,
+                            dtype=torch.int32)
+    cu = packed_seq_params_from_doc_ids(doc).cu_seqlens.to(torch.int64)
+    t = torch.arange(B * S)
+    pos_ids = t - cu[torch.searchsorted(cu, t, right=True) - 1]  # position inside the segment
     g = torch.Generator().manual_seed(seed)
     batch = {
         "input_ids": torch.randint(0, 128000, (B, S), generator=g),
         "labels": torch.randint(0, 128000, (B, S), generator=g),
-        "position_ids": torch.from_numpy(pos_ids),
+        "position_ids": pos_ids.view(B, S),
     }
-    return torch.from_numpy(doc), batch
+    return doc, batch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,70 +178,46 @@ def _timed(fns: dict[str, Callable], repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
-def _rank_main(rank, world, port, B, S, repeats, queue):
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=120))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read by scatter and broadcast)
-        fns = {
-            "shard": lambda: _shard(rank, world, doc_ids, batch),
-            "local": lambda: _local(doc_ids, batch, False),
-            "local+check": lambda: _local(doc_ids, batch, True),
-            "scatter": lambda: _scatter(rank, doc_ids, batch),
-            "broadcast": lambda: _broadcast(rank, world, doc_ids, batch),
-            "agree": _agree,
-        }
-        want, want_sh = fns["shard"]()
-        received = {}
-        for name, fn in fns.items():
-            with count_received_bytes() as counts:
-                out = fn()
-            received[name] = dict(counts)
-            if name != "agree":
-                for k in KEYS:
-                    if not torch.equal(out[0][k], want[k]):
-                        raise AssertionError(f"rank {rank}: {name} differs from local sharding on {k}")
-                if not torch.equal(out[1].token_index, want_sh.token_index):
-                    raise AssertionError(f"rank {rank}: {name} differs from local sharding on token_index")
-        row = _timed(fns, repeats)
-        for name in ("agree", "shard"):  # back to back, no barrier in between: the per-call cost
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(4 * repeats):
-                fns[name]()
-            dist.barrier()
-            row[f"{name} back to back"] = (time.perf_counter() - t0) / (4 * repeats) * 1e3
-        dist.destroy_process_group()
-        queue.put((rank, "ok", (row, received)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        import traceback
-
-        queue.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
+def _rank_main(rank, world, B, S, repeats):
+    doc_ids, batch = make_batch(B, S)  # every rank builds it (only rank 0's is read by scatter and broadcast)
+    fns = {
+        "shard": lambda: _shard(rank, world, doc_ids, batch),
+        "local": lambda: _local(doc_ids, batch, False),
+        "local+check": lambda: _local(doc_ids, batch, True),
+        "scatter": lambda: _scatter(rank, doc_ids, batch),
+        "broadcast": lambda: _broadcast(rank, world, doc_ids, batch),
+        "agree": _agree,
+    }
+    want, want_sh = fns["shard"]()
+    received = {}
+    for name, fn in fns.items():
+        with count_received_bytes() as counts:
+            out = fn()
+        received[name] = dict(counts)
+        if name != "agree":
+            for k in KEYS:
+                if not torch.equal(out[0][k], want[k]):
+                    raise AssertionError(f"rank {rank}: {name} differs from local sharding on {k}")
+            if not torch.equal(out[1].token_index, want_sh.token_index):
+                raise AssertionError(f"rank {rank}: {name} differs from local sharding on token_index")
+    row = _timed(fns, repeats)
+    for name in ("agree", "shard"):  # back to back, no barrier in between: the per-call cost
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(4 * repeats):
+            fns[name]()
+        dist.barrier()
+        row[f"{name} back to back"] = (time.perf_counter() - t0) / (4 * repeats) * 1e3
+    return row, received
 
 
 def run_cp(world: int, B: int, S: int, repeats: int, timeout: float = 300.0) -> tuple[dict, dict]:
-    """``(ms per method on rank 0, bytes received per method and collective on group rank 1)``."""
-    ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, B, S, repeats, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = {}
+    """``(ms per method on rank 0, bytes received per method and collective on group rank 1)``, on ``world``
+    forked gloo ranks (``cp_packing.testing.run_distributed``)."""
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"cp={world}, rank {rank} failed:\n{payload}")
-            rows[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        rows = run_distributed(_rank_main, world, B, S, repeats, timeout=timeout)
+    except RanksFailed as exc:
+        raise RuntimeError(f"cp={world}: {exc}") from None
     return rows[0][0], rows[min(1, world - 1)][1]
 
 

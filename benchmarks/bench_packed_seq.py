@@ -6,7 +6,8 @@ Run:  .venv/bin/python benchmarks/bench_packed_seq.py            (full: [1,4096]
 Every timing uses ONE torch/intra-op thread (``torch.set_num_threads(1)``) and is the median over 3 rounds of
 ``--repeats`` samples (each round times every candidate in turn, after a warm-up call); a sample loops a tiny case
 until it lasts >= 0.2 ms, and stays well inside one scheduler time slice. The doc maps are int32 ``[B, S]`` with
-long-tailed (lognormal) document lengths and some padding at the end of each row, seeded (``--seed``).
+long-tailed (lognormal) document lengths (median ~665, sigma 1.5) and up to S/32 padding at the end of each row
+(``cp_packing.testing.synthetic_doc_ids``), seeded (``--seed``).
 
 Columns:
 - ``ours``: ``packed_seq_params_from_doc_ids`` (the NumPy CPU path, input checks included).
@@ -32,32 +33,10 @@ import numpy as np
 import torch
 
 from cp_packing.packed_seq import _from_doc_ids_torch, packed_seq_params_from_doc_ids
+from cp_packing.testing import synthetic_doc_ids
 
 FULL_SHAPES = [(1, 4096), (8, 131072), (4, 1048576)]
 QUICK_SHAPES = [(1, 4096), (2, 16384)]
-
-
-def make_doc_map(batch: int, seq_len: int, *, seed: int, mean_log_len: float = 6.5, sigma: float = 1.5) -> torch.Tensor:
-    """int32 ``[batch, seq_len]`` doc map: lognormal document lengths (median ~exp(mean_log_len) tokens, long tail),
-    ids 1, 2, ... restarting in every row, then 0..seq_len/32 padding tokens at the end of each row."""
-    rng = np.random.default_rng(seed)
-    rows = np.zeros((batch, seq_len), dtype=np.int32)
-    for b in range(batch):
-        pad = int(rng.integers(0, seq_len // 32 + 1))
-        fill = seq_len - pad
-        lengths = []
-        total = 0
-        while total < fill:
-            chunk = np.maximum(1, rng.lognormal(mean_log_len, sigma, size=256)).astype(np.int64)
-            lengths.append(chunk)
-            total += int(chunk.sum())
-        lengths = np.concatenate(lengths)
-        ends = np.cumsum(lengths)
-        n_docs = int(np.searchsorted(ends, fill)) + 1  # the last document is cut at `fill`
-        lengths = lengths[:n_docs].copy()
-        lengths[-1] -= int(ends[n_docs - 1]) - fill
-        rows[b, :fill] = np.repeat(np.arange(1, n_docs + 1, dtype=np.int32), lengths)
-    return torch.from_numpy(rows)
 
 
 def straightforward(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -106,7 +85,8 @@ def time_ms(fns: dict[str, Callable[[], object]], repeats: int, stat: str, round
 def bench_shape(
     batch: int, seq_len: int, *, repeats: int, rounds: int, seed: int, torch_path: bool, stat: str
 ) -> dict[str, float]:
-    doc_ids = make_doc_map(batch, seq_len, seed=seed)
+    doc_ids = synthetic_doc_ids("lognormal", batch, seq_len, seed=seed, median=float(np.exp(6.5)), sigma=1.5,
+                                pad=1 / 32, dtype=torch.int32)
     params = packed_seq_params_from_doc_ids(doc_ids)
     cu_ref, max_ref = straightforward(doc_ids)
     if not (torch.equal(params.cu_seqlens, cu_ref) and params.max_seqlen == max_ref):

@@ -3,8 +3,9 @@
     python benchmarks/bench_sharding.py            # [8, 131072], cp in {2, 8, 16}, 1 thread
     python benchmarks/bench_sharding.py --quick    # small smoke run
 
-The map has lognormal document lengths rounded up to a multiple of 32 (so zigzag is valid up to cp=16) and a padded
-row tail. Ratios are medians over repeats, measured in the same process as the clone baseline.
+The map (``cp_packing.testing.synthetic_doc_ids``) has lognormal document lengths (median 600, sigma 1.2) in units
+of 32 tokens (so zigzag is valid up to cp=16) and up to S/8 padding at each row's tail. Ratios are medians over
+repeats, measured in the same process as the clone baseline.
 """
 
 from __future__ import annotations
@@ -13,25 +14,10 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
-
-
-def make_map(B: int, S: int, *, seed: int = 0, multiple: int = 32, median: float = 600.0) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    out = np.zeros((B, S), dtype=np.int32)
-    for b in range(B):
-        limit = S - multiple * int(rng.integers(0, max(1, S // (8 * multiple))))
-        pos, doc = 0, 1
-        while pos < limit:
-            length = int(np.ceil(rng.lognormal(np.log(median), 1.2) / multiple)) * multiple
-            length = min(length, limit - pos)
-            out[b, pos : pos + length] = doc
-            pos += length
-            doc += 1
-    return torch.from_numpy(out)
+from cp_packing.testing import synthetic_doc_ids
 
 
 def _once(fn) -> float:
@@ -67,7 +53,8 @@ def main() -> None:
         args.batch, args.seqlen, args.repeats, args.cp = 2, 4096, 3, [2, 4]
     torch.set_num_threads(args.threads)
 
-    doc_ids = make_map(args.batch, args.seqlen)
+    doc_ids = synthetic_doc_ids("lognormal", args.batch, args.seqlen, seed=0, median=600.0, sigma=1.2, pad=1 / 8,
+                                multiple=32, dtype=torch.int32)
     params = packed_seq_params_from_doc_ids(doc_ids)
     x = torch.randint(0, 32000, doc_ids.shape, dtype=torch.int64)  # e.g. input_ids
     clone_map = lambda: doc_ids.clone()  # noqa: E731

@@ -1,145 +1,46 @@
-"""Command line: ``python -m cp_packing`` (or the ``cp-packing`` console script).
+"""Command line: ``python -m cp_packing verify|train|report|show`` (or the ``cp-packing`` console script).
 
-``show``: the seed metadata (``cu_seqlens``, ``max_seqlen``) of a doc map and every CP rank's shard metadata::
+    python -m cp_packing verify --nproc 2          # CP attention == full attention (cp_packing.tools.verify)
+    python -m cp_packing train --nproc 2           # a tiny Llama trained with CP (cp_packing.tools.train)
+    python -m cp_packing report --cp 8             # load balance of every layout on a map (cp_packing.tools.report)
+    python -m cp_packing show --cp 2               # what a map becomes on every rank (cp_packing.tools.show)
 
-    python -m cp_packing show                                   # the example map [[1, 1, 2, 2, 2, 0]], cp=2
-    python -m cp_packing show --doc-ids "[[1,1,1,1,2,2,2,2]]" --cp 2 --layout zigzag
-
-``report``: the load-balance table of every layout (``cp_packing.balance.balance_report``)::
-
-    python -m cp_packing report --synthetic lognormal --batch 8 --seqlen 4096 --seed 0 --cp 8 [--png out.png]
-    python -m cp_packing report --doc-ids batch.pt --cp 8          # a saved [B, S] map (.pt or .npy)
-
+``verify`` and ``train`` also run under torchrun (``torchrun --nproc-per-node 4 -m cp_packing verify``, or the thin
+``launch/verify.py`` / ``launch/train.py``). ``python -m cp_packing COMMAND --help`` lists a command's options.
 Bad input exits with status 2 and a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
-import numpy as np
-import torch
-
-EXAMPLE_DOC_IDS = [[1, 1, 2, 2, 2, 0]]
-
-
-def _load_doc_ids(arg: str) -> torch.Tensor:
-    """A ``[B, S]`` int64 doc map from a ``.pt`` / ``.npy`` file or a JSON literal such as ``"[[1,1,2,0]]"``."""
-    if arg.endswith((".pt", ".pth", ".npy")):
-        if not os.path.exists(arg):
-            raise ValueError(f"--doc-ids file {arg!r} does not exist")
-        if arg.endswith(".npy"):
-            value = torch.from_numpy(np.load(arg, allow_pickle=False))
-        else:
-            value = torch.load(arg, map_location="cpu", weights_only=True)
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"--doc-ids file {arg!r} holds a {type(value).__name__}, not a [B, S] tensor")
-    else:
-        try:
-            value = torch.tensor(json.loads(arg))
-        except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"--doc-ids {arg!r} is neither a .pt/.npy file nor a JSON list of lists such as \"[[1,1,2,0]]\""
-            ) from exc
-    if value.dim() == 1:
-        value = value.unsqueeze(0)
-    if value.dtype.is_floating_point or value.dtype == torch.bool:
-        raise ValueError(f"--doc-ids must hold integers (1-based document index, 0 = padding), got {value.dtype}")
-    return value.to(torch.int64)
-
-
-def _fmt(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return str(x.tolist())
-    return str(x)
-
-
-def _cmd_show(args) -> int:
-    from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-    from cp_packing.sharding import shard_packed_seq_params
-
-    doc_ids = _load_doc_ids(args.doc_ids) if args.doc_ids else torch.tensor(EXAMPLE_DOC_IDS)
-    params = packed_seq_params_from_doc_ids(doc_ids)
-    print(f"doc_ids      {_fmt(doc_ids)}   # [B={doc_ids.shape[0]}, S={doc_ids.shape[1]}]")
-    print(f"cu_seqlens   {_fmt(params.cu_seqlens)}   # int32, padding runs included, a boundary at every row start")
-    print(f"max_seqlen   {params.max_seqlen}")
-    print(f"\ncp_size={args.cp}, layout={args.layout!r}")
-    for rank in range(args.cp):
-        s = shard_packed_seq_params(params, cp_size=args.cp, cp_rank=rank, layout=args.layout)
-        if rank == 0 and args.layout == "auto":
-            print(f"auto picked {s.layout!r}")
-        print(f"rank {rank}:")
-        print(f"  token_index    {_fmt(s.token_index)}")
-        print(f"  doc_ids        {_fmt(s.doc_ids)}")
-        print(f"  position_ids   {_fmt(s.position_ids)}")
-        print(f"  cu_seqlens     {_fmt(s.cu_seqlens)}   max_seqlen {s.max_seqlen}")
-        print(f"  key_start      {_fmt(s.key_start)}")
-    return 0
-
-
-def _cmd_report(args) -> int:
-    from cp_packing.balance import balance_report, plot_balance
-    from cp_packing.testing import synthetic_doc_ids
-    from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-
-    if args.doc_ids:
-        doc_ids = _load_doc_ids(args.doc_ids)
-        source = args.doc_ids
-    else:
-        doc_ids = synthetic_doc_ids(args.synthetic, args.batch, args.seqlen, seed=args.seed)
-        source = f"synthetic {args.synthetic} (batch={args.batch}, seqlen={args.seqlen}, seed={args.seed})"
-    params = packed_seq_params_from_doc_ids(doc_ids)
-    B, S = doc_ids.shape
-    n_pad = int((doc_ids == 0).sum())
-    print(f"map: {source}: [B={B}, S={S}], {params.num_segments} segments, longest {params.max_seqlen}, "
-          f"{n_pad} padding tokens ({100 * n_pad / max(1, B * S):.1f}%)")
-    print(f"cp_size={args.cp}; K/V per token per layer: 2 x {args.num_kv_heads} heads x {args.head_dim} x "
-          f"{args.dtype_bytes} bytes\n")
-    layouts = tuple(args.layouts.split(",")) if args.layouts else None
-    kwargs = {"layouts": layouts} if layouts else {}
-    print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                         dtype_bytes=args.dtype_bytes, **kwargs))
-    if args.png:
-        plot_balance(params, args.cp, args.png, **kwargs)
-        print(f"\nwrote {args.png}")
-    return 0
+RANK_COMMANDS = ("verify", "train")  # commands with their own parser, run on every rank
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cp_packing.testing import SYNTHETIC_KINDS
+    from cp_packing.tools import report, show
 
-    parser = argparse.ArgumentParser(prog="python -m cp_packing", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    show = sub.add_parser("show", help="seed metadata and every rank's shard metadata of a doc map")
-    show.add_argument("--doc-ids", help='a JSON map such as "[[1,1,2,2,2,0]]", or a .pt / .npy file '
-                      f"(default: {EXAMPLE_DOC_IDS})")
-    show.add_argument("--cp", type=int, default=2, help="CP group size (default 2)")
-    show.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "balanced", "auto"])
-    show.set_defaults(func=_cmd_show)
-
-    rep = sub.add_parser("report", help="load balance of every layout on a doc map")
-    rep.add_argument("--doc-ids", help="a [B, S] doc map: .pt / .npy file or a JSON literal")
-    rep.add_argument("--synthetic", default="lognormal", choices=SYNTHETIC_KINDS,
-                     help="synthetic map when --doc-ids is not given (default lognormal)")
-    rep.add_argument("--batch", type=int, default=8)
-    rep.add_argument("--seqlen", type=int, default=4096)
-    rep.add_argument("--seed", type=int, default=0)
-    rep.add_argument("--cp", type=int, default=8, help="CP group size (default 8)")
-    rep.add_argument("--layouts", help="comma-separated subset of contiguous,rowzigzag,zigzag,balanced,auto")
-    rep.add_argument("--num-kv-heads", type=int, default=8)
-    rep.add_argument("--head-dim", type=int, default=128)
-    rep.add_argument("--dtype-bytes", type=int, default=2)
-    rep.add_argument("--png", help="also write a bar chart PNG (needs matplotlib: the 'plot' extra)")
-    rep.set_defaults(func=_cmd_report)
+    parser = argparse.ArgumentParser(prog="python -m cp_packing", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{verify,train,report,show}")
+    sub.add_parser("verify", help="check CP attention against full attention on this cluster (--help: options)")
+    sub.add_parser("train", help="train a tiny causal LM with context parallelism (--help: options)")
+    report.add_parser(sub)
+    show.add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of ``python -m cp_packing`` and the ``cp-packing`` script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in RANK_COMMANDS:
+        if argv[0] == "verify":
+            from cp_packing.tools.verify import main as command
+        else:
+            from cp_packing.tools.train import main as command
+        return command(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,1 +1,1 @@
-"""Entry points launched with torchrun (or ``python launch/<script>.py --nproc N``): train.py, verify.py."""
+"""Thin torchrun entry points (``launch/train.py``, ``launch/verify.py``) over ``cp_packing.tools``."""

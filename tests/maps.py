@@ -1,4 +1,5 @@
-"""Random neat-packing doc maps for tests: hypothesis strategies and a seeded generator."""
+"""Test-only helpers: a hypothesis strategy of doc maps and plain-Python reference segmentation and mask (seeded
+maps come from ``cp_packing.testing.synthetic_doc_ids``)."""
 
 from __future__ import annotations
 
@@ -35,21 +36,6 @@ def doc_maps(draw, max_b: int = 3, max_s: int = 48, multiple: int = 1, max_doc_l
             row += [value] * length
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64)
-
-
-def random_doc_map(B: int, S: int, *, seed: int = 0, mean_len: float = 8.0, pad_tail: float = 0.1) -> torch.Tensor:
-    """Seeded ``[B, S]`` int64 map with lognormal document lengths and a padded row tail."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.zeros(B, S, dtype=torch.int64)
-    for b in range(B):
-        limit = S - int(S * pad_tail * torch.rand((), generator=g))
-        pos, doc = 0, 1
-        while pos < limit:
-            length = int(torch.empty(()).log_normal_(float(torch.log(torch.tensor(mean_len))), 1.0, generator=g)) + 1
-            out[b, pos : min(limit, pos + length)] = doc
-            pos += length
-            doc += 1
-    return out
 
 
 def segments_of(doc_ids: torch.Tensor) -> list[tuple[int, int]]:

@@ -17,8 +17,7 @@ import torch
 
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.adapters import ring_flash_attn_kwargs
-from tests.dist_utils import run_distributed
-from tests.maps import random_doc_map
+from cp_packing.testing import run_distributed, synthetic_doc_ids
 
 D = 8
 
@@ -70,7 +69,7 @@ def unit_map(B, S, unit, seed):
 
 
 def _device() -> torch.device:
-    """CPU, except under torchrun with NCCL (tests/dist_utils.py): this rank's GPU."""
+    """CPU, except under torchrun with NCCL (cp_packing.testing.run_distributed): this rank's GPU."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -112,7 +111,7 @@ def _cases(cp_size):
     m = 2 * cp_size
     S = 12 * cp_size if cp_size < 4 else 24
     return [
-        ("contiguous random", random_doc_map(2, S, seed=cp_size), "contiguous"),
+        ("contiguous random", synthetic_doc_ids("lognormal", 2, S, seed=cp_size, median=8, pad=0.1), "contiguous"),
         # one document spans every shard edge of its row
         ("contiguous long doc", torch.tensor([[1] * (8 * cp_size - 3) + [2] * 3, [0] * 2 + [1] * (8 * cp_size - 2)]),
          "contiguous"),
@@ -152,7 +151,8 @@ def test_allgather_matches_full_attention(cp_size):
 
 
 def _dist_balanced(rank, world_size):
-    return [compare(random_doc_map(2, 24, seed=seed, mean_len=mean), "balanced", world_size, rank, seed=seed)
+    return [compare(synthetic_doc_ids("lognormal", 2, 24, seed=seed, median=mean, pad=0.1), "balanced", world_size,
+                    rank, seed=seed)
             for seed, mean in ((0, 6.0), (1, 20.0))]
 
 
@@ -187,7 +187,7 @@ def test_the_checks_can_fail():
 def test_cp1_needs_no_process_group(layout, causal):
     import torch.distributed as dist
 
-    was_initialized = dist.is_initialized()  # True only under torchrun (tests/dist_utils.py)
+    was_initialized = dist.is_initialized()  # True only under torchrun (cp_packing.testing.run_distributed)
     doc_ids = unit_map(2, 24, 2, seed=3)
     errs = compare(doc_ids, layout, 1, 0, causal=causal)
     assert max(errs.values()) < 2e-5, errs
@@ -195,7 +195,8 @@ def test_cp1_needs_no_process_group(layout, causal):
 
 
 def test_cp1_float64_and_mha():
-    errs = compare(random_doc_map(2, 20, seed=1), "contiguous", 1, 0, H=2, H_kv=2, dtype=torch.float64)
+    errs = compare(synthetic_doc_ids("lognormal", 2, 20, seed=1, median=8, pad=0.1), "contiguous", 1, 0, H=2, H_kv=2,
+                   dtype=torch.float64)
     assert max(errs.values()) < 1e-10, errs
 
 
@@ -204,7 +205,8 @@ def test_cp1_float64_and_mha():
 
 def _dist_noncausal(rank, world_size):
     return {
-        "contiguous": compare(random_doc_map(2, 24, seed=5), "contiguous", world_size, rank, causal=False),
+        "contiguous": compare(synthetic_doc_ids("lognormal", 2, 24, seed=5, median=8, pad=0.1), "contiguous",
+                              world_size, rank, causal=False),
         "zigzag": compare(unit_map(2, 24, 2 * world_size, seed=5), "zigzag", world_size, rank, causal=False),
     }
 
@@ -222,7 +224,7 @@ def test_allgather_non_causal_attends_the_whole_segment():
 def test_key_index_contiguous_is_a_view_of_the_gathered_buffer():
     from cp_packing.attention.allgather import allgather_keys
 
-    doc_ids = random_doc_map(2, 24, seed=7)
+    doc_ids = synthetic_doc_ids("lognormal", 2, 24, seed=7, median=8, pad=0.1)
     params = packed_seq_params_from_doc_ids(doc_ids)
     for rank in range(3):
         sharded = shard_packed_seq_params(params, cp_size=3, cp_rank=rank, layout="contiguous")
@@ -370,9 +372,11 @@ def _dist_ring(rank, world_size):
     out = {
         "zigzag bf16": compare(unit_map(2, 4 * m, m, seed=2), "zigzag", world_size, rank, dtype=torch.bfloat16,
                                backend="ring_flash_attn"),
-        "contiguous bf16": compare(random_doc_map(2, 24, seed=2), "contiguous", world_size, rank,
+        "contiguous bf16": compare(synthetic_doc_ids("lognormal", 2, 24, seed=2, median=8, pad=0.1), "contiguous",
+                                   world_size, rank,
                                    dtype=torch.bfloat16, backend="ring_flash_attn"),
-        "contiguous fp32": compare(random_doc_map(2, 24, seed=4), "contiguous", world_size, rank,
+        "contiguous fp32": compare(synthetic_doc_ids("lognormal", 2, 24, seed=4, median=8, pad=0.1), "contiguous",
+                                   world_size, rank,
                                    backend="ring_flash_attn"),
     }
     # auto on CPU keeps to the built-in backend even though ring-flash-attn imports here

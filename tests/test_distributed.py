@@ -23,7 +23,7 @@ from cp_packing.distributed import distribute_batch, distribute_packed_seq_param
 from cp_packing.groups import device_for_backend, resolve_group
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
-from tests.dist_utils import run_distributed, under_torchrun
+from cp_packing.testing import run_distributed, under_torchrun
 
 pytestmark = pytest.mark.distributed
 

@@ -97,7 +97,7 @@ def _readme_hf_example(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
-    from tests.dist_utils import run_distributed
+    from cp_packing.testing import run_distributed
 
     for result in run_distributed(_readme_hf_example, 2):
         assert abs(result["cp_loss"] - result["ref_loss"]) < 1e-5, result

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import cp_packing  # noqa: E402
 from cp_packing.hf import cp_model_inputs, register_cp_attention  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from cp_packing.testing import run_distributed  # noqa: E402
 from tests.maps import block_diagonal_causal  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6

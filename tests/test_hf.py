@@ -27,7 +27,7 @@ from cp_packing.hf import (  # noqa: E402
 )
 from cp_packing.loss import next_token_labels, packed_cross_entropy  # noqa: E402
 from cp_packing.padding import pad_segments  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from cp_packing.testing import run_distributed  # noqa: E402
 from tests.maps import block_diagonal_causal, segments_of  # noqa: E402
 
 NAME = register_cp_attention()

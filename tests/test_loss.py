@@ -16,7 +16,7 @@ import cp_packing.loss
 from cp_packing.agreement import AgreementError
 from cp_packing.loss import document_cross_entropy, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from tests.dist_utils import run_distributed
+from cp_packing.testing import run_distributed
 from tests.maps import segments_of
 
 IGNORE = -100

@@ -16,8 +16,7 @@ import torch
 from cp_packing.adapters import ring_flash_attn_kwargs
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from tests.conftest import use_flash_attn_stub
-from tests.dist_utils import run_distributed
-from tests.maps import random_doc_map
+from cp_packing.testing import run_distributed, synthetic_doc_ids
 
 pytestmark = pytest.mark.distributed
 
@@ -131,7 +130,8 @@ def reaches_back(doc_ids: torch.Tensor, cp: int) -> bool:
 
 @pytest.mark.parametrize("cp, seed", [(2, 0), (2, 1), (4, 2)])
 def test_llama3_varlen_float32_matches_full_attention(ring_flash_attn, cp, seed):
-    doc_ids = random_doc_map(1, 48, seed=seed, mean_len=10.0)  # arbitrary segments, shard edges inside the row
+    # arbitrary segments, shard edges inside the row
+    doc_ids = synthetic_doc_ids("lognormal", 1, 48, seed=seed, median=10, pad=0.1)
     assert reaches_back(doc_ids, cp), "the map must test keys that start on an earlier rank"
     # heads_k_stride=1: one all-gather per key/value head (the loop over head groups in llama3's kernel)
     errors = _run(doc_ids, cp, "contiguous", torch.float32, seed, heads_k_stride=1)
@@ -142,7 +142,8 @@ def test_llama3_varlen_float32_matches_full_attention(ring_flash_attn, cp, seed)
 @pytest.mark.parametrize("layout, dtype", [("zigzag", torch.bfloat16), ("contiguous", torch.float32)])
 def test_ring_attention_routes_each_layout_to_its_kernel(ring_flash_attn, layout, dtype):
     cp = 2
-    doc_ids = zigzag_doc_map(2, 16, 2 * cp, 5) if layout == "zigzag" else random_doc_map(1, 32, seed=5, mean_len=10.0)
+    doc_ids = (zigzag_doc_map(2, 16, 2 * cp, 5) if layout == "zigzag"
+               else synthetic_doc_ids("lognormal", 1, 32, seed=5, median=10, pad=0.1))
     assert layout == "zigzag" or reaches_back(doc_ids, cp)
     errors = _run(doc_ids, cp, layout, dtype, seed=5, api="wrapper", heads_k_stride=None)
     tol = BF16_TOL if dtype == torch.bfloat16 else dict.fromkeys(errors, FP32_TOL)

@@ -1,4 +1,5 @@
-"""launch/verify.py, the cluster correctness check, run the way CI can: ``--nproc 2`` (a gloo group on CPU)."""
+"""cp_packing.tools.verify (``python -m cp_packing verify``, ``launch/verify.py``), the cluster correctness check,
+run the way CI can: ``--nproc N`` (a gloo group on CPU)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import sys
 import pytest
 import torch
 
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.sharding import shard_packed_seq_params
+from cp_packing.tools import verify as V
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERIFY = os.path.join(ROOT, "launch", "verify.py")
 
 
 def run_verify(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, VERIFY, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
 
@@ -41,19 +47,61 @@ def test_verify_passes_on_a_correct_build():
 
 
 @pytest.mark.distributed
-def test_verify_fails_on_wrong_metadata():
-    """A deliberately wrong run_key_start (hidden --inject-fault) must turn rows into FAIL and the exit code
-    non-zero: the verifier can fail."""
-    proc = run_verify("--nproc", "2", "--trials", "1", "--layouts", "zigzag", "contiguous", "--inject-fault")
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    rows = table_rows(proc.stdout)
-    assert rows[("zigzag", "allgather", "torch")] == "FAIL", proc.stdout
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_verify_fails_on_wrong_metadata_in_every_layout(nproc, capfd):
+    """A deliberately wrong run_key_start (hidden --inject-fault) turns EVERY layout's row into FAIL and the exit
+    code non-zero: the verifier can fail (the contiguous row used to pass at cp=2, its shards being whole rows)."""
+    code = V.main(["--nproc", str(nproc), "--trials", "1", "--backends", "allgather", "--inject-fault"])
+    out = capfd.readouterr().out
+    assert code == 1, out
+    rows = table_rows(out)
+    for layout in ("contiguous", "zigzag", "balanced"):
+        assert rows[(layout, "allgather", "torch")] == "FAIL", out
 
 
-def test_verify_rejects_bad_arguments():
-    proc = run_verify("--heads", "3", "--kv-heads", "2")
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
+def test_trial_maps_split_documents_across_ranks_in_every_layout(cp, batch):
+    """Why the fault is caught: in every layout some rank holds a run whose keys start on another rank's tokens
+    (a run that does not begin at its segment's start), so wrong key metadata changes that rank's output."""
+    for layout in ("contiguous", "zigzag", "balanced"):
+        doc_ids = V.trial_doc_ids(layout, cp, batch, 16 * cp, seed=batch)
+        params = packed_seq_params_from_doc_ids(doc_ids)
+        split = False
+        for rank in range(cp):
+            s = shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout)
+            first = s.token_index[s.run_cu_seqlens[:-1].long()]
+            split |= bool((s.run_key_start < first).any())
+        assert split, (layout, cp, batch)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of --kv-heads 2"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--trials", "0"], "--trials must be >= 1, got 0"),
+    (["--heads", "-4"], "--heads must be >= 1, got -4"),
+])
+def test_verify_refuses_sizes_that_test_nothing(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        V.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_verify_rejects_bad_arguments_as_a_script():
+    proc = run_verify("--seq-len", "0")
     assert proc.returncode == 2
-    assert "--heads 3 must be a multiple of --kv-heads 2" in proc.stderr
+    assert "--seq-len must be >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_fault_injection_on_one_rank_is_a_usage_error(capfd):
+    """With one rank every document is whole: --inject-fault could not fail, so it is refused (exit 2)."""
+    code = V.main(["--nproc", "1", "--inject-fault", "--trials", "1"])
+    assert code == 2
+    assert "--inject-fault needs at least 2 ranks" in capfd.readouterr().err
 
 
 def _nan_in_output(orig):
@@ -75,8 +123,6 @@ def _nan_in_gradients(orig):
 @pytest.mark.parametrize("fault", [_nan_in_output, _nan_in_gradients], ids=["output", "gradients"])
 def test_verify_fails_on_nan(monkeypatch, capfd, fault):
     """A NaN in the CP output or in one gradient is a FAIL with a non-zero exit, never a PASS (max(0, nan) == 0)."""
-    import launch.verify as V
-
     monkeypatch.setattr(V, "context_parallel_attention", fault(V.context_parallel_attention))
     code = V.main(["--nproc", "1", "--layouts", "contiguous", "--backends", "allgather", "--dtype", "float32",
                    "--trials", "1", "--seq-len", "32"])
@@ -90,8 +136,6 @@ def test_verify_skips_what_the_real_flash_attn_refuses(ring_flash_attn, monkeypa
     """On a CUDA box with the real flash-attn (fp16/bf16 only), the default dtypes (bf16 + float32) plan the
     ring/contiguous/float32 row as SKIP with the reason, not as a row that would FAIL inside flash-attn."""
     import flash_attn
-
-    import launch.verify as V
 
     monkeypatch.setattr(flash_attn, "IS_CP_PACKING_STUB", False)  # pretend: the real flash-attn
     rows = V.plan_rows(["contiguous", "zigzag"], ["ring_flash_attn"], [torch.bfloat16, torch.float32],

@@ -1,0 +1,61 @@
+"""``python -m cp_packing report``: the load-balance table of every layout on a doc map (and a PNG chart).
+
+    python -m cp_packing report --synthetic lognormal --batch 8 --seqlen 4096 --seed 0 --cp 8 [--png out.png]
+    python -m cp_packing report --doc-ids batch.pt --cp 8          # a saved [B, S] map (.pt or .npy)
+
+The one place the tools use the report module (``balance_report`` / ``plot_balance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cp_packing.tools import load_doc_ids, positive_int
+
+
+def add_parser(sub) -> None:
+    from cp_packing.testing import SYNTHETIC_KINDS
+
+    rep = sub.add_parser("report", help="load balance of every layout on a doc map",
+                         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=__doc__.split("\n\n")[1])
+    rep.add_argument("--doc-ids", help="a [B, S] doc map: .pt / .npy file or a JSON literal")
+    rep.add_argument("--synthetic", default="lognormal", choices=SYNTHETIC_KINDS,
+                     help="synthetic map when --doc-ids is not given (default lognormal)")
+    rep.add_argument("--batch", type=positive_int, default=8)
+    rep.add_argument("--seqlen", type=positive_int, default=4096)
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--cp", type=positive_int, default=8, help="CP group size (default 8)")
+    rep.add_argument("--layouts", help="comma-separated subset of contiguous,rowzigzag,zigzag,balanced,auto")
+    rep.add_argument("--num-kv-heads", type=positive_int, default=8)
+    rep.add_argument("--head-dim", type=positive_int, default=128)
+    rep.add_argument("--dtype-bytes", type=positive_int, default=2)
+    rep.add_argument("--png", help="also write a bar chart PNG (needs matplotlib: the 'plot' extra)")
+    rep.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from cp_packing.balance import balance_report, plot_balance
+    from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+    from cp_packing.testing import synthetic_doc_ids
+
+    if args.doc_ids:
+        doc_ids = load_doc_ids(args.doc_ids)
+        source = args.doc_ids
+    else:
+        doc_ids = synthetic_doc_ids(args.synthetic, args.batch, args.seqlen, seed=args.seed)
+        source = f"synthetic {args.synthetic} (batch={args.batch}, seqlen={args.seqlen}, seed={args.seed})"
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    B, S = doc_ids.shape
+    n_pad = int((doc_ids == 0).sum())
+    print(f"map: {source}: [B={B}, S={S}], {params.num_segments} segments, longest {params.max_seqlen}, "
+          f"{n_pad} padding tokens ({100 * n_pad / max(1, B * S):.1f}%)")
+    print(f"cp_size={args.cp}; K/V per token per layer: 2 x {args.num_kv_heads} heads x {args.head_dim} x "
+          f"{args.dtype_bytes} bytes\n")
+    kwargs = {"layouts": tuple(args.layouts.split(","))} if args.layouts else {}
+    print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                         dtype_bytes=args.dtype_bytes, **kwargs))
+    if args.png:
+        plot_balance(params, args.cp, args.png, **kwargs)
+        print(f"\nwrote {args.png}")
+    return 0

@@ -1,0 +1,107 @@
+"""``python -m cp_packing`` (cp_packing.__main__, tools.show, tools.report): the subcommands a pip user has, their
+output, and one-line usage errors (exit 2, no traceback) for bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cp_packing.__main__ import main
+from cp_packing.packed_seq import packed_seq_params_from_doc_ids
+from cp_packing.testing import synthetic_doc_ids
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*argv: str, capsys) -> tuple[int, str, str]:
+    """Run ``python -m cp_packing ARGV`` in this process: (exit status, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_module_entry_point_lists_the_four_commands():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "cp_packing", "--help"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("verify", "train", "report", "show"):
+        assert command in proc.stdout
+
+
+def test_console_script_is_declared():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert 'cp-packing = "cp_packing.__main__:main"' in f.read()
+
+
+def test_show_prints_a_small_map_token_by_token(capsys):
+    code, out, _ = cli("show", "--doc-ids", "[[1,1,2,2,2,0]]", "--cp", "2", capsys=capsys)
+    assert code == 0
+    assert "cu_seqlens   [0, 2, 5, 6]" in out
+    assert "token_index    [0, 1, 2]" in out and "token_index    [3, 4, 5]" in out
+
+
+def test_show_summarises_a_large_map(tmp_path, capsys):
+    doc_ids = synthetic_doc_ids("padded", 4, 1024, seed=3)
+    path = str(tmp_path / "map.pt")
+    torch.save(doc_ids, path)
+    code, out, _ = cli("show", "--doc-ids", path, "--cp", "4", "--layout", "balanced", capsys=capsys)
+    assert code == 0
+    assert "token_index" not in out and len(out.splitlines()) < 20  # not one entry per token
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    assert f"{params.num_segments:,} segments" in out
+    assert f"max {params.max_seqlen}" in out
+    rank_lines = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in "0123"]
+    assert [int(r[0]) for r in rank_lines] == [0, 1, 2, 3]
+    assert sum(int(r[1].replace(",", "")) for r in rank_lines) == doc_ids.numel()  # tokens per rank add up
+    assert sum(int(r[2].replace(",", "")) for r in rank_lines) == int((doc_ids != 0).sum())  # real tokens too
+    busiest = float(out.split("busiest / mean causal cost: ")[1].split()[0])
+    assert 1.0 <= busiest < 1.1  # balanced
+
+
+def _corrupt(tmp_path) -> str:
+    path = tmp_path / "corrupt.pt"
+    path.write_bytes(b"not a tensor file")
+    return str(path)
+
+
+def _not_a_tensor(tmp_path) -> str:
+    path = str(tmp_path / "dict.pt")
+    torch.save({"doc_ids": torch.ones(1, 4)}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["show", "report"])
+@pytest.mark.parametrize("make, message", [
+    (_corrupt, "is not a readable tensor file"),
+    (_not_a_tensor, "holds a dict, not a [B, S] tensor"),
+    (lambda tmp_path: str(tmp_path / "missing.pt"), "does not exist"),
+])
+def test_a_bad_map_file_is_a_one_line_error(command, make, message, tmp_path, capsys):
+    code, _, err = cli(command, "--doc-ids", make(tmp_path), "--cp", "2", capsys=capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["show", "report"])
+@pytest.mark.parametrize("cp", ["0", "-2", "two"])
+def test_a_cp_size_below_1_is_a_usage_error(command, cp, capsys):
+    code, _, err = cli(command, "--cp", cp, capsys=capsys)
+    assert code == 2
+    assert "argument --cp: must be an integer >= 1" in err and "Traceback" not in err
+
+
+def test_report_prints_every_layout(capsys):
+    code, out, _ = cli("report", "--synthetic", "lognormal", "--batch", "2", "--seqlen", "1024", "--cp", "4",
+                       capsys=capsys)
+    assert code == 0
+    for layout in ("contiguous", "zigzag", "balanced"):
+        assert layout in out
