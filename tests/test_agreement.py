@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from cp_packing.agreement import AgreementError, agree, digest
-from tests.dist_utils import run_distributed
+from cp_packing.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ import torch
 
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.attention import context_parallel_attention
-from tests.dist_utils import run_distributed
+from cp_packing.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
 

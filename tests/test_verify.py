@@ -49,7 +49,7 @@ def test_verify_passes_on_a_correct_build():
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_verify_fails_on_wrong_metadata_in_every_layout(nproc, capfd):
-    """A deliberately wrong run_key_start (hidden --inject-fault) turns EVERY layout's row into FAIL and the exit
+    """A deliberately wrong key_start (hidden --inject-fault) turns EVERY layout's row into FAIL and the exit
     code non-zero: the verifier can fail (the contiguous row used to pass at cp=2, its shards being whole rows)."""
     code = V.main(["--nproc", str(nproc), "--trials", "1", "--backends", "allgather", "--inject-fault"])
     out = capfd.readouterr().out
@@ -70,8 +70,8 @@ def test_trial_maps_split_documents_across_ranks_in_every_layout(cp, batch):
         split = False
         for rank in range(cp):
             s = shard_packed_seq_params(params, cp_size=cp, cp_rank=rank, layout=layout)
-            first = s.token_index[s.run_cu_seqlens[:-1].long()]
-            split |= bool((s.run_key_start < first).any())
+            first = s.token_index[s.cu_seqlens[:-1].long()]
+            split |= bool((s.key_start < first).any())
         assert split, (layout, cp, batch)
 
 

@@ -42,7 +42,7 @@ def _run_cost(sharded) -> int:
     """Causal attention cost of one rank: sum over its tokens of (position in segment + 1)."""
     from cp_packing.cost import causal_cost
 
-    run_cu = sharded.run_cu_seqlens.to(torch.int64)
+    run_cu = sharded.cu_seqlens.to(torch.int64)
     run_start = sharded.token_index.index_select(0, run_cu[:-1])
     return int(causal_cost(sharded.global_params.cu_seqlens, run_start, run_cu[1:] - run_cu[:-1]).sum())
 
@@ -60,11 +60,7 @@ def _print_full(doc_ids, params, shards, layout: str) -> None:
         print(f"  doc_ids        {_fmt(s.doc_ids)}")
         print(f"  position_ids   {_fmt(s.position_ids)}")
         print(f"  cu_seqlens     {_fmt(s.cu_seqlens)}   max_seqlen {s.max_seqlen}")
-        if s.cu_seqlens_k is not None:
-            print(f"  cu_seqlens_k   {_fmt(s.cu_seqlens_k)}   max_seqlen_k {s.max_seqlen_k}")
-        if s.local_k_slice is not None:
-            print(f"  local_k_slice  {s.local_k_slice}")
-        print(f"  run_cu_seqlens {_fmt(s.run_cu_seqlens)}   run_key_start {_fmt(s.run_key_start)}")
+        print(f"  key_start      {_fmt(s.key_start)}")
 
 
 def _print_summary(doc_ids, params, shards, layout: str) -> None:
@@ -86,7 +82,7 @@ def _print_summary(doc_ids, params, shards, layout: str) -> None:
     print(f"{'rank':>4}  {'tokens':>9}  {'real':>9}  {'runs':>6}  {'longest run':>11}  {'causal cost':>14}  "
           "cost/mean")
     for rank, (s, cost) in enumerate(zip(shards, costs)):
-        run_lengths = s.run_cu_seqlens[1:] - s.run_cu_seqlens[:-1]
+        run_lengths = s.cu_seqlens[1:] - s.cu_seqlens[:-1]
         longest = int(run_lengths.max()) if run_lengths.numel() else 0
         print(f"{rank:>4}  {s.num_local_tokens:>9,}  {int((s.doc_ids != 0).sum()):>9,}  {run_lengths.numel():>6,}  "
               f"{longest:>11,}  {cost:>14,}  {cost / mean if mean else 1.0:>9.3f}")

@@ -85,7 +85,7 @@ def synthetic_batch(args, step: int, dp_rank: int, cp_size: int, device: torch.d
     if args.layout == "zigzag":
         from cp_packing.padding import pad_segments
 
-        padded = pad_segments(doc, 2 * cp_size, {"input_ids": ids, "labels": labels})
+        padded = pad_segments(doc, multiple=2 * cp_size, tensors={"input_ids": ids, "labels": labels})
         doc, ids, labels, real = padded.doc_ids, padded.tensors["input_ids"], padded.tensors["labels"], ~padded.is_pad
     out = {"doc_ids": doc, "input_ids": ids, "labels": labels, "real": real}
     return {k: v.to(device) for k, v in out.items()}
@@ -308,7 +308,7 @@ def train(args, rank: int, world: int, device: torch.device) -> int:
         dt = time.perf_counter() - t0
 
         # ---- metrics: one small all-gather over the world of (causal cost, real tokens) per rank
-        run_cu = sharded.run_cu_seqlens.to(torch.int64)
+        run_cu = sharded.cu_seqlens.to(torch.int64)
         run_start = sharded.token_index.index_select(0, run_cu[:-1].to(sharded.token_index.device))
         cost = causal_cost(sharded.global_params.cu_seqlens, run_start, run_cu[1:] - run_cu[:-1]).sum()
         real_tokens = local["real"].sum()

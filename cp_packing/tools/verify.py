@@ -82,16 +82,16 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
     if layout == "zigzag":
         from cp_packing.padding import pad_segments
 
-        return pad_segments(doc_ids, 2 * cp_size).doc_ids
+        return pad_segments(doc_ids, multiple=2 * cp_size).doc_ids
     return doc_ids
 
 
 def inject_fault(sharded):
     """Deliberately wrong metadata (for testing this verifier): every run whose keys start before the run itself
     loses its first key. The result must FAIL."""
-    first = sharded.token_index[sharded.run_cu_seqlens[:-1].long()]
-    key_start = torch.where(sharded.run_key_start < first, sharded.run_key_start + 1, sharded.run_key_start)
-    return dataclasses.replace(sharded, run_key_start=key_start)  # its cache entries are not reused: new metadata
+    first = sharded.token_index[sharded.cu_seqlens[:-1].long()]
+    key_start = torch.where(sharded.key_start < first, sharded.key_start + 1, sharded.key_start)
+    return dataclasses.replace(sharded, key_start=key_start)  # its cache entries are not reused: new metadata
 
 
 # ------------------------------------------------------------------------------------------------------ checks
