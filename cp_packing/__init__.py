@@ -12,14 +12,14 @@ from cp_packing.attention import (
     select_kernel,
     varlen_attention,
 )
-from cp_packing.balance import balance_report, plot_balance
-from cp_packing.cost import LayoutCost, causal_cost, layout_cost
+from cp_packing.cost import LayoutCost, causal_cost, choose_layout, layout_cost
 from cp_packing.distributed import DOC_IDS_KEY, distribute_batch, distribute_packed_seq_params
 from cp_packing.layouts import LAYOUTS, global_token_order, layout_token_index
+from cp_packing.layouts.balanced import balanced_runs
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.padding import PaddedBatch, pad_segments
-from cp_packing.planner import balanced_runs, choose_layout
+from cp_packing.report import balance_report, plot_balance
 from cp_packing.sharding import (
     ShardedPackedSeqParams,
     ring_flash_attn_kwargs,

@@ -5,7 +5,7 @@
     python -m cp_packing show                                   # the example map [[1, 1, 2, 2, 2, 0]], cp=2
     python -m cp_packing show --doc-ids "[[1,1,1,1,2,2,2,2]]" --cp 2 --layout zigzag
 
-``report``: the load-balance table of every layout (``cp_packing.balance.balance_report``)::
+``report``: the load-balance table of every layout (``cp_packing.report.balance_report``)::
 
     python -m cp_packing report --synthetic lognormal --batch 8 --seqlen 4096 --seed 0 --cp 8 [--png out.png]
     python -m cp_packing report --doc-ids batch.pt --cp 8          # a saved [B, S] map (.pt or .npy)
@@ -85,7 +85,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from cp_packing.balance import balance_report, plot_balance
+    from cp_packing.report import balance_report, plot_balance
     from cp_packing.testing import synthetic_doc_ids
     from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
@@ -107,7 +107,7 @@ def _cmd_report(args) -> int:
     print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                          dtype_bytes=args.dtype_bytes, **kwargs))
     if args.png:
-        plot_balance(params, args.cp, args.png, **kwargs)
+        plot_balance(params, cp_size=args.cp, path=args.png, **kwargs)
         print(f"\nwrote {args.png}")
     return 0
 

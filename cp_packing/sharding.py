@@ -202,7 +202,7 @@ def shard_packed_seq_params(
         )
     check_cp(cp_size, cp_rank)
     if layout == "auto":
-        from cp_packing.planner import choose_layout  # the cost model picks per batch
+        from cp_packing.cost import choose_layout  # the cost model picks per batch
 
         layout = choose_layout(params, cp_size=cp_size)
     check_layout(layout)

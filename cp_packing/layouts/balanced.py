@@ -297,7 +297,7 @@ def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tu
         ``run_len.sum() == T // cp_size``; all ranks' runs together cover every token exactly once.
 
     >>> balanced_runs(torch.tensor([0, 2, 5, 6]), cp_size=3, cp_rank=1)
-    (tensor([3]), tensor([2]))
+    (tensor([2]), tensor([2]))
     """
     check_cp(cp_size, cp_rank)
     cu = check_cu_seqlens(cu_seqlens)
@@ -310,3 +310,7 @@ def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tu
         torch.from_numpy(run_start[lo:hi].copy()).to(device),
         torch.from_numpy(run_len[lo:hi].copy()).to(device),
     )
+
+
+balanced_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]  # functools' own hit/miss counts
+balanced_plan.cache_clear = _cached_plan.cache_clear  # type: ignore[attr-defined]
