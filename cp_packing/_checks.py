@@ -173,3 +173,22 @@ def check_divisible(total: int, cp_size: int) -> None:
             f"the same number of tokens: pad the rows to a multiple of {cp_size} (cp_packing.pad_segments(doc_ids, "
             f"multiple=...) pads rows and documents)"
         )
+
+
+MAX_COST_TOKENS = 3_037_000_499
+"""The longest stream whose causal cost ``sum(p + 1)`` cp-packing counts exactly in int64 (``T * (T + 1)`` fits)."""
+
+
+def check_cost_tokens(total: Any, name: str = "cu_seqlens") -> int:
+    """``total`` (the token count T of ``name``) if its causal cost fits int64; else a ValueError, never a silent
+    overflow.
+
+    >>> check_cost_tokens(8)
+    8
+    """
+    return check_int(
+        total,
+        f"the token count T of {name}",
+        max=MAX_COST_TOKENS,
+        hint="its causal cost sum(p + 1) could overflow int64; split the batch",
+    )

@@ -31,8 +31,8 @@ document) in ``2 * cp`` chunks and giving rank r chunks ``r`` and ``2cp-1-r`` (c
 
 ``choose_layout`` (``layout="auto"``) picks, per batch, the valid layout with the lowest busiest-rank cost.
 
-Exact in int64 up to ``MAX_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits; a longer stream
-raises a ValueError instead of overflowing silently.
+Exact in int64 up to ``MAX_COST_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits; a longer
+stream raises a ValueError instead of overflowing silently.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cp, check_cu_seqlens, check_int, check_number
+from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_int, check_number
 from cp_packing.layouts import LAYOUTS
-from cp_packing.layouts.balanced import MAX_TOKENS, balanced_plan
+from cp_packing.layouts.balanced import balanced_plan
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS", "MAX_TOKENS"]
+__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS"]
 
 logger = logging.getLogger("cp_packing")
 
@@ -104,16 +104,9 @@ class LayoutCost:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# closed forms (NumPy int64 inside; exact up to MAX_TOKENS tokens)
+# closed forms (NumPy int64 inside; exact up to MAX_COST_TOKENS tokens)
 
 
-def _check_total(total: int) -> int:
-    return check_int(
-        total,
-        "the token count T of cu_seqlens",
-        max=MAX_TOKENS,
-        hint="its causal cost could overflow int64; split the batch",
-    )
 
 
 def _prefix_cost(cu: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -138,13 +131,13 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
 
     Raises:
-        ValueError: a range outside the stream, or more than ``MAX_TOKENS`` tokens (int64 could overflow).
+        ValueError: a range outside the stream, or more than ``MAX_COST_TOKENS`` tokens (int64 could overflow).
 
     >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]))
     tensor([10,  8])
     """
     cu = check_cu_seqlens(cu_seqlens)
-    _check_total(int(cu[-1]))
+    check_cost_tokens(int(cu[-1]))
     s = _np64(start, "start")
     n = _np64(length, "length")
     if s.shape != n.shape:
@@ -254,7 +247,8 @@ def _padded_lengths(cu: np.ndarray, doc_ids: torch.Tensor, multiple: int) -> tup
     row = starts // max(S, 1)
     separator = np.zeros(lengths.size, dtype=bool)
     if lengths.size >= 3:
-        separator[1:-1] = ~is_doc[1:-1] & (row[:-2] == row[1:-1]) & (row[2:] == row[1:-1]) & (seg_doc[:-2] == seg_doc[2:])
+        same_row = (row[:-2] == row[1:-1]) & (row[2:] == row[1:-1])
+        separator[1:-1] = ~is_doc[1:-1] & same_row & (seg_doc[:-2] == seg_doc[2:])
     rounded = -(-lengths // multiple) * multiple
     new_len = np.where(is_doc, rounded, np.where(separator, multiple, 0))
     content = np.zeros(B, dtype=np.int64)
@@ -316,7 +310,7 @@ def layout_cost(
 
     Raises:
         TypeError: a bad input type. ValueError: unknown layout, ``cp_size < 1``, ``B*S`` not divisible by
-        ``cp_size`` for a layout that needs it (``contiguous``, ``balanced``, ``auto``), more than ``MAX_TOKENS``.
+        ``cp_size`` for a layout that needs it (``contiguous``, ``balanced``, ``auto``), more than ``MAX_COST_TOKENS``.
 
     >>> layout_cost(torch.tensor([[1, 1, 1, 1]]), cp_size=2, layout="contiguous").rank_cost
     tensor([3, 7])
@@ -328,7 +322,7 @@ def layout_cost(
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
     params = _params(params_or_doc_ids)
     cu = _np64(params.cu_seqlens, "cu_seqlens")
-    total = _check_total(int(cu[-1]))
+    total = check_cost_tokens(int(cu[-1]))
     ideal = float(_prefix_cost(cu, np.array([total]))[0]) / cp
     if layout == "auto":
         layout = choose_layout(params, cp_size=cp)
@@ -395,7 +389,7 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) 
     check_cp(cp_size)
     rtol = check_number(rtol, "rtol", min=0.0)
     cu = check_cu_seqlens(params.cu_seqlens)
-    total = _check_total(int(cu[-1]))
+    total = check_cost_tokens(int(cu[-1]))
     if total % cp_size:
         raise ValueError(
             f"no CP layout is valid: the batch has T = B*S = {total} tokens, not divisible by cp_size={cp_size} "

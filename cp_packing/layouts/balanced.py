@@ -36,7 +36,7 @@ import math
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible, check_int
+from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_divisible
 
 __all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION"]
 
@@ -48,14 +48,12 @@ HEAVY = 0.01
 LPT_FRACTION = 0.0005
 #: At most this many rounds of ``cp`` items go through LPT (the costliest); the rest pour.
 LPT_ROUNDS = 64
-#: The most cost (p + 1 summed) a plan can count exactly in int64: ``T * (T + 1)`` must fit.
-MAX_TOKENS = 3_037_000_499
 
 _CACHE_SIZE = 16
 
 
 def _cost(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Causal cost of positions ``a .. b-1`` of a segment, int64 (exact for ``b <= MAX_TOKENS``)."""
+    """Causal cost of positions ``a .. b-1`` of a segment, int64 (exact for ``b <= MAX_COST_TOKENS``)."""
     return (b * (b + 1) - a * (a + 1)) // 2
 
 
@@ -281,7 +279,7 @@ def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int) -> tuple[torch.Tens
     check_cp(cp_size)
     cu = check_cu_seqlens(cu_seqlens)
     check_divisible(int(cu[-1]), cp_size)
-    check_int(int(cu[-1]), "T (tokens in cu_seqlens)", max=MAX_TOKENS, hint="split the batch")
+    check_cost_tokens(int(cu[-1]))
     return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size))
 
 
@@ -302,7 +300,7 @@ def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tu
     check_cp(cp_size, cp_rank)
     cu = check_cu_seqlens(cu_seqlens)
     check_divisible(int(cu[-1]), cp_size)
-    check_int(int(cu[-1]), "T (tokens in cu_seqlens)", max=MAX_TOKENS, hint="split the batch")
+    check_cost_tokens(int(cu[-1]))
     offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size)
     lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
     device = cu_seqlens.device
