@@ -156,6 +156,7 @@ def _plan(cu: np.ndarray, cp: int):
         start, length = start[length > 0], length[length > 0]
     cost = length * (length + 1) // 2
     ideal = float(cost.sum()) / cp
+    contiguous = _contiguous_busiest(start, cost, t_local, cp)
     tokens, excess = np.zeros(cp, dtype=np.int64), np.zeros(cp)
     extra = []  # runs besides the items: (start, len, rank, pos0)
 
@@ -168,48 +169,62 @@ def _plan(cu: np.ndarray, cp: int):
         tokens += long_tokens
         excess += long_cost
         start, length, cost, heavy = start[~long], length[~long], cost[~long], heavy[~long]
-    # 2. items: the other segments, whole; heavy ones in q pieces of >= MIN_CHUNK tokens (appended: few)
+    # 2. items: the other segments, whole; a heavy one in q pieces of >= MIN_CHUNK tokens (the first in its place,
+    # the others appended: few)
     pos0 = np.zeros(length.size, dtype=np.int64)
-    if heavy.any():
-        q = np.clip(np.ceil(cost[heavy] / (HEAVY * ideal)), 1, np.maximum(length[heavy] // MIN_CHUNK, 1))
-        p_start, p_len, p_pos0 = _pieces(start[heavy], length[heavy], q.astype(np.int64))
-        start = np.concatenate([start[~heavy], p_start])
-        length = np.concatenate([length[~heavy], p_len])
-        pos0 = np.concatenate([pos0[~heavy], p_pos0])
-        cost = _cost(pos0, pos0 + length)
+    h = np.flatnonzero(heavy)
+    if h.size:
+        q = np.clip(np.ceil(cost[h] / (HEAVY * ideal)), 1, np.maximum(length[h] // MIN_CHUNK, 1)).astype(np.int64)
+        p_start, p_len, p_pos0 = _pieces(start[h], length[h], q)
+        first = np.cumsum(q) - q
+        later = np.ones(p_len.size, dtype=bool)
+        later[first] = False
+        length[h] = p_len[first]
+        cost[h] = _cost(0, p_len[first])
+        start = np.concatenate([start, p_start[later]])
+        length = np.concatenate([length, p_len[later]])
+        pos0 = np.concatenate([pos0, p_pos0[later]])
+        cost = np.concatenate([cost, _cost(p_pos0[later], p_pos0[later] + p_len[later])])
 
     # 3. LPT on the items that cost most over the fill's cost per token rho (the rest pour evenly)
-    fine = cost <= LPT_FRACTION * ideal
-    rho = float(cost[fine].sum()) / max(int(length[fine].sum()), 1)
-    weight = cost - rho * length  # the excess of an item over rho: what the fill cannot even out
-    big = np.flatnonzero(weight > LPT_FRACTION * ideal)
+    coarse = np.flatnonzero(cost > LPT_FRACTION * ideal)
+    rho = float(cost.sum() - cost[coarse].sum()) / max(int(length.sum() - length[coarse].sum()), 1)
+    weight = cost[coarse] - rho * length[coarse]  # the excess of an item over rho: what the fill cannot even out
+    big = coarse[weight > LPT_FRACTION * ideal]
+    weight = weight[weight > LPT_FRACTION * ideal]
     if big.size > LPT_ROUNDS * cp:
-        big = big[np.argpartition(-weight[big], LPT_ROUNDS * cp)[: LPT_ROUNDS * cp]]
-    big = big[np.lexsort((big, -weight[big]))]  # largest excess first, ties by position
+        keep = np.argpartition(-weight, LPT_ROUNDS * cp)[: LPT_ROUNDS * cp]
+        big, weight = big[keep], weight[keep]
+    o = np.lexsort((big, -weight))  # largest excess first, ties by position
+    big, weight = big[o], weight[o]
     rank = np.full(length.size, -1, dtype=np.int64)
-    rank[big] = _lpt(weight[big], length[big], excess - rho * tokens, t_local - tokens)
+    rank[big] = _lpt(weight, length[big], excess - rho * tokens, t_local - tokens)
     placed = big[rank[big] >= 0]
     np.add.at(tokens, rank[placed], length[placed])
 
     # 4. fill: the rest by cost per token (2 * cost / length = 2 * pos0 + length + 1), golden-ratio interleaved
-    rest = np.flatnonzero(rank < 0)
+    rest = np.flatnonzero(rank < 0) if placed.size else np.arange(length.size)
     if rest.size:
         density = np.minimum(2 * pos0[rest] + length[rest] + 1, 2**15 - 1).astype(np.int16)
-        stream = rest[np.argsort(density, kind="stable")][_golden(rest.size)]
+        stream = rest[np.argsort(density, kind="stable")[_golden(rest.size)]]
         item, off, x_len, x_rank = _fill(length, rank, stream, t_local - tokens)
         extra.append((start[item] + off, x_len, x_rank, pos0[item] + off))
     blocks = [(start, length, rank, pos0)] + extra
     offsets, run_start, run_len, rank_cost = _merge(*(np.concatenate(x) for x in zip(*blocks)), cp)
 
     # 5. never busier than contiguous
-    bounds = np.arange(cp + 1, dtype=np.int64) * t_local
-    seg = np.minimum(np.searchsorted(cu, bounds, side="right") - 1, cu.size - 1)
-    seg_cost = np.diff(cu) * (np.diff(cu) + 1) // 2
-    p = bounds - cu[seg]
-    w = np.concatenate([[0], np.cumsum(seg_cost)])[seg] + p * (p + 1) // 2
-    if np.diff(w).max() < rank_cost.max():
+    if contiguous < rank_cost.max():
         return _contiguous(cu, cp)
     return offsets, run_start, run_len
+
+
+def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: int) -> int:
+    """The busiest rank's cost under contiguous: the prefix cost ``W(t)`` at the rank bounds (non-empty segments)."""
+    bounds = np.arange(cp + 1, dtype=np.int64) * t_local
+    seg = np.searchsorted(start, bounds, side="right") - 1
+    p = bounds - start[seg]
+    w = (np.cumsum(cost) - cost)[seg] + p * (p + 1) // 2
+    return int(np.diff(w).max())
 
 
 def _merge(start, length, rank, pos0, cp):
