@@ -8,8 +8,9 @@ total cost, ``C / cp`` is the ideal per rank. The plan (every rank's runs at onc
                rank r takes chunks r and 2cp-1-r (an early and a late one: the same cost on every rank)
                    [ 0 | 1 | 2 | 3 | 3 | 2 | 1 | 0 ]      cp = 4, one long document
     2. items   every other segment, whole; a heavy one shorter than that in a few pieces of >= MIN_CHUNK tokens
-    3. LPT     items costing > LPT_FRACTION * C/cp, costliest first, on a heap: each goes whole to the rank with the
-               least excess (cost - rho * tokens, rho = mean cost per token of the other items) that has room for it
+    3. LPT     rho = cost per token of the cheap items (cost <= LPT_FRACTION * C/cp); an item's excess is
+               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (at most LPT_ROUNDS * cp of them),
+               largest first, on a heap: each goes whole to the rank with the least excess that has room for it
     4. fill    the other items, sorted by cost per token, in golden-ratio order (j -> j*a mod m, a ~ m/1.618),
                so that every stretch of the stream costs about rho per token; rank r takes the next
                T/cp - (its tokens so far) tokens of it, and each rank's end cuts at most one item
@@ -38,15 +39,16 @@ import torch
 
 from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_divisible
 
-__all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION"]
+__all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
 
 #: The smallest piece the planner cuts on purpose. Short runs waste the tiles of a flash kernel.
 MIN_CHUNK = 32
 #: A segment costing more than this fraction of a rank's ideal cost is cut (zigzag if long, else in pieces).
 HEAVY = 0.01
-#: Items costing more than this fraction of a rank's ideal cost are placed one by one (LPT); the rest pour.
+#: Items whose excess over the mean cost per token is above this fraction of a rank's ideal cost are placed one by
+#: one (LPT); the rest pour.
 LPT_FRACTION = 0.0005
-#: At most this many rounds of ``cp`` items go through LPT (the costliest); the rest pour.
+#: At most this many rounds of ``cp`` items go through LPT (the largest excess first; Python time); the rest pour.
 LPT_ROUNDS = 64
 
 _CACHE_SIZE = 16
