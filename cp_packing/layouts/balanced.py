@@ -112,7 +112,10 @@ def _golden(m: int) -> np.ndarray:
     a = max(1, round(m * 0.6180339887498949))
     while math.gcd(a, m) != 1:
         a += 1
-    return np.arange(m, dtype=np.int64) * a % m
+    out = np.arange(m, dtype=np.int64)
+    out *= a
+    out %= m
+    return out
 
 
 def _pieces(start: np.ndarray, length: np.ndarray, q: np.ndarray):
@@ -156,7 +159,9 @@ def _plan(cu: np.ndarray, cp: int):
     start, length = cu[:-1], np.diff(cu)
     if length.min() == 0:
         start, length = start[length > 0], length[length > 0]
-    cost = length * (length + 1) // 2
+    cost = length + 1  # L (L + 1) / 2, in place
+    cost *= length
+    cost >>= 1
     ideal = float(cost.sum()) / cp
     contiguous = _contiguous_busiest(start, cost, t_local, cp)
     tokens, excess = np.zeros(cp, dtype=np.int64), np.zeros(cp)
@@ -210,14 +215,16 @@ def _plan(cu: np.ndarray, cp: int):
         density = np.minimum(2 * pos0[rest] + length[rest] + 1, 2**15 - 1).astype(np.int16)
         stream = rest[np.argsort(density, kind="stable")[_golden(rest.size)]]
         item, off, x_len, x_rank = _fill(length, rank, stream, t_local - tokens)
+        cost[item] = _cost(pos0[item], pos0[item] + length[item])  # a cut item keeps its first piece
         extra.append((start[item] + off, x_len, x_rank, pos0[item] + off))
-    blocks = [(start, length, rank, pos0)] + extra
-    offsets, run_start, run_len, rank_cost = _merge(*(np.concatenate(x) for x in zip(*blocks)), cp)
 
     # 5. never busier than contiguous
+    rank_cost = np.bincount(rank, weights=cost, minlength=cp)
+    for _, x_len, x_rank, x_pos0 in extra:
+        rank_cost += np.bincount(x_rank, weights=_cost(x_pos0, x_pos0 + x_len), minlength=cp)
     if contiguous < rank_cost.max():
         return _contiguous(cu, cp)
-    return offsets, run_start, run_len
+    return _merge(*(np.concatenate(x) for x in zip((start, length, rank, pos0), *extra)), cp)
 
 
 def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: int) -> int:
@@ -230,21 +237,26 @@ def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: i
 
 
 def _merge(start, length, rank, pos0, cp):
-    """Group the runs by rank in position order, join touching pieces of one segment, and count every rank's cost.
-    The runs come mostly in position order (the items, then a few extra pieces): the sorts are cheap."""
+    """Group the runs by rank in position order and join touching pieces of one segment on one rank (only a run that
+    does not start its segment, pos0 > 0, can join the one before: few). The runs come mostly in position order (the
+    items, then a few extra pieces), so the sorts are cheap. Returns ``(offsets, start, length)``."""
     o = np.argsort(start, kind="stable")
     o = o[np.argsort(rank[o].astype(np.int16 if cp < 2**15 else np.int32), kind="stable")]
-    start, length, rank, pos0 = start[o], length[o], rank[o], pos0[o]
-    join = np.zeros(start.size, dtype=bool)
-    join[1:] = (rank[1:] == rank[:-1]) & (start[1:] == start[:-1] + length[:-1]) & (pos0[1:] > 0)
-    if join.any():
-        head = np.flatnonzero(~join)
-        length = np.add.reduceat(length, head)
-        start, rank, pos0 = start[head], rank[head], pos0[head]
+    start, length = start[o], length[o]
+    counts = np.bincount(rank, minlength=cp)
+    cand = np.flatnonzero(pos0[o] > 0)
+    cand = cand[cand > 0]
+    joins = cand[(rank[o[cand]] == rank[o[cand - 1]]) & (start[cand] == start[cand - 1] + length[cand - 1])]
+    if joins.size:  # chains of joins: every run adds its length to the first run of its chain
+        chain = joins - np.arange(joins.size)  # constant along a chain of consecutive joins
+        head = np.ones(joins.size, dtype=bool)
+        head[1:] = chain[1:] != chain[:-1]
+        np.add.at(length, joins[head][np.cumsum(head) - 1] - 1, length[joins])
+        start, length = np.delete(start, joins), np.delete(length, joins)
+        counts -= np.bincount(rank[o[joins]], minlength=cp)
     offsets = np.zeros(cp + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rank, minlength=cp), out=offsets[1:])
-    rank_cost = np.bincount(rank, weights=_cost(pos0, pos0 + length).astype(np.float64), minlength=cp)
-    return offsets, start, length, rank_cost
+    np.cumsum(counts, out=offsets[1:])
+    return offsets, start, length
 
 
 def _contiguous(cu: np.ndarray, cp: int):
