@@ -188,6 +188,15 @@ def test_one_huge_document_is_cut_in_2cp_chunks_and_short_ones_stay_whole():
     assert sum(int((s >= 3072).sum()) for s, _ in runs) <= 64 + cp - 1
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_maps_of_long_documents_only(cp):
+    """Every segment long enough for zigzag: no item is left for LPT or the fill."""
+    doc_ids = torch.tensor([[1] * 2048 + [2] * 2048, [3] * 4096])
+    _check_plan(doc_ids, cp)
+    costs = _rank_costs(doc_ids, cp)
+    assert max(costs) / (sum(costs) / cp) <= 1.001
+
+
 def test_all_ranks_cost_one_plan():
     """The plan is computed once per (cu_seqlens values, cp): the other ranks' calls are cache hits."""
     cu = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 2, 4096, seed=11)).cu_seqlens

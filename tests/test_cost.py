@@ -292,3 +292,12 @@ def test_choose_layout_errors():
         choose_layout(_params([[1, 1]]), cp_size=2.0)
     with pytest.raises(ValueError, match="rtol"):
         choose_layout(_params([[1, 1]]), cp_size=2, rtol=-1)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import cp_packing.cost
+
+    result = doctest.testmod(cp_packing.cost, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

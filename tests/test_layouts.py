@@ -3,6 +3,8 @@ per rank, runs inside one segment), checked against a plain per-token reference.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import math
 
 import pytest
@@ -96,3 +98,10 @@ def test_device_and_dtype_of_the_runs_follow_cu_seqlens(layout):
     run_start, run_len = layout_runs(cu, cp_size=2, cp_rank=0, layout=layout)
     assert run_start.device == cu.device and run_start.dtype == torch.int64 and int(run_len.sum()) == 8
     assert math.prod(global_token_order(cu, cp_size=2, layout=layout).shape) == 16
+
+
+@pytest.mark.parametrize("module", ["layouts", "layouts.contiguous", "layouts.zigzag", "layouts.balanced"])
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"cp_packing.{module}")
+    result = doctest.testmod(mod, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

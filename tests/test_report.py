@@ -150,3 +150,12 @@ def test_balanced_report_matches_the_shards():
 def test_plot_balance_options_are_keyword_only(tmp_path):
     with pytest.raises(TypeError):
         plot_balance(torch.tensor([[1, 1, 2, 2]]), 2, tmp_path / "x.png")  # noqa: the positional form is gone
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import cp_packing.report
+
+    result = doctest.testmod(cp_packing.report, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

@@ -219,7 +219,7 @@ def _plan(cu: np.ndarray, cp: int):
         extra.append((start[item] + off, x_len, x_rank, pos0[item] + off))
 
     # 5. never busier than contiguous
-    rank_cost = np.bincount(rank, weights=cost, minlength=cp)
+    rank_cost = np.bincount(rank, weights=cost, minlength=cp).astype(np.float64)  # int64 zeros when empty
     for _, x_len, x_rank, x_pos0 in extra:
         rank_cost += np.bincount(x_rank, weights=_cost(x_pos0, x_pos0 + x_len), minlength=cp)
     if contiguous < rank_cost.max():
