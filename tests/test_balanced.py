@@ -24,11 +24,14 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
 
 @st.composite
 def maps_and_cp(draw):
-    """Any map with B*S % cp == 0 (rows padded), cp often larger than the number of segments."""
+    """Any map with B*S % cp == 0 (rows padded), cp often larger than the number of segments; some with documents
+    long enough to be cut."""
     cp = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
-    kind = draw(st.sampled_from(["random", "random", "one_segment", "all_padding"]))
+    kind = draw(st.sampled_from(["random", "random", "one_segment", "all_padding", "long"]))
     if kind == "random":
         doc_ids = draw(doc_maps(max_b=3, max_s=48, max_doc_len=draw(st.sampled_from([3, 12, 40]))))
+    elif kind == "long":  # documents the planner cuts: zigzag (>= 2*cp*MIN_CHUNK tokens) and pieces
+        doc_ids = draw(doc_maps(max_b=2, max_s=512, max_doc_len=draw(st.sampled_from([64, 300, 512]))))
     else:
         B = draw(st.integers(1, 3))
         S = draw(st.integers(1, 40))
