@@ -93,13 +93,13 @@ def _lpt(weight: np.ndarray, length: np.ndarray, load: np.ndarray, room: np.ndar
     rank = []
     for w, n in zip(weight.tolist(), length.tolist()):
         full = []
-        while heap and room[heap[0][1]] < n:
+        while heap and room[heap[0][1]] < n:  # ranks without room for it step aside
             full.append(heapq.heappop(heap))
         r = -1
         if heap:
-            e, r = heapq.heappop(heap)
+            e, r = heap[0]
             room[r] -= n
-            heapq.heappush(heap, (e + w, r))
+            heapq.heapreplace(heap, (e + w, r))
         for entry in full:
             heapq.heappush(heap, entry)
         rank.append(r)
@@ -179,6 +179,7 @@ def _plan(cu: np.ndarray, cp: int):
     # 2. items: the other segments, whole; a heavy one in q pieces of >= MIN_CHUNK tokens (the first in its place,
     # the others appended: few)
     pos0 = np.zeros(length.size, dtype=np.int64)
+    n_whole = length.size  # items from here on are later pieces of heavy segments (pos0 > 0)
     h = np.flatnonzero(heavy)
     if h.size:
         q = np.clip(np.ceil(cost[h] / (HEAVY * ideal)), 1, np.maximum(length[h] // MIN_CHUNK, 1)).astype(np.int64)
@@ -212,7 +213,10 @@ def _plan(cu: np.ndarray, cp: int):
     # 4. fill: the rest by cost per token (2 * cost / length = 2 * pos0 + length + 1), golden-ratio interleaved
     rest = np.flatnonzero(rank < 0) if placed.size else np.arange(length.size)
     if rest.size:
-        density = np.minimum(2 * pos0[rest] + length[rest] + 1, 2**15 - 1).astype(np.int16)
+        density = length[rest]  # = 2 * cost / length - 1 for a whole segment; pieces (appended) add 2 * pos0
+        piece = np.flatnonzero(rest >= n_whole)
+        density[piece] += 2 * pos0[rest[piece]]
+        density = np.minimum(density, 2**15 - 1, out=density).astype(np.int16)
         stream = rest[np.argsort(density, kind="stable")[_golden(rest.size)]]
         item, off, x_len, x_rank = _fill(length, rank, stream, t_local - tokens)
         cost[item] = _cost(pos0[item], pos0[item] + length[item])  # a cut item keeps its first piece
