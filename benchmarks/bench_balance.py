@@ -10,8 +10,8 @@ for ``contiguous``, ``rowzigzag`` (every row cut in 2cp chunks, head-tail: the c
 ``zigzag`` (per document, after ``pad_segments(multiple=2cp)``: its busiest / ideal counts the added pad tokens' work,
 and its padding overhead = added tokens / real tokens), ``balanced`` and ``auto`` (with the layout it picked).
 
-Timing: ``balanced`` plan from scratch (cache cleared: ``cp_packing.planner._plan_numpy``, the whole plan for all
-ranks, plus the cu_seqlens copy and checks of ``balanced_plan``) against ``doc_ids.clone()`` of the same map, int64
+Timing: ``balanced`` plan from scratch (cache cleared: ``balanced_plan``, the whole plan for all ranks, with the
+cu_seqlens copy, the checks and the copies it returns) against ``doc_ids.clone()`` of the same map, int64
 and int32, ``torch.set_num_threads(1)``, median of ``--repeats`` after a warm-up, in the same run. Target: the plan
 within 5x of a clone. The cached lookup (``balanced_runs`` for one rank once the plan is cached) is shown too.
 """
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from cp_packing import planner
-from cp_packing.balance import plot_balance
+from cp_packing.layouts import balanced
+from cp_packing.report import plot_balance
 from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from cp_packing.cost import layout_cost
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
@@ -96,12 +96,12 @@ def timing_table(shape, cps, repeats: int) -> list[str]:
         for cp in cps:
 
             def plan():
-                planner._cached_plan.cache_clear()
-                planner.balanced_plan(cu, cp_size=cp)
+                balanced.balanced_plan.cache_clear()
+                balanced.balanced_plan(cu, cp_size=cp)
 
             t_plan = _median_ms(plan, repeats)
-            planner.balanced_plan(cu, cp_size=cp)
-            t_hit = _median_ms(lambda: planner.balanced_runs(cu, cp_size=cp, cp_rank=cp - 1), repeats)
+            balanced.balanced_plan(cu, cp_size=cp)
+            t_hit = _median_ms(lambda: balanced.balanced_runs(cu, cp_size=cp, cp_rank=cp - 1), repeats)
             lines.append(
                 f"{kind:>10} {cu.numel() - 1:>8d} {cp:>3} {t_plan:>8.3f} {clone64:>8.3f} {clone32:>8.3f} "
                 f"{t_plan / clone64:>12.2f} {t_plan / clone32:>12.2f} {t_hit:>8.3f}"
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         print(line)
     if args.png:
         try:
-            plot_balance(synthetic_doc_ids("lognormal", shape[0], shape[1], seed=0), 8, args.png)
+            plot_balance(synthetic_doc_ids("lognormal", shape[0], shape[1], seed=0), cp_size=8, path=args.png)
             print(f"\nwrote {args.png}")
         except ImportError as exc:
             print(f"\nno plot: {exc}")

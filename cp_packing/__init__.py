@@ -8,13 +8,12 @@ explicitly), and flash_attn / ring_flash_attn are imported inside the functions 
 """
 
 from cp_packing.attention import context_parallel_attention
-from cp_packing.cost import layout_cost
+from cp_packing.cost import choose_layout, layout_cost
 from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.padding import pad_segments
-from cp_packing.planner import choose_layout
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __version__ = "0.1.0"

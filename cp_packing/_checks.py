@@ -204,3 +204,22 @@ def check_fits_dtype(value: Any, dtype: torch.dtype, what: str, *, fix: str = ""
             problem = str(exc)
     if problem:
         raise ValueError(f"{what} does not fit its dtype {dtype} ({problem}){'; ' + fix if fix else ''}")
+
+
+MAX_COST_TOKENS = 3_037_000_499
+"""The longest stream whose causal cost ``sum(p + 1)`` cp-packing counts exactly in int64 (``T * (T + 1)`` fits)."""
+
+
+def check_cost_tokens(total: Any, name: str = "cu_seqlens") -> int:
+    """``total`` (the token count T of ``name``) if its causal cost fits int64; else a ValueError, never a silent
+    overflow.
+
+    >>> check_cost_tokens(8)
+    8
+    """
+    return check_int(
+        total,
+        f"the token count T of {name}",
+        max=MAX_COST_TOKENS,
+        hint="its causal cost sum(p + 1) could overflow int64; split the batch",
+    )

@@ -14,8 +14,9 @@ Figures (``LayoutCost``):
 * ``busiest_over_ideal = busiest / (C / cp)`` with ``C`` the cost of the ORIGINAL map: for ``zigzag`` on a padded
   map this also charges the work of the added pad tokens.
 * ``padding_overhead``: tokens added inside documents / real tokens. ``zigzag`` needs every segment to be a multiple
-  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, multiple=2 * cp)``.
-  Other layouts add nothing (0.0).
+  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, multiple=2 * cp)``,
+  priced in closed form from the segment lengths (no padded map is built: memory linear in the segments). Other
+  layouts add nothing (0.0).
 * ``kv_bytes_allgather[r]``: bytes of K and V (per layer) that rank r needs from OTHER ranks under the all-gather
   backend: a run of a segment attends to the keys from its segment's start up to its own last token, so rank r
   needs, for every segment it holds a token of, the keys ``[segment start, last token it holds there]``; the bytes
@@ -27,18 +28,33 @@ Figures (``LayoutCost``):
 
 ``rowzigzag`` is a reference, not a layout of ours: the common trainer practice of cutting every ROW (not every
 document) in ``2 * cp`` chunks and giving rank r chunks ``r`` and ``2cp-1-r`` (chunk bounds ``floor(i * S / 2cp)``).
+
+``choose_layout`` (``layout="auto"``) picks, per batch, the valid layout with the lowest busiest-rank cost.
+
+Exact in int64 up to ``MAX_COST_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits; a longer
+stream raises a ValueError instead of overflowing silently.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cu_seqlens, check_int
+from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_int, check_number
+from cp_packing.layouts import LAYOUTS
+from cp_packing.layouts.balanced import balanced_plan
+from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-__all__ = ["LayoutCost", "layout_cost", "causal_cost", "COST_LAYOUTS"]
+__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS"]
+
+logger = logging.getLogger("cp_packing")
+
+#: Layouts ``choose_layout`` considers, in order of preference on a tie of cost and communication.
+AUTO_LAYOUTS = LAYOUTS
 
 #: Layouts ``layout_cost`` knows: ours (``auto`` resolves through ``choose_layout``) plus the ``rowzigzag`` reference.
 COST_LAYOUTS = ("contiguous", "zigzag", "balanced", "auto", "rowzigzag")
@@ -88,7 +104,9 @@ class LayoutCost:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# closed forms (NumPy int64 inside; exact for any map below 2**31 tokens)
+# closed forms (NumPy int64 inside; exact up to MAX_COST_TOKENS tokens)
+
+
 
 
 def _prefix_cost(cu: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -111,8 +129,15 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
 
     Returns:
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
+
+    Raises:
+        ValueError: a range outside the stream, or more than ``MAX_COST_TOKENS`` tokens (int64 could overflow).
+
+    >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]))
+    tensor([10,  8])
     """
     cu = check_cu_seqlens(cu_seqlens)
+    check_cost_tokens(int(cu[-1]))
     s = _np64(start, "start")
     n = _np64(length, "length")
     if s.shape != n.shape:
@@ -185,40 +210,82 @@ def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] |
         hi = bounds[chunk + 1][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]
         rank = np.broadcast_to(ranks[None, :, None], lo.shape)
         return rank.reshape(-1), lo.reshape(-1), (hi - lo).reshape(-1)
-    if layout == "zigzag":
-        seg_start = cu[:-1]
-        chunk = (cu[1:] - seg_start) // (2 * cp)
-        head = seg_start[None, :] + ranks[:, None] * chunk[None, :]  # [cp, N]
-        tail = seg_start[None, :] + (2 * cp - 1 - ranks[:, None]) * chunk[None, :]
-        rank = np.broadcast_to(ranks[:, None], head.shape)
-        ln = np.broadcast_to(chunk[None, :], head.shape)
-        return (
-            np.concatenate([rank.ravel(), rank.ravel()]),
-            np.concatenate([head.ravel(), tail.ravel()]),
-            np.concatenate([ln.ravel(), ln.ravel()]),
-        )
     if layout == "balanced":
-        from cp_packing.planner import balanced_plan
-
-        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu), cp_size=cp)
-        rank = np.repeat(ranks, np.diff(offsets))
+        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu.copy()), cp_size=cp)
+        rank = np.repeat(ranks, np.diff(offsets.numpy()))
         return rank, run_start.numpy(), run_len.numpy()
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
 
 
-def _runs_cost_summary(cu_seqlens: torch.Tensor, cp: int, layout: str):
-    """``(busiest cost, busiest / mean, K/V bytes received under all-gather summed over ranks)`` of a VALID layout
-    (no padding), for ``choose_layout`` (default K/V shape: 8 heads x 128 x 2 bytes)."""
-    cu = _np64(cu_seqlens, "cu_seqlens")
-    rank, start, length = _layout_ranges(cu, cp, layout, None)
-    rank_cost, _, _, kv_tokens = _figures(cu, cp, rank, start, length)
-    mean = rank_cost.sum() / cp
-    busiest = int(rank_cost.max())
-    return busiest, (busiest / mean if mean > 0 else 1.0), int(kv_tokens.sum()) * 2 * 8 * 128 * 2
+def _zigzag_figures(lengths: np.ndarray, cp: int):
+    """Per-rank cost, tokens, runs and K/V tokens needed from other ranks under zigzag, in closed form from the
+    segment lengths (every one a multiple of ``2 * cp``): O(segments + cp) memory, no per-rank run list.
+
+    With ``c = L / 2cp``, rank r holds chunks ``r`` and ``2cp-1-r`` of a segment: ``2c`` tokens costing
+    ``c(2rc + c + 1)/2 + c((4cp - 2r - 1)c + 1)/2 = c (L + 1)`` whatever r; two runs (one on rank ``cp - 1``, whose
+    chunks touch); it needs the keys up to its tail's end ``(2cp - r) c``, of which it holds ``2c``."""
+    lengths = lengths[lengths > 0]
+    c = lengths // (2 * cp)
+    n, c_sum = lengths.size, int(c.sum())
+    ranks = np.arange(cp, dtype=np.int64)
+    rank_cost = np.full(cp, int((c * (lengths + 1)).sum()), dtype=np.int64)
+    tokens = np.full(cp, 2 * c_sum, dtype=np.int64)
+    runs = np.where(ranks == cp - 1, n, 2 * n).astype(np.int64)
+    return rank_cost, tokens, runs, (2 * cp - ranks - 2) * c_sum
+
+
+def _padded_lengths(cu: np.ndarray, doc_ids: torch.Tensor, multiple: int) -> tuple[np.ndarray, int, int]:
+    """The segment lengths of ``pad_segments(doc_ids, multiple=multiple)`` (its default row length), from the
+    segments alone (no padded map is built). Returns ``(lengths, tokens added inside documents, real tokens)``.
+
+    As ``pad_segments`` lays a row: every document segment rounded up to a multiple; padding runs dropped, but one
+    between two runs of the same index kept as ``multiple`` tokens; every row padded at its end to the longest."""
+    B, S = doc_ids.shape
+    starts, lengths = cu[:-1], np.diff(cu)
+    seg_doc = doc_ids.reshape(-1)[torch.from_numpy(starts).to(doc_ids.device)].cpu().numpy()  # [N] (a host sync)
+    is_doc = seg_doc != 0
+    row = starts // max(S, 1)
+    separator = np.zeros(lengths.size, dtype=bool)
+    if lengths.size >= 3:
+        same_row = (row[:-2] == row[1:-1]) & (row[2:] == row[1:-1])
+        separator[1:-1] = ~is_doc[1:-1] & same_row & (seg_doc[:-2] == seg_doc[2:])
+    rounded = -(-lengths // multiple) * multiple
+    new_len = np.where(is_doc, rounded, np.where(separator, multiple, 0))
+    content = np.zeros(B, dtype=np.int64)
+    np.add.at(content, row, new_len)
+    row_end = content.max() - content if B else content
+    padded = np.concatenate([new_len[new_len > 0], row_end[row_end > 0]])
+    real = int(lengths[is_doc].sum())
+    return padded, int((rounded - lengths)[is_doc].sum()), real
+
+
+def _params(params_or_doc_ids: object) -> PackedSeqParams:
+    if isinstance(params_or_doc_ids, PackedSeqParams):
+        return params_or_doc_ids
+    if isinstance(params_or_doc_ids, torch.Tensor):
+        return packed_seq_params_from_doc_ids(params_or_doc_ids)  # validates the map
+    raise TypeError(
+        f"expected PackedSeqParams or a [B, S] doc map tensor, got {type(params_or_doc_ids).__name__}; build the "
+        "params with packed_seq_params_from_doc_ids(doc_ids)"
+    )
+
+
+def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor):
+    """``(rank_cost, tokens, runs, kv_tokens, padding overhead)`` of one layout (zigzag padded where it must be)."""
+    if layout == "zigzag":
+        lengths = np.diff(cu)
+        overhead = 0.0
+        if np.any(lengths % (2 * cp)):
+            lengths, added, real = _padded_lengths(cu, doc_ids, 2 * cp)
+            overhead = added / real if real else 0.0
+        return (*_zigzag_figures(lengths, cp), overhead)
+    rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
+    rank, start, length = _layout_ranges(cu, cp, layout, rows)
+    return (*_figures(cu, cp, rank, start, length), 0.0)
 
 
 def layout_cost(
-    params_or_doc_ids,
+    params_or_doc_ids: PackedSeqParams | torch.Tensor,
     *,
     cp_size: int,
     layout: str,
@@ -233,57 +300,38 @@ def layout_cost(
             padding).
         cp_size: the CP group size.
         layout: ``"contiguous"``, ``"zigzag"`` (on a map whose segments are not all multiples of ``2 * cp_size``:
-            measured after ``pad_segments(doc_ids, multiple=2 * cp_size)``, with its ``padding_overhead``),
-            ``"balanced"``,
-            ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name) or
-            ``"rowzigzag"`` (the whole-row reference; needs nothing).
+            priced as after ``pad_segments(doc_ids, multiple=2 * cp_size)``, with its ``padding_overhead``),
+            ``"balanced"``, ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name)
+            or ``"rowzigzag"`` (the whole-row reference; needs nothing).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
 
     Returns:
         ``LayoutCost``.
 
     Raises:
-        TypeError: a bad input type. ValueError: unknown layout, ``cp_size < 1``, or ``B*S % cp_size != 0`` for a
-        layout that needs it (``contiguous``, ``balanced``, ``auto``).
-    """
-    from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+        TypeError: a bad input type. ValueError: unknown layout, ``cp_size < 1``, ``B*S`` not divisible by
+        ``cp_size`` for a layout that needs it (``contiguous``, ``balanced``, ``auto``), more than ``MAX_COST_TOKENS``.
 
+    >>> layout_cost(torch.tensor([[1, 1, 1, 1]]), cp_size=2, layout="contiguous").rank_cost
+    tensor([3, 7])
+    """
     cp = check_int(cp_size, "cp_size", min=1)
     for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
         check_int(value, name, min=1)
     if layout not in COST_LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
-    if isinstance(params_or_doc_ids, PackedSeqParams):
-        params = params_or_doc_ids
-    elif isinstance(params_or_doc_ids, torch.Tensor):
-        params = packed_seq_params_from_doc_ids(params_or_doc_ids)  # validates the map
-    else:
-        raise TypeError(
-            f"layout_cost expects PackedSeqParams or a [B, S] doc map tensor, got {type(params_or_doc_ids).__name__}"
-        )
-    doc_ids = params.doc_ids
+    params = _params(params_or_doc_ids)
     cu = _np64(params.cu_seqlens, "cu_seqlens")
-    total = int(cu[-1])
+    total = check_cost_tokens(int(cu[-1]))
     ideal = float(_prefix_cost(cu, np.array([total]))[0]) / cp
     if layout == "auto":
-        from cp_packing.planner import choose_layout
-
         layout = choose_layout(params, cp_size=cp)
-    overhead = 0.0
     if layout in ("contiguous", "balanced") and total % cp:
         raise ValueError(
-            f"layout {layout!r} needs B*S % cp_size == 0, got B*S = {total} and cp_size={cp}; pad the rows to a "
-            f"multiple of {cp}"
+            f"layout {layout!r} needs B*S % cp_size == 0, got B*S = {total} and cp_size={cp}, not divisible; pad "
+            f"the rows to a multiple of {cp}"
         )
-    if layout == "zigzag" and np.any((cu[1:] - cu[:-1]) % (2 * cp)):
-        from cp_packing.padding import pad_segments
-
-        padded = pad_segments(doc_ids, multiple=2 * cp)
-        overhead = padded.overhead
-        cu = _np64(packed_seq_params_from_doc_ids(padded.doc_ids).cu_seqlens, "cu_seqlens")
-    rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
-    rank, start, length = _layout_ranges(cu, cp, layout, rows)
-    rank_cost, tokens, runs, kv_tokens = _figures(cu, cp, rank, start, length)
+    rank_cost, tokens, runs, kv_tokens, overhead = _rank_figures(cu, cp, layout, params.doc_ids)
     mean = rank_cost.sum() / cp
     per_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token, one layer
     t_local = int(tokens.max()) if tokens.size else 0
@@ -302,3 +350,70 @@ def layout_cost(
         head_dim=head_dim,
         dtype_bytes=dtype_bytes,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layout="auto"
+
+
+def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) -> str:
+    """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch.
+
+    Candidates: ``contiguous`` and ``balanced`` (need ``T % cp_size == 0``), ``zigzag`` (needs every segment
+    ``% (2 * cp_size) == 0``; this function never pads). The winner has the lowest busiest-rank causal cost; costs
+    within ``rtol`` of the lowest are a tie (the model ignores kernel tiles, so 1% is noise), and a tie goes to the
+    layout whose ranks receive fewer K/V bytes under the all-gather backend (summed over ranks), then to the first
+    in ``AUTO_LAYOUTS``. Deterministic (every rank picks the same), cached per ``(cu_seqlens, cp_size, rtol)``,
+    logged at DEBUG level on the ``"cp_packing"`` logger.
+
+    Args:
+        params: ``PackedSeqParams`` of the ``[B, S]`` batch.
+        cp_size: the context-parallel group size.
+        rtol: relative tolerance of a cost tie, ``>= 0``.
+
+    Returns:
+        ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+
+    Raises:
+        TypeError: ``params`` is not ``PackedSeqParams``, or a non-int ``cp_size``.
+        ValueError: ``T`` not divisible by ``cp_size`` (no layout is valid), or a negative ``rtol``.
+
+    >>> choose_layout(packed_seq_params_from_doc_ids(torch.tensor([[1] * 8])), cp_size=2)
+    'zigzag'
+    """
+    if not isinstance(params, PackedSeqParams):
+        raise TypeError(
+            f"params must be PackedSeqParams, got {type(params).__name__}; build it with "
+            "packed_seq_params_from_doc_ids(doc_ids)"
+        )
+    check_cp(cp_size)
+    rtol = check_number(rtol, "rtol", min=0.0)
+    cu = check_cu_seqlens(params.cu_seqlens)
+    total = check_cost_tokens(int(cu[-1]))
+    if total % cp_size:
+        raise ValueError(
+            f"no CP layout is valid: the batch has T = B*S = {total} tokens, not divisible by cp_size={cp_size} "
+            f"(every layout gives each rank T / cp_size tokens); pad the rows to a multiple of {cp_size} (or of "
+            f"{2 * cp_size} for zigzag: cp_packing.pad_segments(doc_ids, multiple={2 * cp_size}))"
+        )
+    name, table = _cached_choice(cu.tobytes(), cp_size, rtol)
+    if logger.isEnabledFor(logging.DEBUG):
+        rows = ", ".join(f"{k}: busiest/mean {im:.4f}, kv {kv / 2**20:.1f} MiB" for k, _, im, kv in table)
+        logger.debug("layout='auto' with cp_size=%d picks %r (%s)", cp_size, name, rows)
+    return name
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_choice(cu_bytes: bytes, cp: int, rtol: float) -> tuple[str, tuple[tuple[str, int, float, int], ...]]:
+    cu = np.frombuffer(cu_bytes, dtype=np.int64)
+    candidates = [name for name in AUTO_LAYOUTS if name != "zigzag" or not np.any(np.diff(cu) % (2 * cp))]
+    table = []  # (name, busiest cost, busiest / mean, K/V bytes received under all-gather, summed over ranks)
+    for name in candidates:
+        rank_cost, _, _, kv_tokens, _ = _rank_figures(cu, cp, name, None)
+        mean = rank_cost.sum() / cp
+        busiest = int(rank_cost.max())
+        table.append((name, busiest, busiest / mean if mean > 0 else 1.0, int(kv_tokens.sum()) * 2 * 8 * 128 * 2))
+    lowest = min(busiest for _, busiest, _, _ in table)
+    tied = [row for row in table if row[1] <= lowest * (1.0 + rtol)]
+    best = min(tied, key=lambda row: (row[3], AUTO_LAYOUTS.index(row[0])))
+    return best[0], tuple(table)

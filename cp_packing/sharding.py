@@ -17,7 +17,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cp_packing._checks import check_bool, check_cp, check_tensor
-from cp_packing.planner import choose_layout
+from cp_packing.cost import choose_layout
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams, check_params
 

@@ -23,7 +23,7 @@ EXAMPLE = torch.tensor(
     ]
 )
 CP = 2
-# A larger map for the balanced planner, which cuts nothing shorter than planner.MIN_CHUNK tokens: one character
+# A larger map for the balanced planner, which cuts nothing shorter than balanced.MIN_CHUNK tokens: one character
 # per 16 tokens (a character shows the block's document, and its rank, or * when ranks share the block).
 BIG = torch.tensor(
     [
@@ -84,7 +84,7 @@ def markdown() -> str:
         f"### A larger map: B={BIG.shape[0]}, S={BIG.shape[1]}, cp={BIG_CP}, one character per {BIG_SCALE} tokens",
         "",
         "The balanced planner keeps short documents whole and cuts nothing shorter than "
-        "`cp_packing.planner.MIN_CHUNK` tokens, so on the tiny map above it has nothing to cut. Here zigzag needs "
+        "`cp_packing.layouts.balanced.MIN_CHUNK` tokens, so on the tiny map above it has nothing to cut. Here zigzag needs "
         "no padding either (every run is a multiple of 2*cp), for comparison.",
         "",
     ]

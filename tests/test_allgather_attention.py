@@ -160,9 +160,9 @@ def _dist_balanced(rank, world_size):
 @pytest.mark.parametrize("cp_size", [2, 3, 4])
 def test_allgather_balanced_layout(cp_size):
     try:
-        import cp_packing.planner  # noqa: F401
+        import cp_packing.layouts.balanced  # noqa: F401
     except ImportError:
-        pytest.skip("layout 'balanced' needs cp_packing/planner.py, which is not in this tree yet")
+        pytest.skip("layout 'balanced' needs cp_packing/layouts/balanced.py, which is not in this tree yet")
     for rank, errs in enumerate(run_distributed(_dist_balanced, cp_size)):
         for e in errs:
             assert max(e.values()) < 2e-5, f"cp={cp_size} rank {rank}: {e}"

@@ -1,9 +1,14 @@
-"""Cost model: the closed forms equal brute force (per-token positions), for every layout; padding overhead and
-K/V bytes as defined; a hand-checked example; errors."""
+"""Cost model: the closed forms equal brute force (per-token positions), for every layout (zigzag's padding priced
+from the segments alone equals the padded map's brute force); padding overhead and K/V bytes as defined; memory
+linear in the segments; no silent int64 overflow; choose_layout's picks; a hand-checked example; errors."""
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_packing.testing import synthetic_doc_ids
-from cp_packing.cost import causal_cost, layout_cost
+from cp_packing._checks import MAX_COST_TOKENS
+from cp_packing.cost import causal_cost, choose_layout, layout_cost
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import pad_segments
 from cp_packing.sharding import shard_packed_seq_params
@@ -183,3 +189,115 @@ def test_layout_cost_errors():
         causal_cost(torch.tensor([0, 4]), torch.tensor([0.0]), torch.tensor([2]))
     # rowzigzag and zigzag (padded) need no divisibility
     assert layout_cost(doc_ids, cp_size=4, layout="rowzigzag").tokens_per_rank.sum() == 6
+
+
+@SETTINGS
+@given(doc_maps(max_b=3, max_s=40, pad_p=0.4), st.sampled_from([1, 2, 3, 4]))
+def test_zigzag_padding_priced_from_the_segments_equals_the_padded_map(doc_ids, cp):
+    """Any map (documents reused, padding anywhere): the closed form equals brute force over the shards of
+    pad_segments(doc_ids, multiple=2cp) (of the map itself where every segment is already a multiple), and the
+    overhead is pad_segments' own."""
+    lengths = packed_seq_params_from_doc_ids(doc_ids).seqlens
+    needs_padding = bool((lengths % (2 * cp) != 0).any())
+    padded = pad_segments(doc_ids, multiple=2 * cp)
+    laid = padded.doc_ids if needs_padding else doc_ids
+    c = layout_cost(doc_ids, cp_size=cp, layout="zigzag", num_kv_heads=1, head_dim=1, dtype_bytes=1)
+    params = packed_seq_params_from_doc_ids(laid)
+    idx = [shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="zigzag").token_index for r in range(cp)]
+    brute = _brute_figures(laid, idx)
+    assert c.rank_cost.tolist() == [b[0] for b in brute]
+    assert c.tokens_per_rank.tolist() == [b[1] for b in brute]
+    assert c.runs_per_rank.tolist() == [b[2] for b in brute]
+    assert c.kv_bytes_allgather.tolist() == [2 * b[3] for b in brute]
+    assert c.padding_overhead == pytest.approx(padded.overhead if needs_padding else 0.0)
+
+
+def test_report_of_short_documents_at_cp_128_takes_memory_linear_in_the_segments():
+    """2M tokens of short documents at cp=128: padding every document to 256 tokens would take ~0.5 GB per int64
+    copy of the padded map; the closed form (and the whole report) must stay far below that."""
+    code = (
+        "import resource, torch\n"
+        "from cp_packing.testing import synthetic_doc_ids\n"
+        "from cp_packing.packed_seq import packed_seq_params_from_doc_ids\n"
+        "from cp_packing.report import balance_report\n"
+        "params = packed_seq_params_from_doc_ids(synthetic_doc_ids('short', 16, 131072, seed=0))\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "text = balance_report(params, cp_size=128)\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "assert 'zigzag (padded)' in text, text\n"
+        "print(grew // 1024)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) < 150, f"the report grew the peak memory by {r.stdout.split()[-1]} MiB"
+
+
+def test_causal_cost_is_exact_up_to_the_int64_limit_and_refuses_beyond():
+    T = MAX_COST_TOKENS
+    got = causal_cost(torch.tensor([0, T]), torch.tensor([0, T - 1]), torch.tensor([T, 1]))
+    assert got.tolist() == [T * (T + 1) // 2, T]  # exact: Python ints agree
+    with pytest.raises(ValueError, match=r"token count T of cu_seqlens must be <= 3037000499.*overflow int64"):
+        causal_cost(torch.tensor([0, 3 * 2**30 + 2**28]), torch.tensor([0]), torch.tensor([1]))
+    params = packed_seq_params_from_doc_ids(torch.ones(1, 8, dtype=torch.int64))
+    object.__setattr__(params, "cu_seqlens", torch.tensor([0, 2**32], dtype=torch.int64))
+    with pytest.raises(ValueError, match="overflow int64"):
+        layout_cost(params, cp_size=2, layout="contiguous")
+
+
+# -- choose_layout ---------------------------------------------------------------------------------------------
+
+
+def _params(rows):
+    return packed_seq_params_from_doc_ids(torch.tensor(rows, dtype=torch.int64))
+
+
+def test_choose_zigzag_when_every_segment_is_a_multiple_of_2cp():
+    """One long document per row, lengths multiples of 2cp: zigzag is exact (and ring kernels take it); balanced
+    places it the same way, contiguous is badly off; the tie goes to zigzag."""
+    cp = 4
+    params = _params([[1] * 64 + [2] * 32, [1] * 96])
+    assert choose_layout(params, cp_size=cp) == "zigzag"
+    assert shard_packed_seq_params(params, cp_size=cp, cp_rank=1, layout="auto").layout == "zigzag"
+
+
+def test_choose_contiguous_when_it_is_already_even():
+    """Many equal short documents: contiguous is as even as anything and needs the least K/V traffic."""
+    params = _params([[d for d in range(1, 33) for _ in range(4)]] * 2)  # 32 docs of 4 tokens per row
+    assert choose_layout(params, cp_size=4) == "contiguous"
+
+
+def test_choose_balanced_on_long_tailed_lengths():
+    params = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 4, 4096, seed=5))
+    assert choose_layout(params, cp_size=8) == "balanced"
+    s = shard_packed_seq_params(params, cp_size=8, cp_rank=3, layout="auto")
+    assert s.layout == "balanced" and s.num_local_tokens == params.total_tokens // 8
+
+
+def test_choose_layout_logs_its_choice(caplog):
+    params = _params([[1] * 64 + [2] * 32, [1] * 96])
+    with caplog.at_level(logging.DEBUG, logger="cp_packing"):
+        name = choose_layout(params, cp_size=4, rtol=0.0123)  # an rtol no other test uses: not a cache hit
+    assert any("picks" in r.getMessage() and repr(name) in r.getMessage() for r in caplog.records)
+
+
+def test_choose_layout_errors():
+    with pytest.raises(ValueError, match=r"no CP layout is valid.*T = B\*S = 6 tokens, not divisible by cp_size=4"):
+        choose_layout(_params([[1, 1, 2, 2, 2, 0]]), cp_size=4)
+    with pytest.raises(ValueError, match="no CP layout is valid"):
+        shard_packed_seq_params(_params([[1, 1, 2, 2, 2, 0]]), cp_size=4, cp_rank=0, layout="auto")
+    with pytest.raises(TypeError, match="PackedSeqParams"):
+        choose_layout(torch.ones(2, 4), cp_size=2)
+    with pytest.raises(TypeError, match="cp_size must be an int"):
+        choose_layout(_params([[1, 1]]), cp_size=2.0)
+    with pytest.raises(ValueError, match="rtol"):
+        choose_layout(_params([[1, 1]]), cp_size=2, rtol=-1)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import cp_packing.cost
+
+    result = doctest.testmod(cp_packing.cost, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

@@ -33,7 +33,7 @@ from tests.maps import block_diagonal_causal, segments_of  # noqa: E402
 NAME = register_cp_attention()
 RTOL, ATOL = 1e-4, 1e-5
 KINDS = ("llama", "qwen3")
-HAS_PLANNER = importlib.util.find_spec("cp_packing.planner") is not None
+HAS_PLANNER = importlib.util.find_spec("cp_packing.layouts.balanced") is not None
 
 
 def make_model(kind: str, attn: str) -> torch.nn.Module:

@@ -6,7 +6,7 @@ are the global tokens of its segment up to itself (causal), and they may live on
 1. all-gathers K and V over the CP group: ``[cp * T_local, H_kv, D]`` each, in rank-major order (rank r's local
    tokens at ``[r * T_local, (r+1) * T_local)``, i.e. the order of ``sharded.global_token_order()``);
 2. picks, for every local *run* (``sharded.cu_seqlens``: a maximal piece of consecutive global tokens of one
-   segment), the run's keys: global tokens ``[run_key_start, run_last + 1)`` (the whole segment when
+   segment), the run's keys: global tokens ``[key_start, run_last + 1)`` (the whole segment when
    ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
    cached on ``sharded`` (``sharded.cached``): it is a per-step constant reused by every layer). When that index is one range
    (the ``contiguous`` layout, and any layout with ``cp_size == 1``) the keys are a slice of the gathered buffer:
@@ -95,7 +95,7 @@ def allgather_keys(
 
     Args:
         sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
-        causal: ``True``: run ``i``'s keys are global tokens ``[run_key_start[i], last token of run i]``;
+        causal: ``True``: run ``i``'s keys are global tokens ``[key_start[i], last token of run i]``;
             ``False``: the run's whole segment.
         device: where the index tensors go (default: ``sharded.token_index.device``).
 

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from cp_packing.balance import balance_report, plot_balance
+    from cp_packing.report import balance_report, plot_balance
     from cp_packing.packed_seq import packed_seq_params_from_doc_ids
     from cp_packing.testing import synthetic_doc_ids
 
@@ -56,6 +56,6 @@ def run(args) -> int:
     print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                          dtype_bytes=args.dtype_bytes, **kwargs))
     if args.png:
-        plot_balance(params, args.cp, args.png, **kwargs)
+        plot_balance(params, cp_size=args.cp, path=args.png, **kwargs)
         print(f"\nwrote {args.png}")
     return 0

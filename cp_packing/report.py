@@ -1,5 +1,9 @@
 """Load-balance report: per-layout cost tables and a bar chart.
 
+>>> print(balance_report(torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]), cp_size=2).splitlines()[-1])
+layout='auto' picks 'contiguous'
+
+
 ``balance_report(doc_ids, cp_size=8)`` prints, per layout, the figures of ``cp_packing.cost.layout_cost``: busiest /
 mean causal cost, busiest / ideal (padding work included), padding overhead, runs per rank and K/V bytes per layer,
 plus which layout ``layout="auto"`` picks. ``plot_balance`` draws every rank's cost per layout (matplotlib, the
@@ -9,12 +13,14 @@ The command line is ``python -m cp_packing report ...`` (see ``cp_packing.__main
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from cp_packing.cost import LayoutCost, layout_cost
+from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
 __all__ = [
     "REPORT_LAYOUTS",
@@ -27,8 +33,12 @@ __all__ = [
 REPORT_LAYOUTS = ("contiguous", "rowzigzag", "zigzag", "balanced", "auto")
 
 
+def _params(doc_ids: torch.Tensor | PackedSeqParams) -> PackedSeqParams:
+    return doc_ids if isinstance(doc_ids, PackedSeqParams) else packed_seq_params_from_doc_ids(doc_ids)
+
+
 def balance_costs(
-    doc_ids,
+    doc_ids: torch.Tensor | PackedSeqParams,
     *,
     cp_size: int,
     layouts: Sequence[str] = REPORT_LAYOUTS,
@@ -41,10 +51,20 @@ def balance_costs(
     ``contiguous`` / ``balanced`` / ``auto`` need ``B*S % cp_size == 0`` and are left out otherwise; ``zigzag`` is
     measured after ``pad_segments`` when the map needs it; ``rowzigzag`` always applies. The ``auto`` entry is
     keyed ``"auto"`` (its ``layout`` attribute names the pick).
-    """
-    from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-    params = doc_ids if isinstance(doc_ids, PackedSeqParams) else packed_seq_params_from_doc_ids(doc_ids)
+    Args:
+        doc_ids: ``[B, S]`` doc map or ``PackedSeqParams``.
+        cp_size: the CP group size.
+        layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
+        num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte figures.
+
+    Returns:
+        ``{layout name: LayoutCost}``, in the order of ``layouts``.
+
+    >>> list(balance_costs(torch.tensor([[1, 1, 2, 2, 2, 0]]), cp_size=4))
+    ['rowzigzag', 'zigzag']
+    """
+    params = _params(doc_ids)
     out: dict[str, LayoutCost] = {}
     for name in layouts:
         if name in ("contiguous", "balanced", "auto") and params.total_tokens % cp_size:
@@ -61,7 +81,7 @@ def balance_costs(
 
 
 def balance_report(
-    doc_ids,
+    doc_ids: torch.Tensor | PackedSeqParams,
     *,
     cp_size: int,
     layouts: Sequence[str] = REPORT_LAYOUTS,
@@ -78,10 +98,12 @@ def balance_report(
         cp_size: the CP group size.
         layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte columns.
-    """
-    from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-    params = doc_ids if isinstance(doc_ids, PackedSeqParams) else packed_seq_params_from_doc_ids(doc_ids)
+    Returns:
+        The table as one string (print it). In memory linear in the segments (zigzag's padding is priced in closed
+        form).
+    """
+    params = _params(doc_ids)
     costs = balance_costs(
         params, cp_size=cp_size, layouts=layouts, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes
     )
@@ -110,10 +132,22 @@ def balance_report(
     return "\n".join(lines)
 
 
-def plot_balance(doc_ids, cp_size: int, path, *, layouts: Sequence[str] = REPORT_LAYOUTS) -> None:
+def plot_balance(
+    doc_ids: torch.Tensor | PackedSeqParams,
+    *,
+    cp_size: int,
+    path: str | os.PathLike[str],
+    layouts: Sequence[str] = REPORT_LAYOUTS,
+) -> None:
     """Write a PNG bar chart of every rank's causal cost (relative to the ideal ``C / cp``) for each layout.
 
     Needs matplotlib (``pip install 'cp-packing[plot]'``); imported here, with the Agg backend (no display).
+
+    Args:
+        doc_ids: ``[B, S]`` doc map or ``PackedSeqParams``.
+        cp_size: the CP group size.
+        path: where to write the PNG.
+        layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
 
     Raises:
         ImportError: matplotlib is not installed (the message names the ``plot`` extra).

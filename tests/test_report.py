@@ -1,4 +1,5 @@
-"""Balance report, plot, synthetic maps, the command line (show, report) and the balance benchmark's smoke run."""
+"""Balance report and plot (cp_packing.report), the synthetic maps they are shown on, the command line (show, report)
+and the balance benchmark's smoke run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from cp_packing.__main__ import main
-from cp_packing.balance import balance_costs, balance_report, plot_balance
+from cp_packing.report import balance_costs, balance_report, plot_balance
 from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from cp_packing.cost import layout_cost
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
@@ -74,13 +75,13 @@ def test_report_without_divisible_tokens_keeps_what_applies():
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(ImportError, match=r"cp-packing\[plot\]"):
-        plot_balance(torch.tensor([[1, 1, 2, 2]]), 2, tmp_path / "x.png")
+        plot_balance(torch.tensor([[1, 1, 2, 2]]), cp_size=2, path=tmp_path / "x.png")
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the 'plot' extra) is not installed")
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "balance.png"
-    plot_balance(synthetic_doc_ids("huge", 2, 2048, seed=0), 4, path)
+    plot_balance(synthetic_doc_ids("huge", 2, 2048, seed=0), cp_size=4, path=path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -144,3 +145,17 @@ def test_balanced_report_matches_the_shards():
     assert c.tokens_per_rank.tolist() == [
         shard_packed_seq_params(params, cp_size=4, cp_rank=r, layout="balanced").num_local_tokens for r in range(4)
     ]
+
+
+def test_plot_balance_options_are_keyword_only(tmp_path):
+    with pytest.raises(TypeError):
+        plot_balance(torch.tensor([[1, 1, 2, 2]]), 2, tmp_path / "x.png")  # noqa: the positional form is gone
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import cp_packing.report
+
+    result = doctest.testmod(cp_packing.report, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

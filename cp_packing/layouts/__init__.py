@@ -12,75 +12,56 @@ lies inside ONE segment::
 segment boundary, a run's keys under causal attention are the global tokens from its segment's start up to the
 run's last token, which is what the all-gather attention backend uses for every layout.
 
-Layouts:
-
-* ``contiguous``: rank r holds flat tokens ``[r*T/cp, (r+1)*T/cp)`` (ring-flash-attn's llama3 all-gather varlen).
-* ``zigzag``: every segment (padding segments too) is cut into ``2*cp`` equal chunks; rank r holds chunks ``r``
-  and ``2*cp-1-r`` of every segment, segment after segment (ring-flash-attn's zigzag varlen, TransformerEngine THD
-  context parallelism). Needs every segment length to be a multiple of ``2*cp`` (see ``cp_packing.pad_segments``).
-* ``balanced``: see ``cp_packing.planner``; any placement with equal token counts that evens out causal cost.
+``RUNS`` maps each layout name to its pure runs function ``(cu_seqlens, *, cp_size, cp_rank) -> (run_start,
+run_len)``, one module each: ``contiguous`` (``layouts/contiguous.py``), ``zigzag`` (``layouts/zigzag.py``) and
+``balanced`` (``layouts/balanced.py``). Choosing one per batch (``layout="auto"``) is the cost model's job
+(``cp_packing.cost.choose_layout``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
 
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible
+from cp_packing.layouts.balanced import balanced_runs
+from cp_packing.layouts.contiguous import contiguous_runs
+from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_runs
 
-__all__ = ["LAYOUTS", "layout_runs", "expand_runs", "layout_token_index", "global_token_order"]
+__all__ = [
+    "LAYOUTS",
+    "RUNS",
+    "check_layout",
+    "check_zigzag_divisible",
+    "layout_runs",
+    "expand_runs",
+    "layout_token_index",
+    "global_token_order",
+]
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
+RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+
+#: Layout name -> pure runs function ``(cu_seqlens int64, *, cp_size, cp_rank) -> (run_start, run_len)``.
+RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs}
+
+#: The layout names, in order of preference on a tie (``choose_layout``).
+LAYOUTS = tuple(RUNS)
 
 
-def check_layout(layout) -> str:
+def check_layout(layout: object) -> str:
+    """``layout`` if it names a layout of ``LAYOUTS``; else a ValueError listing them.
+
+    >>> check_layout("zigzag")
+    'zigzag'
+    """
     return check_choice(layout, "layout", LAYOUTS)
 
 
-def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
-    """Raise a ValueError naming the first segment whose length is not a multiple of ``2 * cp_size``."""
-    cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    bad = torch.nonzero(lengths % (2 * cp_size)).view(-1)
-    if bad.numel():
-        k = int(bad[0])
-        start, end = int(cu[k]), int(cu[k + 1])
-        raise ValueError(
-            f"layout 'zigzag': segment {k} (positions {start}..{end - 1}) has length {end - start}, not divisible by "
-            f"2*cp_size={2 * cp_size} ({bad.numel()} segment(s) are off); pad every document with "
-            f"cp_packing.pad_segments(doc_ids, multiple={2 * cp_size}, ...) or use layout='contiguous'"
-        )
-
-
-def _contiguous_runs(cu: torch.Tensor, total: int, cp_size: int, cp_rank: int):
-    t_local = total // cp_size
-    lo, hi = cp_rank * t_local, (cp_rank + 1) * t_local
-    if t_local == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=cu.device)
-        return empty, empty
-    bounds = torch.tensor([lo, hi - 1], dtype=torch.int64, device=cu.device)
-    first, last = (torch.searchsorted(cu, bounds, right=True) - 1).tolist()
-    seg_lo = cu[first : last + 1]
-    seg_hi = cu[first + 1 : last + 2]
-    run_start = seg_lo.clamp(min=lo)
-    run_len = seg_hi.clamp(max=hi) - run_start
-    return run_start, run_len
-
-
-def _zigzag_runs(cu: torch.Tensor, cp_size: int, cp_rank: int):
-    check_zigzag_divisible(cu, cp_size)
-    seg_start = cu[:-1]
-    chunk = (cu[1:] - seg_start) // (2 * cp_size)
-    head = seg_start + cp_rank * chunk
-    if cp_rank == cp_size - 1:  # chunks cp-1 and cp touch: one run per segment (runs are maximal pieces)
-        return head, 2 * chunk
-    tail = seg_start + (2 * cp_size - 1 - cp_rank) * chunk
-    run_start = torch.stack([head, tail], dim=1).reshape(-1)
-    run_len = torch.stack([chunk, chunk], dim=1).reshape(-1)
-    return run_start, run_len
-
-
-def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str):
+def layout_runs(
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The runs of global tokens that rank ``cp_rank`` holds, in local order.
 
     Args:
@@ -89,21 +70,21 @@ def layout_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout:
         layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
 
     Returns:
-        ``(run_start, run_len)``, int64 ``[R]`` each: every run lies inside one segment, runs are non-empty and
+        ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``: every run lies inside one segment and
         ``run_len.sum() == T // cp_size``.
+
+    Raises:
+        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank`` or ``layout``; ``T`` not divisible
+        by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
+
+    >>> layout_runs(torch.tensor([0, 4, 8]), cp_size=2, cp_rank=0, layout="contiguous")
+    (tensor([0]), tensor([4]))
     """
     check_cp(cp_size, cp_rank)
     check_layout(layout)
     total = int(check_cu_seqlens(cu_seqlens)[-1])
-    cu = cu_seqlens.to(torch.int64)
     check_divisible(total, cp_size)
-    if layout == "contiguous":
-        return _contiguous_runs(cu, total, cp_size, cp_rank)
-    if layout == "zigzag":
-        return _zigzag_runs(cu, cp_size, cp_rank)
-    from cp_packing.planner import balanced_runs  # pure index math; imported lazily (it is the larger module)
-
-    return balanced_runs(cu, cp_size=cp_size, cp_rank=cp_rank)
+    return RUNS[layout](cu_seqlens.to(torch.int64), cp_size=cp_size, cp_rank=cp_rank)
 
 
 def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> torch.Tensor:
@@ -113,6 +94,9 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
 
     CPU: one NumPy ``cumsum`` over a buffer of ones with a jump at each run start (about one pass over the output).
     Other devices: ``arange + repeat_interleave`` (no host sync: ``total`` is given).
+
+    >>> expand_runs(torch.tensor([5, 0]), torch.tensor([2, 3]), 5)
+    tensor([5, 6, 0, 1, 2])
     """
     if run_start.device.type != "cpu":
         local_start = torch.cumsum(run_len, 0) - run_len
@@ -138,15 +122,26 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
 
 
 def layout_token_index(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
-    """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order."""
+    """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order.
+
+    >>> layout_token_index(torch.tensor([0, 8]), cp_size=2, cp_rank=0, layout="zigzag")
+    tensor([0, 1, 6, 7])
+    """
     run_start, run_len = layout_runs(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
-    total = int(cu_seqlens[-1]) // cp_size if cu_seqlens.numel() else 0
+    total = int(cu_seqlens[-1]) // cp_size
     return expand_runs(run_start, run_len, total)
 
 
 def global_token_order(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str) -> torch.Tensor:
-    """int64 ``[cp_size, T_local]``: row r is rank r's ``token_index``. Every global token appears exactly once,
-    so the flattened tensor is a permutation of ``range(T)``: the order of an all-gather over the CP group."""
+    """int64 ``[cp_size, T_local]``: row r is rank r's ``token_index``.
+
+    Every global token appears exactly once, so the flattened tensor is a permutation of ``range(T)``: the order of
+    an all-gather over the CP group.
+
+    >>> global_token_order(torch.tensor([0, 4]), cp_size=2, layout="zigzag")
+    tensor([[0, 3],
+            [1, 2]])
+    """
     return torch.stack(
         [layout_token_index(cu_seqlens, cp_size=cp_size, cp_rank=r, layout=layout) for r in range(cp_size)]
     )

@@ -1,0 +1,347 @@
+"""The ``balanced`` layout: exactly ``T / cp`` tokens on every rank, even causal cost, no padding.
+
+Under causal attention a token at position ``p`` of its segment attends to ``p + 1`` keys, so a rank's work is
+``sum(p + 1)`` over its tokens, and a piece ``[a, b)`` of a segment costs ``(b(b+1) - a(a+1)) / 2``. With ``C`` the
+total cost, ``C / cp`` is the ideal per rank. The plan (every rank's runs at once)::
+
+    1. long    a segment costing > HEAVY * C/cp with >= 2*cp*MIN_CHUNK tokens: cut zigzag-style in 2cp chunks,
+               rank r takes chunks r and 2cp-1-r (an early and a late one: the same cost on every rank)
+                   [ 0 | 1 | 2 | 3 | 3 | 2 | 1 | 0 ]      cp = 4, one long document
+    2. items   every other segment, whole; a heavy one shorter than that in a few pieces of >= MIN_CHUNK tokens
+    3. LPT     rho = cost per token of the cheap items (cost <= LPT_FRACTION * C/cp); an item's excess is
+               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (at most LPT_ROUNDS * cp of them),
+               largest first, on a heap: each goes whole to the rank with the least excess that has room for it
+    4. fill    the other items, sorted by cost per token, in golden-ratio order (j -> j*a mod m, a ~ m/1.618),
+               so that every stretch of the stream costs about rho per token; rank r takes the next
+               T/cp - (its tokens so far) tokens of it, and each rank's end cuts at most one item
+                   stream  [ s  L  m  s  L  m  s  L | m  s  L  m ...]    s/m/L: short/medium/long items
+                           |<------- rank 0 ------->|<-- rank 1 ...
+    5. check   a rank then costs about its excess + rho * T/cp: even. If the busiest rank is still busier than
+               contiguous's busiest (tiny maps, coarse pieces), the plan is contiguous instead.
+
+Runs: every run lies in one segment; a rank's runs are ordered by global position and touching pieces of one
+segment on one rank are merged. Pieces cut on purpose (long chunks, mid pieces) have at least ``MIN_CHUNK``
+tokens; only the ``cp - 1`` fill cuts of step 4 can leave a shorter piece (and short documents stay whole).
+
+The plan is a function of the ``cu_seqlens`` values and ``cp`` only (integer math, stable sorts, float64 steps that
+are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp)`` with ``functools.lru_cache``;
+it runs in NumPy on the host (a CUDA ``cu_seqlens`` is copied: one host sync per call).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+
+import numpy as np
+import torch
+
+from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_divisible
+
+__all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
+
+#: The smallest piece the planner cuts on purpose. Short runs waste the tiles of a flash kernel.
+MIN_CHUNK = 32
+#: A segment costing more than this fraction of a rank's ideal cost is cut (zigzag if long, else in pieces).
+HEAVY = 0.01
+#: Items whose excess over the mean cost per token is above this fraction of a rank's ideal cost are placed one by
+#: one (LPT); the rest pour.
+LPT_FRACTION = 0.0005
+#: At most this many rounds of ``cp`` items go through LPT (the largest excess first; Python time); the rest pour.
+LPT_ROUNDS = 64
+
+_CACHE_SIZE = 16
+
+
+def _cost(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Causal cost of positions ``a .. b-1`` of a segment, int64 (exact for ``b <= MAX_COST_TOKENS``)."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def _long_runs(start: np.ndarray, length: np.ndarray, cp: int):
+    """Zigzag pairs of the long segments. Rank r's pair holds ``L // cp`` or ``L // cp + 1`` tokens (the +1 rotates
+    over the ranks from one segment to the next, so every rank gets floor or ceil of their total / cp); its head
+    chunk is at ``r``-th place from the segment's start, its tail at ``r``-th place from the end.
+    Returns the runs ``(start, len, rank, pos0)`` and every rank's tokens and cost ``[cp]``."""
+    rem = length % cp
+    rot = (np.cumsum(rem) - rem) % cp  # where this segment's +1's start
+    ranks = np.arange(cp, dtype=np.int64)
+    pair = length[:, None] // cp + (((ranks - rot[:, None]) % cp) < rem[:, None])  # [n, cp]
+    head = pair // 2
+    tail = pair - head
+    head_pos = np.cumsum(head, axis=1) - head  # [n, cp] from the segment's start
+    tail_pos = length[:, None] - np.cumsum(tail, axis=1)  # [n, cp] rank r's tail ends where rank r-1's starts
+    cost = _cost(head_pos, head_pos + head) + _cost(tail_pos, tail_pos + tail)
+    pos = np.concatenate([head_pos, tail_pos], axis=1)
+    return (
+        (pos + start[:, None]).ravel(),
+        np.concatenate([head, tail], axis=1).ravel(),
+        np.tile(np.concatenate([ranks, ranks]), length.size),
+        pos.ravel(),
+        pair.sum(axis=0),
+        cost.sum(axis=0),
+    )
+
+
+def _lpt(weight: np.ndarray, length: np.ndarray, load: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Place the items (heaviest first) one by one on the rank with the least load that has room for them.
+    Returns every item's rank (-1: no room anywhere)."""
+    heap = [(e, r) for r, e in enumerate(load.tolist())]
+    heapq.heapify(heap)
+    room = room.tolist()
+    rank = []
+    for w, n in zip(weight.tolist(), length.tolist()):
+        full = []
+        while heap and room[heap[0][1]] < n:  # ranks without room for it step aside
+            full.append(heapq.heappop(heap))
+        r = -1
+        if heap:
+            e, r = heap[0]
+            room[r] -= n
+            heapq.heapreplace(heap, (e + w, r))
+        for entry in full:
+            heapq.heappush(heap, entry)
+        rank.append(r)
+    return np.array(rank, dtype=np.int64)
+
+
+def _golden(m: int) -> np.ndarray:
+    """``j * a % m`` for ``j < m``, ``a`` coprime with ``m`` near ``m / golden ratio``: a low-discrepancy
+    permutation (any stretch of it samples all of ``range(m)`` evenly)."""
+    a = max(1, round(m * 0.6180339887498949))
+    while math.gcd(a, m) != 1:
+        a += 1
+    out = np.arange(m, dtype=np.int64)
+    out *= a
+    out %= m
+    return out
+
+
+def _pieces(start: np.ndarray, length: np.ndarray, q: np.ndarray):
+    """Cut item k into ``q[k]`` consecutive pieces (piece j of ``[j*L//q, (j+1)*L//q)``). Returns the pieces'
+    ``(start, len, pos0)`` in position order."""
+    owner = np.repeat(np.arange(length.size), q)
+    j = np.arange(owner.size) - (np.cumsum(q) - q)[owner]
+    lo, hi = j * length[owner] // q[owner], (j + 1) * length[owner] // q[owner]
+    return start[owner] + lo, hi - lo, lo
+
+
+def _fill(length: np.ndarray, rank: np.ndarray, stream: np.ndarray, need: np.ndarray):
+    """Pour the items ``stream`` (in that order) into the ranks, rank r taking the next ``need[r]`` tokens: sets
+    ``rank`` of every item (its first token's rank), shortens the items a rank end cuts to their first piece and
+    returns the pieces after the cuts ``(item, offset inside it, len, rank)`` (at most ``cp - 1``)."""
+    ends = np.cumsum(need)  # rank r's share of the stream is [ends[r] - need[r], ends[r])
+    s_len = length[stream]
+    s_end = np.cumsum(s_len)
+    s_start = s_end - s_len
+    first_of = np.searchsorted(s_start, ends, side="left")  # the first item starting at or after each rank end
+    rank[stream] = np.repeat(np.arange(need.size + 1), np.diff(first_of, prepend=0, append=stream.size))
+    cuts = np.unique(ends[:-1])
+    k = np.minimum(np.searchsorted(s_end, cuts, side="right"), stream.size - 1)  # the item holding each cut
+    inside = (cuts > s_start[k]) & (cuts < s_end[k])
+    cuts, k = cuts[inside], k[inside]
+    item, off = stream[k], cuts - s_start[k]
+    nxt = np.append(off[1:], 0)
+    same = np.append(k[1:] == k[:-1], False)
+    x_len = np.where(same, nxt, length[item]) - off
+    first = np.ones(k.size, dtype=bool)
+    first[1:] = k[1:] != k[:-1]
+    length[item[first]] = off[first]
+    return item, off, x_len, np.searchsorted(ends, cuts, side="right")
+
+
+def _plan(cu: np.ndarray, cp: int):
+    """Every rank's runs: ``(offsets [cp + 1], run_start [R], run_len [R])``, rank r's runs at
+    ``offsets[r]:offsets[r + 1]``, ordered by position. See the module docstring."""
+    total = int(cu[-1])
+    t_local = total // cp
+    start, length = cu[:-1], np.diff(cu)
+    if length.min() == 0:
+        start, length = start[length > 0], length[length > 0]
+    cost = length + 1  # L (L + 1) / 2, in place
+    cost *= length
+    cost >>= 1
+    ideal = float(cost.sum()) / cp
+    contiguous = _contiguous_busiest(start, cost, t_local, cp)
+    tokens, excess = np.zeros(cp, dtype=np.int64), np.zeros(cp)
+    extra = []  # runs besides the items: (start, len, rank, pos0)
+
+    # 1. long segments: zigzag over all ranks
+    heavy = cost > HEAVY * ideal
+    long = heavy & (length >= 2 * cp * MIN_CHUNK)
+    if long.any():
+        *runs, long_tokens, long_cost = _long_runs(start[long], length[long], cp)
+        extra.append(runs)
+        tokens += long_tokens
+        excess += long_cost
+        start, length, cost, heavy = start[~long], length[~long], cost[~long], heavy[~long]
+    # 2. items: the other segments, whole; a heavy one in q pieces of >= MIN_CHUNK tokens (the first in its place,
+    # the others appended: few)
+    pos0 = np.zeros(length.size, dtype=np.int64)
+    n_whole = length.size  # items from here on are later pieces of heavy segments (pos0 > 0)
+    h = np.flatnonzero(heavy)
+    if h.size:
+        q = np.clip(np.ceil(cost[h] / (HEAVY * ideal)), 1, np.maximum(length[h] // MIN_CHUNK, 1)).astype(np.int64)
+        p_start, p_len, p_pos0 = _pieces(start[h], length[h], q)
+        first = np.cumsum(q) - q
+        later = np.ones(p_len.size, dtype=bool)
+        later[first] = False
+        length[h] = p_len[first]
+        cost[h] = _cost(0, p_len[first])
+        start = np.concatenate([start, p_start[later]])
+        length = np.concatenate([length, p_len[later]])
+        pos0 = np.concatenate([pos0, p_pos0[later]])
+        cost = np.concatenate([cost, _cost(p_pos0[later], p_pos0[later] + p_len[later])])
+
+    # 3. LPT on the items that cost most over the fill's cost per token rho (the rest pour evenly)
+    coarse = np.flatnonzero(cost > LPT_FRACTION * ideal)
+    rho = float(cost.sum() - cost[coarse].sum()) / max(int(length.sum() - length[coarse].sum()), 1)
+    weight = cost[coarse] - rho * length[coarse]  # the excess of an item over rho: what the fill cannot even out
+    big = coarse[weight > LPT_FRACTION * ideal]
+    weight = weight[weight > LPT_FRACTION * ideal]
+    if big.size > LPT_ROUNDS * cp:
+        keep = np.argpartition(-weight, LPT_ROUNDS * cp)[: LPT_ROUNDS * cp]
+        big, weight = big[keep], weight[keep]
+    o = np.lexsort((big, -weight))  # largest excess first, ties by position
+    big, weight = big[o], weight[o]
+    rank = np.full(length.size, -1, dtype=np.int64)
+    rank[big] = _lpt(weight, length[big], excess - rho * tokens, t_local - tokens)
+    placed = big[rank[big] >= 0]
+    np.add.at(tokens, rank[placed], length[placed])
+
+    # 4. fill: the rest by cost per token (2 * cost / length = 2 * pos0 + length + 1), golden-ratio interleaved
+    rest = np.flatnonzero(rank < 0) if placed.size else np.arange(length.size)
+    if rest.size:
+        density = length[rest]  # = 2 * cost / length - 1 for a whole segment; pieces (appended) add 2 * pos0
+        piece = np.flatnonzero(rest >= n_whole)
+        density[piece] += 2 * pos0[rest[piece]]
+        density = np.minimum(density, 2**15 - 1, out=density).astype(np.int16)
+        stream = rest[np.argsort(density, kind="stable")[_golden(rest.size)]]
+        item, off, x_len, x_rank = _fill(length, rank, stream, t_local - tokens)
+        cost[item] = _cost(pos0[item], pos0[item] + length[item])  # a cut item keeps its first piece
+        extra.append((start[item] + off, x_len, x_rank, pos0[item] + off))
+
+    # 5. never busier than contiguous
+    rank_cost = np.bincount(rank, weights=cost, minlength=cp).astype(np.float64)  # int64 zeros when empty
+    for _, x_len, x_rank, x_pos0 in extra:
+        rank_cost += np.bincount(x_rank, weights=_cost(x_pos0, x_pos0 + x_len), minlength=cp)
+    if contiguous < rank_cost.max():
+        return _contiguous(cu, cp)
+    return _merge(*(np.concatenate(x) for x in zip((start, length, rank, pos0), *extra)), cp)
+
+
+def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: int) -> int:
+    """The busiest rank's cost under contiguous: the prefix cost ``W(t)`` at the rank bounds (non-empty segments)."""
+    bounds = np.arange(cp + 1, dtype=np.int64) * t_local
+    seg = np.searchsorted(start, bounds, side="right") - 1
+    p = bounds - start[seg]
+    w = (np.cumsum(cost) - cost)[seg] + p * (p + 1) // 2
+    return int(np.diff(w).max())
+
+
+def _merge(start, length, rank, pos0, cp):
+    """Group the runs by rank in position order and join touching pieces of one segment on one rank (only a run that
+    does not start its segment, pos0 > 0, can join the one before: few). The runs come mostly in position order (the
+    items, then a few extra pieces), so the sorts are cheap. Returns ``(offsets, start, length)``."""
+    o = np.argsort(start, kind="stable")
+    o = o[np.argsort(rank[o].astype(np.int16 if cp < 2**15 else np.int32), kind="stable")]
+    start, length = start[o], length[o]
+    counts = np.bincount(rank, minlength=cp)
+    cand = np.flatnonzero(pos0[o] > 0)
+    cand = cand[cand > 0]
+    joins = cand[(rank[o[cand]] == rank[o[cand - 1]]) & (start[cand] == start[cand - 1] + length[cand - 1])]
+    if joins.size:  # chains of joins: every run adds its length to the first run of its chain
+        chain = joins - np.arange(joins.size)  # constant along a chain of consecutive joins
+        head = np.ones(joins.size, dtype=bool)
+        head[1:] = chain[1:] != chain[:-1]
+        np.add.at(length, joins[head][np.cumsum(head) - 1] - 1, length[joins])
+        start, length = np.delete(start, joins), np.delete(length, joins)
+        counts -= np.bincount(rank[o[joins]], minlength=cp)
+    offsets = np.zeros(cp + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets, start, length
+
+
+def _contiguous(cu: np.ndarray, cp: int):
+    """The contiguous placement as a plan: every segment cut at the rank boundaries."""
+    total = int(cu[-1])
+    bounds = np.arange(1, cp, dtype=np.int64) * (total // cp)
+    cuts = np.union1d(cu, bounds)
+    run_start, run_len = cuts[:-1], np.diff(cuts)
+    keep = run_len > 0
+    run_start, run_len = run_start[keep], run_len[keep]
+    offsets = np.searchsorted(run_start, np.arange(cp + 1, dtype=np.int64) * (total // cp), side="left")
+    return offsets.astype(np.int64), run_start, run_len
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _cached_plan(cu_bytes: bytes, cp: int):
+    cu = np.frombuffer(cu_bytes, dtype=np.int64)
+    if int(cu[-1]) == 0:
+        z = np.zeros(0, dtype=np.int64)
+        plan = (np.zeros(cp + 1, dtype=np.int64), z, z)
+    else:
+        plan = _plan(cu, cp)
+    for a in plan:
+        a.flags.writeable = False  # shared by every caller: hand out copies only
+    return plan
+
+
+def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's runs of the ``balanced`` layout (see the module docstring), planned once per
+    ``(cu_seqlens values, cp_size)``.
+
+    Args:
+        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (CPU or CUDA); ``T = cu_seqlens[-1]`` must be
+            divisible by ``cp_size``.
+        cp_size: the context-parallel group size.
+
+    Returns:
+        ``(offsets, run_start, run_len)``, CPU int64 tensors ``[cp_size + 1]``, ``[R]``, ``[R]`` (fresh copies:
+        editing them never changes a later plan). Rank r's runs are ``run_start[offsets[r]:offsets[r + 1]]``,
+        ordered by global position.
+
+    Raises:
+        TypeError / ValueError: a bad ``cu_seqlens`` or ``cp_size``, or ``T`` not divisible by ``cp_size``.
+
+    >>> offsets, run_start, run_len = balanced_plan(torch.tensor([0, 2, 5, 6]), cp_size=3)
+    >>> run_len.sum().item(), offsets.tolist()
+    (6, [0, 1, 2, 4])
+    """
+    check_cp(cp_size)
+    cu = check_cu_seqlens(cu_seqlens)
+    check_divisible(int(cu[-1]), cp_size)
+    check_cost_tokens(int(cu[-1]))
+    return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size))
+
+
+def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs of global tokens rank ``cp_rank`` holds under ``balanced``: a slice of ``balanced_plan``.
+
+    Args:
+        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (any int dtype, CPU or CUDA).
+        cp_size, cp_rank: the context-parallel group size and this rank.
+
+    Returns:
+        ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``, ordered by global position;
+        ``run_len.sum() == T // cp_size``; all ranks' runs together cover every token exactly once.
+
+    >>> balanced_runs(torch.tensor([0, 2, 5, 6]), cp_size=3, cp_rank=1)
+    (tensor([2]), tensor([2]))
+    """
+    check_cp(cp_size, cp_rank)
+    cu = check_cu_seqlens(cu_seqlens)
+    check_divisible(int(cu[-1]), cp_size)
+    check_cost_tokens(int(cu[-1]))
+    offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size)
+    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
+    device = cu_seqlens.device
+    return (
+        torch.from_numpy(run_start[lo:hi].copy()).to(device),
+        torch.from_numpy(run_len[lo:hi].copy()).to(device),
+    )
+
+
+balanced_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]  # functools' own hit/miss counts
+balanced_plan.cache_clear = _cached_plan.cache_clear  # type: ignore[attr-defined]
