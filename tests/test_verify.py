@@ -73,6 +73,7 @@ def test_trial_maps_split_documents_across_ranks_in_every_layout(cp, batch):
             first = s.token_index[s.cu_seqlens[:-1].long()]
             split |= bool((s.key_start < first).any())
         assert split, (layout, cp, batch)
+        assert V.splits_a_document(doc_ids, cp, layout)
 
 
 @pytest.mark.parametrize("argv, message", [

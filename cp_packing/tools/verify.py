@@ -69,8 +69,10 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
     layout splits documents across ranks, so that wrong key metadata changes the output at every cp >= 2.
 
     Lognormal lengths (median S/6, so some documents are longer than a shard), up to 20% row padding, row 0 opening
-    with a document of 3/4 of the row (a balanced layout must split it), and at every contiguous shard edge inside
-    a row the same document (or padding run) on both sides.
+    with a document of 3/4 of the row, and at every contiguous shard edge inside a row the same document (or
+    padding run) on both sides. ``balanced`` keeps heavy documents whole where it can: when it splits none of that
+    map, the trial uses whole-row documents instead (``trial_shape`` makes the row count indivisible by cp, so equal
+    token counts force a split).
     """
     rows, S = trial_shape(cp_size, batch, seq_len)
     doc_ids = synthetic_doc_ids("huge", rows, S, seed=seed, median=max(S / 6, 1.0), sigma=1.0, pad=0.2)
@@ -83,7 +85,19 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
         from cp_packing.padding import pad_segments
 
         return pad_segments(doc_ids, multiple=2 * cp_size).doc_ids
+    if layout == "balanced" and not splits_a_document(doc_ids, cp_size, layout):
+        return torch.ones_like(doc_ids)
     return doc_ids
+
+
+def splits_a_document(doc_ids: torch.Tensor, cp_size: int, layout: str) -> bool:
+    """Whether some rank holds a run that starts inside its segment (its keys start on tokens before the run)."""
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    for rank in range(cp_size):
+        s = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=rank, layout=layout)
+        if bool((s.key_start < s.token_index[s.cu_seqlens[:-1].long()]).any()):
+            return True
+    return False
 
 
 def inject_fault(sharded):
