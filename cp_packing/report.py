@@ -81,23 +81,14 @@ def balance_costs(
 
 
 def balance_report(
-    doc_ids: torch.Tensor | PackedSeqParams,
-    *,
-    cp_size: int,
-    layouts: Sequence[str] = REPORT_LAYOUTS,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    dtype_bytes: int = 2,
+    doc_ids: torch.Tensor | PackedSeqParams, *, cp_size: int, layouts: Sequence[str] = REPORT_LAYOUTS,
+    num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2,
 ) -> str:
     """A plain-text table, one line per layout: busiest / mean, busiest / ideal, padding %, tokens and runs per rank
     (max), K/V MiB per layer received by the busiest receiver (all-gather: the keys it needs; ring: a full pass);
     then the layout ``auto`` picks.
 
-    Args:
-        doc_ids: ``[B, S]`` doc map or ``PackedSeqParams``.
-        cp_size: the CP group size.
-        layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
-        num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte columns.
+    Args: as in ``balance_costs``.
 
     Returns:
         The table as one string (print it). In memory linear in the segments (zigzag's padding is priced in closed

@@ -495,18 +495,17 @@ _FORWARD = {"torch": _reference_forward, "flash_attn": _flash_forward, "torch_va
 _BACKWARD = {"torch": _reference_backward, "flash_attn": _flash_backward, "torch_varlen": _torch_varlen_backward}
 
 
+def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel) -> tuple[str, float]:
+    """Validate a varlen call; return the concrete kernel and the softmax scale."""
+    check_qkv(q, k, v)
+    _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    return resolve_kernel(kernel, q), _scale(softmax_scale, q.shape[2])
+
+
 def varlen_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen (packed) attention forward. Records no autograd graph (use ``varlen_attention`` for that).
 
@@ -530,10 +529,7 @@ def varlen_attention_forward(
     The reference kernel computes in float32 (float64 for float64 inputs) and syncs once with the host to read
     ``cu_seqlens``; the flash-attn and torch-varlen kernels are sync-free.
     """
-    check_qkv(q, k, v)
-    _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    name = resolve_kernel(kernel, q)
-    scale = _scale(softmax_scale, q.shape[2])
+    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
     with torch.no_grad():
         return _FORWARD[name](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal))
 
@@ -566,11 +562,8 @@ def varlen_attention_backward(
         ``dq [Tq, H, D]``, ``dk [Tk, H_kv, D]``, ``dv [Tk, H_kv, D]`` in the inputs' dtype (GQA gradients summed
         over each key/value head's query heads); zero for tokens outside every sequence.
     """
-    check_qkv(q, k, v)
-    _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
     _check_grad_inputs(dout, out, lse, q)
-    name = resolve_kernel(kernel, q)
-    scale = _scale(softmax_scale, q.shape[2])
     with torch.no_grad():
         return _BACKWARD[name](
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal)
@@ -596,27 +589,16 @@ class _VarlenAttentionFunction(torch.autograd.Function):
 
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto",
 ) -> torch.Tensor:
     """Differentiable varlen attention: ``out [Tq, H, D]`` (see ``varlen_attention_forward`` for the arguments).
 
     Backward runs the same kernel's backward from the saved ``out`` and ``lse`` (no recomputation of the forward);
     with GQA, ``k.grad``/``v.grad`` are ``[Tk, H_kv, D]``, summed over the query heads sharing each head.
     """
-    check_qkv(q, k, v)
-    _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    name = resolve_kernel(kernel, q)
-    scale = _scale(softmax_scale, q.shape[2])
+    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
     return _VarlenAttentionFunction.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), name
     )
