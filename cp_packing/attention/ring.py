@@ -43,7 +43,7 @@ from cp_packing.attention.allgather import resolve_attention_group
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["import_ring_flash_attn", "ring_attention"]
+__all__ = ["flash_attn_is_test_stub", "import_ring_flash_attn", "ring_attention", "ring_dtype_refusal"]
 
 _SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
 
@@ -100,15 +100,13 @@ def _loaded_ring_flash_attn() -> ModuleType | None:
     return None
 
 
-
-
-def _flash_attn_is_test_stub() -> bool:
+def flash_attn_is_test_stub() -> bool:
     """Whether the imported ``flash_attn`` is cp-packing's pure-torch test stand-in (``tests/flash_attn_stub``, which
     sets ``IS_CP_PACKING_STUB = True``) rather than the real CUDA package."""
     return bool(getattr(sys.modules.get("flash_attn"), "IS_CP_PACKING_STUB", False))
 
 
-def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
+def ring_dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
     """Why ``ring_attention`` refuses ``dtype`` with ``layout`` by design, or None when it runs it.
 
     float32 zigzag: ring-flash-attn 0.1.8's float32 backward is wrong (module docstring). Any non-fp16/bf16 dtype
@@ -124,7 +122,7 @@ def _dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
             "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
             "in float32 on the test stand-in) or cp-packing's built-in all-gather attention"
         )
-    if not _flash_attn_is_test_stub():
+    if not flash_attn_is_test_stub():
         return (
             f"ring attention got {dtype}, but flash-attn's kernels run torch.float16 / torch.bfloat16 only; cast "
             "q/k/v to torch.bfloat16 or torch.float16 (e.g. under torch.autocast), or use cp-packing's built-in "
@@ -177,9 +175,9 @@ def ring_attention(
             "'contiguous', or use cp-packing's built-in all-gather attention for this layout"
         )
     if sharded.layout == "zigzag" and q.dtype not in HALF_DTYPES:
-        raise TypeError(_dtype_refusal(sharded.layout, q.dtype))  # independent of which flash_attn: no import yet
+        raise TypeError(ring_dtype_refusal(sharded.layout, q.dtype))  # independent of which flash_attn: no import yet
     rfa = import_ring_flash_attn()
-    refusal = _dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
+    refusal = ring_dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
     if refusal is not None:
         raise TypeError(refusal)
     group = resolve_attention_group(group, sharded, q.device)  # size, rank and device checked as for all-gather

@@ -148,14 +148,14 @@ def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str |
     if layout == "zigzag" and dtype not in (torch.float16, torch.bfloat16):
         return "ring-flash-attn 0.1.8's float32 zigzag backward is wrong upstream (refused)"
     try:
-        from cp_packing.attention.ring import _dtype_refusal, _flash_attn_is_test_stub, import_ring_flash_attn
+        from cp_packing.attention.ring import ring_dtype_refusal, flash_attn_is_test_stub, import_ring_flash_attn
 
         import_ring_flash_attn()
     except Exception as e:  # noqa: BLE001
         return f"ring-flash-attn not importable: {str(e).split(';')[0]}"
-    if _dtype_refusal(layout, dtype) is not None:
+    if ring_dtype_refusal(layout, dtype) is not None:
         return f"flash-attn runs fp16/bf16 only, not {str(dtype).replace('torch.', '')} (refused)"
-    if device.type != "cuda" and not _flash_attn_is_test_stub():
+    if device.type != "cuda" and not flash_attn_is_test_stub():
         return "ring-flash-attn runs on CUDA"
     return None
 
