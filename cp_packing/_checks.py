@@ -92,10 +92,13 @@ def check_choice(value: Any, name: str, choices: Iterable[str]) -> str:
     return value
 
 
-def check_cp(cp_size: Any, cp_rank: Any = None) -> None:
-    """Raise a clear TypeError / ValueError for a bad ``cp_size`` or ``cp_rank`` (``None``: not checked)."""
+_NO_RANK = object()
+
+
+def check_cp(cp_size: Any, cp_rank: Any = _NO_RANK) -> None:
+    """Raise a clear TypeError / ValueError for a bad ``cp_size`` or (when given, ``None`` included) ``cp_rank``."""
     check_int(cp_size, "cp_size", min=1)
-    if cp_rank is not None:
+    if cp_rank is not _NO_RANK:
         if not is_int(cp_rank):
             raise TypeError(
                 f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r} ({type(cp_rank).__name__}); "

@@ -102,7 +102,7 @@ def check_transformers_version(version: str | None = None) -> str:
     return str(version)
 
 
-def register_cp_attention(name: str = CP_ATTENTION_NAME) -> str:
+def register_cp_attention(*, name: str = CP_ATTENTION_NAME) -> str:
     """Register :func:`cp_attention_forward` with ``transformers.AttentionInterface`` under ``name``; return ``name``.
 
     Idempotent (registering again re-binds the same function). Afterwards
@@ -196,7 +196,7 @@ def cp_attention_forward(
         raise ValueError(
             "cp_packing attention needs the batch's varlen metadata: call the model with cp_sharded=<this rank's "
             "ShardedPackedSeqParams> and cp_group=<the CP group>, e.g. model(**cp_packing.hf.cp_model_inputs("
-            "local_batch, sharded, group)); without context parallelism use cp_model_inputs(input_ids, "
+            "local_batch, sharded, group=group)); without context parallelism use cp_model_inputs(input_ids, "
             "packed_seq_params)"
         )
     if not isinstance(cp_sharded, ShardedPackedSeqParams):
@@ -277,8 +277,8 @@ def cp_attention_forward(
 def cp_model_inputs(
     local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
     sharded: ShardedPackedSeqParams | PackedSeqParams,
-    group: GroupLike = None,
     *,
+    group: GroupLike = None,
     backend: str = "auto",
     kernel: str = "auto",
     input_key: str = "input_ids",

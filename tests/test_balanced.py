@@ -18,7 +18,7 @@ from cp_packing.attention.allgather import allgather_keys
 from cp_packing.sharding import shard_packed_seq_params
 from cp_packing.testing import SYNTHETIC_KINDS, synthetic_doc_ids
 from tests.maps import doc_maps, segments_of
-from tests.test_sharding import assert_local_attention_equals_full
+from tests.maps import assert_local_attention_equals_full
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

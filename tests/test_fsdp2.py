@@ -105,7 +105,7 @@ def fsdp2_step(dp: int, cp: int, variant: str) -> dict:
 
     batch = {k: v.to(device) for k, v in dp_batch(mesh.get_local_rank("dp")).items()}  # this replica's batch
     local, sharded = cp_packing.distribute_batch(batch, group=mesh["cp"], layout="balanced")
-    logits = model(**cp_model_inputs(local, sharded, mesh["cp"])).logits[0]  # [T_local, V]
+    logits = model(**cp_model_inputs(local, sharded, group=mesh["cp"])).logits[0]  # [T_local, V]
     loss = cp_packing.packed_cross_entropy(logits, local["labels"][0], group=mesh["cp"], dp_group=mesh["dp"])
     (loss * (dp * cp) if variant == "scale_loss" else loss).backward()
     logged = cp_packing.reduce_loss_for_logging(loss, group=mesh["cp"], dp_group=mesh["dp"])

@@ -128,7 +128,7 @@ def test_register_is_idempotent_and_builds_no_mask_function():
     from transformers.masking_utils import AttentionMaskInterface
 
     assert register_cp_attention() == CP_ATTENTION_NAME == NAME
-    assert register_cp_attention("cp_packing_other") == "cp_packing_other"
+    assert register_cp_attention(name="cp_packing_other") == "cp_packing_other"
     assert AttentionInterface._global_mapping[NAME] is cp_attention_forward
     assert NAME not in AttentionMaskInterface._global_mapping  # HF builds no mask for it
     model = make_model("llama", NAME)
@@ -140,11 +140,11 @@ def test_register_is_idempotent_and_builds_no_mask_function():
 
 def test_register_refuses_builtin_names_and_bad_versions():
     with pytest.raises(ValueError, match="already registered"):
-        register_cp_attention("sdpa")
+        register_cp_attention(name="sdpa")
     with pytest.raises(ValueError, match="already registered"):
-        register_cp_attention("eager")
+        register_cp_attention(name="eager")
     with pytest.raises(TypeError, match="non-empty str"):
-        register_cp_attention("")
+        register_cp_attention(name="")
     with pytest.raises(ImportError, match="supports transformers"):
         check_transformers_version("4.57.1")
     assert check_transformers_version() == transformers.__version__
@@ -285,7 +285,7 @@ def _parity_worker(rank: int, world_size: int, models: dict, cases: list) -> dic
         model.zero_grad(set_to_none=True)
         local, sharded = _local_batch(case, group, layout)
         assert sharded.layout == layout and sharded.cp_rank == rank
-        logits = model(**cp_model_inputs(local, sharded, group)).logits[0]  # [T_local, V]
+        logits = model(**cp_model_inputs(local, sharded, group=group)).logits[0]  # [T_local, V]
         share = packed_cross_entropy(logits, local["labels"].reshape(-1), group=group)
         share.backward()
         grads = {}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.adapters import ring_flash_attn_kwargs, transformer_engine_kwargs
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
-from tests.maps import doc_maps, segments_of
+from tests.maps import assert_local_attention_equals_full, doc_maps, segments_of
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CP_SIZES = [1, 2, 3, 4, 8]
@@ -148,55 +148,6 @@ def test_contiguous_equals_real_llama3_prepare(ring_flash_attn):
             assert kw["local_k_slice"] == k_slice
 
     check()
-
-
-def _causal_attention(q, k, v):
-    """q [m, H, D], k/v [n, H, D], causal aligned bottom-right (query i sees keys j <= i + n - m)."""
-    m, n = q.shape[0], k.shape[0]
-    scores = torch.einsum("mhd,nhd->hmn", q, k) / math.sqrt(q.shape[-1])
-    mask = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
-
-
-def _full_attention(q, k, v, doc_ids):
-    out = torch.empty_like(q)
-    for start, end in segments_of(doc_ids):
-        out[start:end] = _causal_attention(q[start:end], k[start:end], v[start:end])
-    return out
-
-
-def assert_local_attention_equals_full(doc_ids, shards):
-    """Each rank runs causal attention from ITS metadata only (runs + key starts; keys gathered from all ranks) and
-    must get full attention per segment; where the layout gives llama3 metadata (``local_k_slice``), that too."""
-    T = doc_ids.numel()
-    g = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(T, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    ref = _full_attention(q, k, v, doc_ids)
-    # the all-gather: every rank's k/v in rank order, put back in global order
-    k_glob = shards[0].unshard([s.shard(k) for s in shards]).reshape(T, 2, 4)
-    v_glob = shards[0].unshard([s.shard(v) for s in shards]).reshape(T, 2, 4)
-    for s in shards:
-        q_loc = s.shard(q)
-        out = torch.empty_like(q_loc)
-        cu = s.cu_seqlens.tolist()
-        for i, key_start in enumerate(s.key_start.tolist()):
-            run_end = int(s.token_index[cu[i + 1] - 1]) + 1
-            out[cu[i] : cu[i + 1]] = _causal_attention(
-                q_loc[cu[i] : cu[i + 1]], k_glob[key_start:run_end], v_glob[key_start:run_end]
-            )
-        torch.testing.assert_close(out, ref[s.token_index])
-        if s.layout == "contiguous":  # llama3 metadata: keys = one slice, cu_seqlens_k relative to it
-            kw = ring_flash_attn_kwargs(s)
-            k_sl, v_sl = k_glob[kw["local_k_slice"]], v_glob[kw["local_k_slice"]]
-            cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
-            out2 = torch.cat(
-                [
-                    _causal_attention(q_loc[cq[i] : cq[i + 1]], k_sl[ck[i] : ck[i + 1]], v_sl[ck[i] : ck[i + 1]])
-                    for i in range(len(cq) - 1)
-                ]
-            )
-            torch.testing.assert_close(out2, ref[s.token_index])
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -384,3 +335,11 @@ def test_default_layout_works_on_any_batch():
     shards = [shard_packed_seq_params(params, cp_size=2, cp_rank=r) for r in range(2)]
     assert shards[0].layout in ("contiguous", "balanced")
     assert sorted(torch.cat([s.token_index for s in shards]).tolist()) == list(range(8))
+
+
+def test_cp_rank_none_is_a_clear_type_error():
+    """cp_rank=None used to reach the index math ('unsupported operand type(s) for *')."""
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2]]))
+    for layout in ("contiguous", "zigzag", "balanced", "auto"):
+        with pytest.raises(TypeError, match="cp_rank must be an int in \\[0, cp_size=2\\), got None"):
+            shard_packed_seq_params(params, cp_size=2, cp_rank=None, layout=layout)

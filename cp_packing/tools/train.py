@@ -276,7 +276,7 @@ def train(args, rank: int, world: int, device: torch.device) -> int:
                                           layout=args.layout)
 
         # ---- forward / backward with CP
-        inputs = cp_model_inputs(local, sharded, groups.cp, backend=args.attn_backend, kernel=args.kernel)
+        inputs = cp_model_inputs(local, sharded, group=groups.cp, backend=args.attn_backend, kernel=args.kernel)
         logits = model(**inputs).logits[0]  # [T_local, V]
         share = packed_cross_entropy(logits, local["labels"][0], group=groups.cp, dp_group=groups.dp)
         opt.zero_grad(set_to_none=True)
