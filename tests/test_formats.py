@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cp_packing.formats as formats
@@ -23,7 +23,7 @@ from cp_packing.formats import (
 )
 from tests.maps import doc_maps
 
-FAST = settings(max_examples=60, deadline=None)
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -408,3 +408,40 @@ def test_docstring_examples_run(monkeypatch):
     monkeypatch.setattr(formats, "_zero_based_warned", False)
     result = doctest.testmod(formats, extraglobs={"torch": torch})
     assert result.failed == 0 and result.attempted >= 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real producers and the docs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_hf_data_collator_with_flattening_gives_one_map_by_every_route():
+    transformers = pytest.importorskip("transformers")
+    lengths = [3, 1, 5, 2]
+    features = [{"input_ids": list(range(10, 10 + n))} for n in lengths]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True,
+                                                       return_tensors="pt")
+    batch = collator(features)
+    expected = [[k + 1 for k, n in enumerate(lengths) for _ in range(n)]]
+    by_position = doc_ids_from_position_ids(batch["position_ids"])
+    by_cu = doc_ids_from_cu_seqlens(batch["cu_seq_lens_q"], batch_shape=batch["input_ids"].shape)
+    by_seq_idx = doc_ids_from_seq_idx(batch["seq_idx"])
+    by_lens = doc_ids_from_seq_lens([lengths])
+    for got in (by_position, by_cu, by_seq_idx, by_lens):
+        assert got.tolist() == expected
+    assert warn_if_zero_based(by_seq_idx) is False
+    with warnings.catch_warnings(record=True):
+        assert warn_if_zero_based(batch["seq_idx"]) is True  # the trap the converter avoids
+
+
+def test_docs_examples_run(monkeypatch):
+    import os
+    import re
+
+    monkeypatch.setattr(formats, "_zero_based_warned", False)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "formats.md")
+    blocks = re.findall(r"```python\n(.*?)```", open(path).read(), re.S)
+    assert len(blocks) >= 7
+    namespace: dict = {}
+    for block in blocks:
+        exec(block, namespace)  # noqa: S102 - our own docs
