@@ -149,11 +149,15 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
 
     Raises:
         TypeError: ``doc_ids`` is not a dense tensor, or has a float / bool dtype.
-        ValueError: not 2-D, a negative index, or more than ``2**31 - 1`` tokens.
+        ValueError: not 2D, a negative index, or more than ``2**31 - 1`` tokens.
 
     Cost: on CPU one pass over the map (NumPy view, a copy first only if it is not contiguous) and one over a
     ``[B * S]`` bool mask of boundaries; the sign check reads only segment starts. On CUDA exactly one host sync
     (``max_seqlen``, the segment count and the smallest index are read back together).
+
+    >>> params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 0]]))
+    >>> params.cu_seqlens.tolist(), params.max_seqlen
+    ([0, 2, 5, 6], 3)
     """
     check_doc_ids(doc_ids)
     B, S = doc_ids.shape

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,3 +103,16 @@ def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
     for result in run_distributed(_readme_hf_example, 2):
         assert abs(result["cp_loss"] - result["ref_loss"]) < 1e-5, result
         assert result["grad_diff"] < 1e-5, result
+
+
+@pytest.mark.parametrize("module", ["cp_packing.packed_seq", "cp_packing.sharding", "cp_packing.adapters",
+                                    "cp_packing.agreement", "cp_packing.groups", "cp_packing._checks",
+                                    "cp_packing.attention.dispatch", "cp_packing.report"])
+def test_docstring_examples_run(module):
+    """The ``>>>`` examples in the public docstrings are what the code does."""
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, extraglobs={"torch": torch})
+    assert result.attempted > 0 and result.failed == 0, result

@@ -198,7 +198,15 @@ def context_parallel_attention(
         ImportError: ``backend="ring_flash_attn"`` without ring-flash-attn / flash_attn installed.
 
     Every rank must call it with the same backend, kernel and flags (they decide which collectives run); an
-    all-padding rank joins them like any other.
+    all-padding rank joins them like any other. Before its first collective of a step, every rank's local checks
+    and one agreement run (``cp_packing.agreement``), so a mistake on one rank is raised on every rank.
+
+    >>> import torch, cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
+    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)  # no CP: no group needed
+    >>> q = k = v = torch.randn(6, 2, 8)
+    >>> context_parallel_attention(q, k, v, sharded).shape
+    torch.Size([6, 2, 8])
     """
     error, chosen, kernel_name = None, backend, kernel
     try:  # every rank-local check first; a failure goes through the agreement, so every rank raises it
