@@ -29,7 +29,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import INT32_MAX, INTEGER_DTYPES, check_cu_seqlens, check_doc_ids, check_int, check_tensor, is_int
+from cp_packing._checks import (
+    INT32_MAX,
+    INTEGER_DTYPES,
+    check_cu_seqlens,
+    check_doc_ids,
+    check_int,
+    check_tensor,
+    is_int,
+)
 
 __all__ = [
     "ZeroBasedDocIdsWarning",
@@ -130,7 +138,9 @@ def _check_total(B: int, S: int, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def doc_ids_from_position_ids(position_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def doc_ids_from_position_ids(
+    position_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Doc map from ``position_ids`` that restart at 0 at every document (HF ``DataCollatorWithFlattening``, TRL).
 
     A new document starts wherever the position is 0, at every row start, and at the first real token after
@@ -306,8 +316,10 @@ def _lens_table(x: Any, name: str) -> torch.Tensor:
             )
         table = x.to(torch.int64)
     elif isinstance(x, (list, tuple)):
-        rows = [x] if x and all(is_int(v) for v in x) else x
+        rows = [x] if x and all(is_int(v) for v in x) else list(x)
         for b, row in enumerate(rows):
+            if isinstance(row, torch.Tensor) and row.dim() == 1 and row.dtype in INTEGER_DTYPES:
+                rows[b] = row = row.tolist()  # a list of per-row 1-D tensors
             if not isinstance(row, (list, tuple)):
                 raise TypeError(
                     f"{name}[{b}] must be a list of ints (the lengths of row {b}'s sequences), got "
@@ -349,7 +361,8 @@ def doc_ids_from_seq_lens(
 
     Args:
         seq_lens: the real length of every sequence of every row: an integer ``[B, N]`` tensor (or ``[N]`` for one
-            row) with -1 or 0 in unused slots, or a list of lists of ints (a list of ints is one row).
+            row) with -1 or 0 in unused slots, or a list of rows, each a list of ints or a 1-D integer tensor (a
+            list of ints is one row).
         seq_lens_padded: optional, the same layout: each sequence's padded length (``>= seq_lens``). Megatron's
             ``cu_seqlens_q_padded.diff()``. Default: no padding inside rows.
         seq_len: ``S``, the row length; default the longest row (sum of its padded lengths).
@@ -422,7 +435,7 @@ class ZeroBasedDocIdsWarning(UserWarning):
 _zero_based_warned = False
 
 
-def warn_if_zero_based(doc_ids: torch.Tensor) -> bool:
+def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2) -> bool:
     """True (and a warning, once per process) when a doc map looks 0-based: a row starts with padding, then 1.
 
     A 0-based ``seq_idx`` (``[0, 0, 1, 1, 2]``) is a valid doc map whose first document is padding: its tokens
@@ -433,6 +446,8 @@ def warn_if_zero_based(doc_ids: torch.Tensor) -> bool:
 
     Args:
         doc_ids: ``[B, S]`` integer doc map.
+        stacklevel: passed to ``warnings.warn``: 2 points the warning at the caller; a library function that calls
+            this on its caller's behalf passes 3.
 
     Returns:
         ``True`` when some row looks 0-based, else ``False``. One host sync on a device tensor.
@@ -447,13 +462,16 @@ def warn_if_zero_based(doc_ids: torch.Tensor) -> bool:
     """
     global _zero_based_warned
     check_doc_ids(doc_ids)
+    stacklevel = check_int(stacklevel, "stacklevel", min=1)
     B, S = doc_ids.shape
     if B == 0 or S == 0:
         return False
-    nonzero = doc_ids != 0
-    first = torch.argmax(nonzero.to(torch.uint8), dim=1, keepdim=True)  # first non-zero column (0 if none)
-    first_value = torch.gather(doc_ids, 1, first).view(B)
-    looks = (doc_ids[:, 0] == 0) & nonzero.any(dim=1) & (first_value == 1)
+    one = doc_ids == 1
+    # the first non-zero token of the row is a 1 (argmax of a bool mask: its first True; no gather, which some
+    # unsigned dtypes lack)
+    first_nonzero = torch.argmax((doc_ids != 0).to(torch.uint8), dim=1)
+    first_one = torch.argmax(one.to(torch.uint8), dim=1)
+    looks = (doc_ids[:, 0] == 0) & one.any(dim=1) & (first_one == first_nonzero)
     if not bool(looks.any()):
         return False
     if not _zero_based_warned:
@@ -465,6 +483,6 @@ def warn_if_zero_based(doc_ids: torch.Tensor) -> bool:
             "Convert a 0-based seq_idx with cp_packing.formats.doc_ids_from_seq_idx(seq_idx); ignore this if the "
             "row is really left-padded (warned once per process)",
             ZeroBasedDocIdsWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     return True

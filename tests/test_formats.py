@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cp_packing.formats as formats
+from cp_packing._checks import INTEGER_DTYPES
 from cp_packing import packed_seq_params_from_doc_ids
 from cp_packing.formats import (
     ZeroBasedDocIdsWarning,
@@ -57,7 +58,8 @@ def canonical(doc_ids: torch.Tensor) -> list[list[int]]:
 def assert_same_segmentation(got: torch.Tensor, doc_ids: torch.Tensor) -> None:
     """What the library sees: the same segments (``cu_seqlens``) and the same padding."""
     assert got.dtype == torch.int64 and got.shape == doc_ids.shape
-    assert torch.equal(packed_seq_params_from_doc_ids(got).cu_seqlens, packed_seq_params_from_doc_ids(doc_ids).cu_seqlens)
+    cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+    assert torch.equal(packed_seq_params_from_doc_ids(got).cu_seqlens, cu)
     assert torch.equal(got == 0, doc_ids == 0)
     assert got.tolist() == canonical(doc_ids)
 
@@ -245,6 +247,7 @@ def test_seq_lens_default_length_one_row_and_empty_slots():
     assert doc_ids_from_seq_lens([[3, 1]], seq_lens_padded=[[4, 4]], seq_len=10).tolist() == [
         [1, 1, 1, 0, 2, 0, 0, 0, 0, 0]
     ]
+    assert doc_ids_from_seq_lens([torch.tensor([2, 1]), torch.tensor([3])]).tolist() == [[1, 1, 2], [1, 1, 1]]
     assert doc_ids_from_seq_lens([]).shape == (0, 0)
     assert doc_ids_from_seq_lens([[]], seq_len=3).tolist() == [[0, 0, 0]]
 
@@ -323,7 +326,8 @@ def test_cu_seqlens_errors():
         doc_ids_from_cu_seqlens(torch.tensor([0, 3, 2]), batch_shape=(1, 4))
     with pytest.raises(ValueError, match=r"ends at 4 but batch_shape \(1, 3\) holds only 3 tokens"):
         doc_ids_from_cu_seqlens(cu, batch_shape=(1, 3))
-    with pytest.raises(ValueError, match=r"segment 1 .* \[2, 5\) and crosses the start of row 1 .*batch_shape=\(1, 6\)"):
+    crossing = r"segment 1 .* \[2, 5\) and crosses the start of row 1 .*batch_shape=\(1, 6\)"
+    with pytest.raises(ValueError, match=crossing):
         doc_ids_from_cu_seqlens(torch.tensor([0, 2, 5, 6]), batch_shape=(2, 3))
     for bad in ("1x4", 4, (1, 2, 3), None):
         with pytest.raises(TypeError, match=r"batch_shape must be \(B, S\) or \(T,\)"):
@@ -376,6 +380,17 @@ def test_zero_based_map_warns_once_and_names_the_converter(monkeypatch):
         assert warn_if_zero_based(seq_idx) is True  # still detected, not warned again
         assert warn_if_zero_based(torch.tensor([[0, 0, 1]])) is True
     assert issubclass(ZeroBasedDocIdsWarning, UserWarning)
+
+
+@pytest.mark.parametrize("dtype", sorted(INTEGER_DTYPES, key=str))
+def test_zero_based_check_reads_every_integer_dtype_and_warns_at_the_caller(dtype, monkeypatch):
+    monkeypatch.setattr(formats, "_zero_based_warned", False)
+    with pytest.warns(ZeroBasedDocIdsWarning) as record:
+        assert warn_if_zero_based(torch.tensor([[0, 0, 1, 1, 2]], dtype=dtype)) is True
+    assert record[0].filename == __file__
+    assert warn_if_zero_based(torch.tensor([[0, 0, 2, 1]], dtype=dtype)) is False
+    with pytest.raises(ValueError, match="stacklevel must be >= 1"):
+        warn_if_zero_based(torch.tensor([[1]], dtype=dtype), stacklevel=0)
 
 
 @pytest.mark.parametrize(
