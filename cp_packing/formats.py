@@ -144,9 +144,10 @@ def doc_ids_from_position_ids(
     """Doc map from ``position_ids`` that restart at 0 at every document (HF ``DataCollatorWithFlattening``, TRL).
 
     A new document starts wherever the position is 0, at every row start, and at the first real token after
-    padding (padding cannot sit inside a document of a doc map; the token after it may keep any position, as
-    left-padded rows whose positions count through the padding do). Inside a run of real tokens every position
-    is either 0 (a new document) or the previous one plus 1 (the same document); anything else is an error.
+    padding (padding cannot sit inside a document of a doc map). These two may have any position: a row may start
+    with a document continued from the previous row, and left-padded rows may count positions through the padding.
+    Inside a run of real tokens every position is either 0 (a new document) or the previous one plus 1 (the same
+    document); anything else is an error.
 
     Args:
         position_ids: integer ``[B, S]`` (usually a flattened ``[1, T]``) or ``[T]`` (read as ``[1, T]``).

@@ -24,7 +24,7 @@ from cp_packing.formats import (
 )
 from tests.maps import doc_maps
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------------------------------------------------------
