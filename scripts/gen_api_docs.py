@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 # (module, names or None for the module's __all__)
 SECTIONS = [
     ("cp_packing.packed_seq", "Seed metadata"),
+    ("cp_packing.formats", "Packing formats -> doc map"),
     ("cp_packing.layouts", "Layouts (pure index math)"),
     ("cp_packing.layouts.contiguous", "Layout: contiguous"),
     ("cp_packing.layouts.zigzag", "Layout: zigzag"),
