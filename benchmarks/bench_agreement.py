@@ -1,0 +1,256 @@
+"""Benchmark the per-step cost of cp-packing's agreements as a fraction of a CP training step.
+
+Run:  .venv/bin/python benchmarks/bench_agreement.py            (full: S=2048, 3 layers, cp 2 and 4, 10 steps)
+      .venv/bin/python benchmarks/bench_agreement.py --quick    (smoke run: S=512, 2 layers, cp 2, 3 steps)
+
+Every cp-packing call that communicates starts with ONE ``cp_packing.agreement.agree`` (an ``all_gather_object``
+of a small record per rank). This script runs ``cp`` forked gloo ranks (``cp_packing.testing.run_distributed``, one
+intra-op thread each) and times training steps of a tiny random-init HF Llama (``cp_packing.tools.train``'s model
+builder and synthetic batches: one row of ``--seq`` tokens, lognormal documents, up to 10% padding), where a step is
+
+    distribute_batch(src=None, layout="auto")  ->  cp_model_inputs  ->  model forward (cp_packing HF attention in
+    every layer)  ->  packed_cross_entropy  ->  backward
+
+(no gradient all-reduce, no optimizer step: both would only make the step longer and the fraction smaller). Every
+step draws a new batch outside the timed region and is bracketed by ``dist.barrier()`` on both sides; its time is
+rank 0's (it covers the slowest rank). After ``--warmup`` untimed steps, medians over ``--steps``; a fraction is the
+median over the steps of (agreements / step) within each step, so drift in a shared machine's load cancels out.
+
+The agreements, measured two ways:
+- ``in step``: every ``agree`` the library calls is wrapped (in ``cp_packing.distributed``, ``.loss`` and
+  ``.attention.dispatch``, the modules that call it) and its wall time summed per step; the worst rank. It includes
+  waiting for the other ranks to arrive (e.g. the loss's agreement waits for the slowest rank's forward), time a real
+  collective right after it would wait anyway, so it is an upper bound.
+- ``bare``: right after each step, behind a barrier, the same agreements (same group, call, fields and payload as
+  recorded in the step) are replayed back to back: the cost of the exchanges themselves; the worst rank.
+
+Counts: ``torch.distributed.all_gather_object`` is wrapped too, and forward hooks count the attention layers run. The
+run fails (exit 1) unless every step made exactly one agreement each in ``distribute_batch``,
+``context_parallel_attention`` and ``packed_cross_entropy`` (3 exchanges, one ``all_gather_object`` each), and the
+attention ran once per layer: layers 2..N reuse the first layer's agreement (cached on the shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+EXPECTED_CALLS = ("distribute_batch", "context_parallel_attention", "packed_cross_entropy")
+_AGREE_MODULES = ("cp_packing.distributed", "cp_packing.loss", "cp_packing.attention.dispatch")
+
+
+class _Recorder:
+    """Wraps ``agree`` where the library calls it, and ``dist.all_gather_object``; records what a step did."""
+
+    def __init__(self):
+        self.agreements: list[tuple[str, float, tuple, dict]] = []  # (call, seconds, args, kwargs)
+        self.exchanges = 0
+        self.attention_calls = 0
+
+    def reset(self) -> None:
+        self.agreements, self.exchanges, self.attention_calls = [], 0, 0
+
+    def install(self) -> None:
+        import importlib
+
+        from cp_packing.agreement import agree as real_agree
+
+        def timed_agree(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real_agree(*args, **kwargs)
+            finally:
+                call = args[1] if len(args) > 1 else kwargs["call"]
+                self.agreements.append((call, time.perf_counter() - t0, args, kwargs))
+
+        for name in _AGREE_MODULES:
+            module = importlib.import_module(name)
+            assert module.agree is real_agree, f"{name}.agree is not cp_packing.agreement.agree"
+            module.agree = timed_agree
+
+        real_gather = dist.all_gather_object
+
+        def counted_gather(*args, **kwargs):
+            self.exchanges += 1
+            return real_gather(*args, **kwargs)
+
+        dist.all_gather_object = counted_gather  # agreement.py calls it as dist.all_gather_object
+
+    def hook(self, module, inputs, output) -> None:
+        self.attention_calls += 1
+
+
+def _rank(rank: int, world: int, cfg: dict) -> dict:
+    from cp_packing.agreement import agree
+    from cp_packing.distributed import distribute_batch
+    from cp_packing.hf import cp_model_inputs, register_cp_attention
+    from cp_packing.loss import packed_cross_entropy
+    from cp_packing.tools.train import build_model, synthetic_batch
+
+    torch.set_num_threads(1)
+    args = cfg["args"]
+    device = torch.device("cpu")
+    model = build_model(args, register_cp_attention()).train()
+    rec = _Recorder()
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(rec.hook)
+    rec.install()
+    group = dist.group.WORLD
+    keys = ("input_ids", "labels", "doc_ids", "real")
+
+    out = {"step": [], "agree_in_step": [], "agree_bare": [], "calls": [], "by_call": [], "exchanges": [],
+           "attention": [], "bare_exchanges": [], "T_local": None, "layout": None}
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        batch = synthetic_batch(args, step, 0, world, device)
+        payload = {k: batch[k] for k in keys}
+        rec.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        local, sharded = distribute_batch(payload, None, group=group, src=None, layout="auto")
+        inputs = cp_model_inputs(local, sharded, group=group)
+        logits = model(**inputs).logits[0]
+        loss = packed_cross_entropy(logits, local["labels"][0], group=group)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        dist.barrier()
+        step_s = time.perf_counter() - t0
+        recorded = list(rec.agreements)
+        calls, exchanges, attention = [a[0] for a in recorded], rec.exchanges, rec.attention_calls
+
+        # the same agreements again, back to back, behind a barrier: the exchanges alone
+        rec.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _call, _s, a, kw in recorded:
+            agree(*a, **kw)
+        bare_s = time.perf_counter() - t0
+        bare_exchanges = rec.exchanges
+
+        if step >= cfg["warmup"]:
+            out["step"].append(step_s)
+            out["agree_in_step"].append(sum(a[1] for a in recorded))
+            out["agree_bare"].append(bare_s)
+            out["calls"].append(calls)
+            out["by_call"].append({c: sum(a[1] for a in recorded if a[0] == c) for c in calls})
+            out["exchanges"].append(exchanges)
+            out["attention"].append(attention)
+            out["bare_exchanges"].append(bare_exchanges)
+            out["T_local"] = sharded.num_local_tokens
+            out["layout"] = sharded.layout
+    return out
+
+
+def _median_ms(values) -> float:
+    return 1e3 * statistics.median(values)
+
+
+def run(cp: int, args, steps: int, warmup: int) -> dict:
+    from cp_packing.testing import run_distributed
+
+    results = run_distributed(_rank, cp, {"args": args, "steps": steps, "warmup": warmup}, timeout=600)
+    r0 = results[0]
+    worst = lambda key: [max(r[key][i] for r in results) for i in range(steps)]  # noqa: E731
+    problems = []
+    for r, res in enumerate(results):
+        for i in range(steps):
+            counts = Counter(res["calls"][i])
+            if sorted(counts.elements()) != sorted(EXPECTED_CALLS):
+                problems.append(f"cp={cp} rank {r} step {i}: agreements {dict(counts)}, expected one each of "
+                                f"{', '.join(EXPECTED_CALLS)}")
+            if res["exchanges"][i] != len(res["calls"][i]):
+                problems.append(f"cp={cp} rank {r} step {i}: {res['exchanges'][i]} all_gather_object calls for "
+                                f"{len(res['calls'][i])} agreements")
+            if res["attention"][i] != args.layers:
+                problems.append(f"cp={cp} rank {r} step {i}: attention ran {res['attention'][i]} times, expected one "
+                                f"per layer ({args.layers})")
+            if res["bare_exchanges"][i] != len(res["calls"][i]):
+                problems.append(f"cp={cp} rank {r} step {i}: the replay made {res['bare_exchanges'][i]} exchanges")
+    in_step, bare = worst("agree_in_step"), worst("agree_bare")
+    step_ms, in_step_ms, bare_ms = _median_ms(r0["step"]), _median_ms(in_step), _median_ms(bare)
+    # fractions: the median of the per-step ratios (load drift on a shared machine hits both parts of a pair alike)
+    in_step_frac = statistics.median(a / s for a, s in zip(in_step, r0["step"]))
+    bare_frac = statistics.median(a / s for a, s in zip(bare, r0["step"]))
+    return {
+        "cp": cp, "layers": args.layers, "tokens": args.seq_len * args.batch, "T_local": r0["T_local"],
+        "layout": r0["layout"], "agreements": statistics.median(len(c) for c in r0["calls"]),
+        "attention": statistics.median(r0["attention"]), "step_ms": step_ms, "in_step_ms": in_step_ms,
+        "bare_ms": bare_ms, "in_step_frac": in_step_frac, "bare_frac": bare_frac, "problems": problems,
+        "step_range": (1e3 * min(r0["step"]), 1e3 * max(r0["step"])),
+        "by_call": {c: _median_ms([max(r["by_call"][i].get(c, 0.0) for r in results) for i in range(steps)])
+                    for c in EXPECTED_CALLS},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--quick", action="store_true", help="smoke run: --seq 512 --cp 2 --steps 3")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per cp (default 10; quick 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 3)")
+    p.add_argument("--seq", type=int, default=None, help="tokens in the step's one row (default 2048; quick 512)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64; 4 heads, 2 KV heads)")
+    p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes, one run each (default 2 4; quick 2)")
+    a = p.parse_args(argv)
+    steps = a.steps if a.steps is not None else (3 if a.quick else 10)
+    layers = a.layers if a.layers is not None else 3
+    seq = a.seq if a.seq is not None else (512 if a.quick else 2048)
+    cps = a.cp if a.cp is not None else ([2] if a.quick else [2, 4])
+    for name, value in (("--steps", steps), ("--layers", layers), ("--seq", seq), ("--hidden", a.hidden)):
+        if value < 1:
+            p.error(f"{name} must be >= 1, got {value}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    for cp in cps:
+        if cp < 2 or seq % cp:
+            p.error(f"--cp {cp}: needs cp >= 2 (with one rank there is no agreement) dividing --seq {seq}")
+
+    from cp_packing.tools.train import parse_args as train_args
+
+    import transformers  # noqa: F401 - imported once here, inherited by the forked ranks
+
+    args = train_args(["--seq-len", str(seq), "--batch", "1", "--layers", str(layers), "--hidden", str(a.hidden),
+                       "--heads", "4", "--kv-heads", "2", "--vocab", "256"])
+    args.dtype = "float32"
+    print(f"agreement cost per step: tiny Llama ({layers} layers, hidden {a.hidden}, vocab 256), 1 x {seq} tokens, "
+          f"float32, gloo on CPU, 1 thread per rank; {a.warmup} warm-up + {steps} timed steps", flush=True)
+    rows = []
+    for cp in cps:
+        rows.append(run(cp, args, steps, a.warmup))
+        print(f"  cp={cp} done", flush=True)
+
+    print()
+    print("| cp | layers | tokens/rank | layout | agreements/step | attention layers/step | step ms | "
+          "agree in step ms | in step / step | agree bare ms | bare / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['cp']} | {r['layers']} | {r['T_local']} | {r['layout']} | {r['agreements']:g} | "
+              f"{r['attention']:g} | {r['step_ms']:.1f} | {r['in_step_ms']:.2f} | "
+              f"{100 * r['in_step_frac']:.1f}% | {r['bare_ms']:.2f} | {100 * r['bare_frac']:.1f}% |")
+    print()
+    for r in rows:
+        by_call = ", ".join(f"{c} {ms:.2f}" for c, ms in r["by_call"].items())
+        print(f"cp={r['cp']}: step time over the timed steps {r['step_range'][0]:.1f}-{r['step_range'][1]:.1f} ms; "
+              f"agreements in step by call (median ms, worst rank): {by_call}")
+    problems = [msg for r in rows for msg in r["problems"]]
+    if problems:
+        print("FAIL: the agreement counts are not one per call per step:", file=sys.stderr)
+        for msg in problems[:20]:
+            print("  " + msg, file=sys.stderr)
+        return 1
+    later = ("(one layer: run --layers 2+ to see the reuse)" if layers == 1 else "layer 2 added none" if layers == 2
+             else f"layers 2..{layers} added none")
+    print(f"counts ok: every step made {len(EXPECTED_CALLS)} agreements (one each in {', '.join(EXPECTED_CALLS)}; "
+          f"one all_gather_object each); attention ran once per layer, {later}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
