@@ -63,3 +63,18 @@ def test_every_rank_raises_the_same_error():
     assert results[0]["error"] == results[2]["error"] and results[0]["error"][0] == "TypeError"
     assert "bad q" in results[0]["error"][1] and "rank 1" in results[0]["error"][1]
     assert issubclass(AgreementError, ValueError)
+
+
+def test_bench_agreement_quick_counts_three_exchanges_per_step():
+    """The per-step cost benchmark runs, and a training step makes exactly three agreements (distribute, attention
+    once for all layers, loss): the script exits non-zero otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "bench_agreement.py"), "--quick"],
+                       capture_output=True, text=True, timeout=600, cwd=repo,
+                       env={**os.environ, "PYTHONPATH": repo})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "counts ok: every step made 3 agreements" in r.stdout, r.stdout
