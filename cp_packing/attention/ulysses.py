@@ -206,6 +206,13 @@ def ulysses_attention(
     Raises:
         ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), or the checks of
             ``check_attention_inputs`` / ``resolve_attention_group``.
+
+    >>> import torch, cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
+    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)  # no CP: no group needed
+    >>> q, kv = torch.randn(6, 4, 8), torch.randn(6, 1, 8)  # GQA: 4 query heads, 1 key/value head
+    >>> ulysses_attention(q, kv, kv, sharded).shape
+    torch.Size([6, 4, 8])
     """
     check_attention_inputs(q, k, v, sharded)
     if not isinstance(causal, bool):
