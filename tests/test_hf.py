@@ -277,7 +277,8 @@ def _local_batch(case: dict, group, layout: str):
     return distribute_batch({"input_ids": case["ids"], "labels": case["labels"]}, params, group=group, layout=layout)
 
 
-def _parity_worker(rank: int, world_size: int, models: dict, cases: list, backend: str = "auto") -> dict:
+def _parity_worker(rank: int, world_size: int, models: dict, cases: list, backend: str = "auto",
+                   ulysses_size: int | None = None) -> dict:
     group = dist.group.WORLD
     out = {}
     for kind, layout, case in cases:
@@ -285,7 +286,8 @@ def _parity_worker(rank: int, world_size: int, models: dict, cases: list, backen
         model.zero_grad(set_to_none=True)
         local, sharded = _local_batch(case, group, layout)
         assert sharded.layout == layout and sharded.cp_rank == rank
-        logits = model(**cp_model_inputs(local, sharded, group=group, backend=backend)).logits[0]  # [T_local, V]
+        inputs = cp_model_inputs(local, sharded, group=group, backend=backend, ulysses_size=ulysses_size)
+        logits = model(**inputs).logits[0]  # [T_local, V]
         share = packed_cross_entropy(logits, local["labels"].reshape(-1), group=group)
         share.backward()
         grads = {}
@@ -324,6 +326,17 @@ def test_cp_model_matches_non_cp_model_with_ulysses():
     cases = [("llama", layout, make_case(layout, cp, seed=cp + 1)) for layout in _layouts()]
     report = _check_parity(cp, cases, run_distributed(_parity_worker, cp, models, cases, "ulysses"))
     print(f"ulysses cp={cp} max abs diff (loss, grads, doc logits): {report}")
+
+
+@pytest.mark.distributed
+def test_cp_model_matches_non_cp_model_with_hybrid():
+    """``backend="hybrid", ulysses_size=2`` at cp 4 (4 query / 2 key-value heads): the same loss, gradients and
+    document logits as the model on the whole batch."""
+    cp = 4
+    models = {"qwen3": make_model("qwen3", NAME)}
+    cases = [("qwen3", layout, make_case(layout, cp, seed=cp + 2)) for layout in _layouts()]
+    report = _check_parity(cp, cases, run_distributed(_parity_worker, cp, models, cases, "hybrid", 2))
+    print(f"hybrid U=2 cp={cp} max abs diff (loss, grads, doc logits): {report}")
 
 
 def _check_parity(cp: int, cases: list, results: list) -> dict:

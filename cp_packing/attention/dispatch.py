@@ -15,6 +15,9 @@ equal to full attention on the global stream, sharded. Backends:
   varlen attention over the whole stream on the global ``cu_seqlens`` for ``H / cp`` heads, all-to-all back. Every
   layout, every kernel, causal or not; ``cp_size`` must divide the query heads (key/value heads are replicated
   when it does not divide them). Explicit only.
+* ``"hybrid"`` (``cp_packing.attention.hybrid``, with ``ulysses_size=U``): Ulysses inside groups of ``U``
+  consecutive CP ranks, the all-gather backend across them; ``U`` divides ``cp_size`` and the query heads.
+  Explicit only.
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
   contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
   ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
@@ -36,13 +39,14 @@ from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
 from cp_packing.attention.kernels import resolve_kernel
+from cp_packing.attention.hybrid import check_ulysses_size, hybrid_attention
 from cp_packing.attention.ulysses import check_ulysses_heads, ulysses_attention
 from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
 
-BACKENDS = ("auto", "allgather", "ring_flash_attn", "ulysses")
+BACKENDS = ("auto", "allgather", "ring_flash_attn", "ulysses", "hybrid")
 
 logger = logging.getLogger("cp_packing")
 _LOGGED: set[tuple[str, str]] = set()
@@ -72,13 +76,15 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
 
 
 def select_backend(
-    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
+    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto",
+    ulysses_size: int | None = None,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
     ``backend="auto"`` resolves as described in the module docstring; an explicit backend is checked
     (``ring_flash_attn``: causal, zigzag/contiguous layout, kernel ``"auto"``/``"flash_attn"``, CUDA tensors or an
-    importable ``flash_attn`` on CPU; ``ulysses``: ``sharded.cp_size`` divides q's heads). The kernel of
+    importable ``flash_attn`` on CPU; ``ulysses``: ``sharded.cp_size`` divides q's heads; ``hybrid``:
+    ``ulysses_size`` divides ``sharded.cp_size`` and q's heads; ``ulysses_size`` with another backend is refused). The kernel of
     ``ring_flash_attn`` is always ``"flash_attn"``.
 
     Raises:
@@ -88,6 +94,11 @@ def select_backend(
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    if (backend == "hybrid") != (ulysses_size is not None):
+        raise ValueError(
+            f"ulysses_size={ulysses_size!r} with backend={backend!r}: ulysses_size (ranks per Ulysses group) goes "
+            "with backend='hybrid' and only with it; use backend='ulysses' for Ulysses over the whole CP group"
+        )
     if backend == "auto":
         if _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel) and _ring_importable():
             return "ring_flash_attn", "flash_attn"
@@ -97,6 +108,9 @@ def select_backend(
     if backend == "ulysses":
         check_ulysses_heads(q.shape[1], sharded.cp_size)  # rank-local, so it runs before the agreement
         return "ulysses", resolve_kernel(kernel, q)
+    if backend == "hybrid":
+        check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)  # rank-local, before the agreement
+        return "hybrid", resolve_kernel(kernel, q)
     # explicit ring_flash_attn
     if not causal:
         raise NotImplementedError(
@@ -182,6 +196,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     kernel: str = "auto",
+    ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -197,8 +212,9 @@ def context_parallel_attention(
         softmax_scale: default ``1 / sqrt(D)``.
         backend: ``"auto"`` (default), ``"allgather"``, ``"ring_flash_attn"`` or ``"ulysses"`` (``cp_size`` must
             divide H; see module docstring).
-        kernel: the varlen kernel of the allgather and ulysses backends: ``"auto"``, ``"torch"``,
+        kernel: the varlen kernel of the allgather, ulysses and hybrid backends: ``"auto"``, ``"torch"``,
             ``"flash_attn"``, ``"torch_varlen"`` (``cp_packing.attention.kernels``).
+        ulysses_size: ``backend="hybrid"`` only: ranks per Ulysses group (divides ``cp_size`` and H).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
@@ -226,12 +242,13 @@ def context_parallel_attention(
         check_attention_inputs(q, k, v, sharded)
         check_bool(causal, "causal")
         check_number(softmax_scale, "softmax_scale", allow_none=True)
-        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel,
+                                             ulysses_size=ulysses_size)
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
-                         softmax_scale=softmax_scale)
+                         softmax_scale=softmax_scale, ulysses_size=ulysses_size)
     _log_choice(chosen, kernel_name, sharded, q)
     if chosen == "allgather":
         return allgather_attention(
@@ -240,6 +257,11 @@ def context_parallel_attention(
     if chosen == "ulysses":
         return ulysses_attention(
             q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+        )
+    if chosen == "hybrid":
+        return hybrid_attention(
+            q, k, v, sharded, ulysses_size=ulysses_size, group=group, causal=causal, softmax_scale=softmax_scale,
+            kernel=kernel_name,
         )
     from cp_packing.attention.ring import ring_attention
 
