@@ -42,25 +42,27 @@ def test_hybrid_matches_full_attention(cp_size):
             assert max(e.values()) < TOL, f"cp={cp_size} rank {rank} {name}: {e}"
 
 
-def _dist_bad_size(rank, world_size, sizes):
+def _dist_bad_size(rank, world_size, sizes, heads):
     params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 5 + [2] * 7 + [3] * 4]))
     sharded = shard_packed_seq_params(params, cp_size=world_size, cp_rank=rank, layout="contiguous")
-    q = torch.randn(sharded.num_local_tokens, 4, D)
+    q = torch.randn(sharded.num_local_tokens, heads, D)
+    kv = torch.randn(sharded.num_local_tokens, 1, D)
     try:
-        out = context_parallel_attention(q, q, q, sharded, backend="hybrid", ulysses_size=sizes[rank])
+        out = context_parallel_attention(q, kv, kv, sharded, backend="hybrid", ulysses_size=sizes[rank])
     except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
         return type(exc).__name__, str(exc)
     return "ok", tuple(out.shape)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sizes, kind, words", [
-    ((3, 3, 3, 3), "ValueError", "ulysses_size=3 must divide cp_size=4"),
-    ((3, 2, 2, 2), "ValueError", "ulysses_size=3 must divide cp_size=4"),  # one rank's mistake, raised everywhere
-    ((2, 4, 2, 2), "AgreementError", "disagree on ulysses_size"),
+@pytest.mark.parametrize("sizes, heads, kind, words", [
+    ((3, 3, 3, 3), 4, "ValueError", "ulysses_size=3 must divide cp_size=4"),
+    ((3, 2, 2, 2), 4, "ValueError", "ulysses_size=3 must divide cp_size=4"),  # one rank's mistake, raised everywhere
+    ((2, 4, 2, 2), 4, "AgreementError", "disagree on ulysses_size"),
+    ((2, 2, 2, 2), 3, "ValueError", "ulysses_size=2 does not divide the 3 query heads; use backend='allgather'"),
 ])
-def test_bad_ulysses_size_is_refused_on_every_rank(sizes, kind, words):
-    results = run_distributed(_dist_bad_size, 4, sizes, timeout=TIMEOUT)
+def test_bad_ulysses_size_is_refused_on_every_rank(sizes, heads, kind, words):
+    results = run_distributed(_dist_bad_size, 4, sizes, heads, timeout=TIMEOUT)
     assert [r[0] for r in results] == [kind] * 4, results
     assert all(words in r[1] for r in results), results
 

@@ -61,7 +61,7 @@ def check_ulysses_size(ulysses_size, num_heads: int, cp_size: int) -> None:
             f"ulysses_size={ulysses_size} must divide cp_size={cp_size} (Ulysses groups of {ulysses_size} "
             f"consecutive ranks); use one of {sizes}"
         )
-    check_ulysses_heads(num_heads, ulysses_size)
+    check_ulysses_heads(num_heads, ulysses_size, name="ulysses_size")
 
 
 def hybrid_groups(group, cp_size: int, ulysses_size: int):

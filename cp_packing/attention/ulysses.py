@@ -46,20 +46,22 @@ __all__ = ["check_ulysses_heads", "kv_replication", "ulysses_attention"]
 # ------------------------------------------------------------------------------------------------------ heads
 
 
-def check_ulysses_heads(num_heads: int, cp_size: int) -> None:
+def check_ulysses_heads(num_heads: int, cp_size: int, *, name: str = "cp_size") -> None:
     """Raise a ValueError unless ``cp_size`` divides ``num_heads`` (the query heads), naming the alternatives.
+
+    ``name`` is how the message names the Ulysses degree (``"ulysses_size"`` for the hybrid backend).
 
     >>> check_ulysses_heads(32, 8)
     >>> check_ulysses_heads(12, 8)
     Traceback (most recent call last):
     ...
-    ValueError: backend='ulysses' splits the query heads over the CP ranks, but cp_size=8 does not divide the 12 query heads; use backend='allgather' (any head count), or a CP size that divides 12 (1, 2, 3, 4, 6, 12)
+    ValueError: backend='ulysses' splits the query heads over the CP ranks, but cp_size=8 does not divide the 12 query heads; use backend='allgather' (any head count), or a cp_size that divides 12 (1, 2, 3, 4, 6, 12)
     """
     if num_heads % cp_size != 0:
         sizes = ", ".join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)
         raise ValueError(
-            f"backend='ulysses' splits the query heads over the CP ranks, but cp_size={cp_size} does not divide the "
-            f"{num_heads} query heads; use backend='allgather' (any head count), or a CP size that divides "
+            f"backend='ulysses' splits the query heads over the CP ranks, but {name}={cp_size} does not divide the "
+            f"{num_heads} query heads; use backend='allgather' (any head count), or a {name} that divides "
             f"{num_heads} ({sizes})"
         )
 
