@@ -9,7 +9,7 @@ How it plugs in (transformers 5.x, no monkey-patching):
   attention_mask, dropout=..., scaling=..., **kwargs) -> (out [B, S, H, D], None)``.
 * Per-step metadata travels as extra keyword arguments of ``model(...)``, which HF forwards untouched to the
   attention function: ``cp_sharded`` (this rank's :class:`~cp_packing.ShardedPackedSeqParams`), ``cp_group`` (the CP
-  ``ProcessGroup``, ``None`` without CP) and optionally ``cp_backend`` / ``cp_kernel``. :func:`cp_model_inputs`
+  ``ProcessGroup``, ``None`` without CP) and optionally ``cp_backend`` / ``cp_kernel`` / ``cp_ulysses_size``. :func:`cp_model_inputs`
   builds the whole call: ``input_ids [1, T_local]``, ``position_ids [1, T_local]`` (restarting at 0 in every
   document, for RoPE), ``use_cache=False`` and the ``cp_*`` kwargs, and NO ``attention_mask``.
 
@@ -162,6 +162,7 @@ def cp_attention_forward(
     cp_group: GroupLike = None,
     cp_backend: str = "auto",
     cp_kernel: str = "auto",
+    cp_ulysses_size: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
@@ -178,7 +179,8 @@ def cp_attention_forward(
         scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
         cp_sharded: this rank's ``ShardedPackedSeqParams`` of the batch (passed to ``model(...)``).
         cp_group: the CP ``ProcessGroup`` (``None`` only when ``cp_sharded.cp_size == 1``).
-        cp_backend, cp_kernel: forwarded to ``context_parallel_attention`` as ``backend`` / ``kernel``.
+        cp_backend, cp_kernel, cp_ulysses_size: forwarded to ``context_parallel_attention`` as ``backend`` /
+            ``kernel`` / ``ulysses_size`` (``backend="hybrid"`` only).
         **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
@@ -259,6 +261,7 @@ def cp_attention_forward(
         softmax_scale=scaling,
         backend=cp_backend,
         kernel=cp_kernel,
+        ulysses_size=cp_ulysses_size,
     )  # [T_local, H, D]
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
@@ -281,6 +284,7 @@ def cp_model_inputs(
     group: GroupLike = None,
     backend: str = "auto",
     kernel: str = "auto",
+    ulysses_size: int | None = None,
     input_key: str = "input_ids",
 ) -> dict[str, Any]:
     """The keyword arguments of ``model(**kwargs)`` for one CP rank's step.
@@ -292,12 +296,13 @@ def cp_model_inputs(
         sharded: this rank's ``ShardedPackedSeqParams``; or, without CP, the batch's ``PackedSeqParams`` (sharded
             here with ``cp_size=1``).
         group: the CP ProcessGroup (or a 1-D DeviceMesh); ``None`` only when ``sharded.cp_size == 1``.
-        backend, kernel: passed to ``context_parallel_attention`` through the model.
+        backend, kernel, ulysses_size: passed to ``context_parallel_attention`` through the model
+            (``ulysses_size`` with ``backend="hybrid"`` only).
         input_key: ``"input_ids"`` (default) or ``"inputs_embeds"`` (``[..., T_local, hidden]``).
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``. No
+        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given. No
         ``attention_mask`` (never pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard,
         which is wrong under CP; compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
         from ``cp_packing.next_token_labels`` (shifted on the global stream).
@@ -355,4 +360,4 @@ def cp_model_inputs(
         "cp_group": group,
         "cp_backend": backend,
         "cp_kernel": kernel,
-    }
+    } | ({} if ulysses_size is None else {"cp_ulysses_size": ulysses_size})

@@ -34,6 +34,8 @@ SECTIONS = [
     ("cp_packing.attention.kernels", "Varlen kernels"),
     ("cp_packing.attention.allgather", "Built-in all-gather CP attention"),
     ("cp_packing.attention.ring", "ring-flash-attn adapter"),
+    ("cp_packing.attention.ulysses", "Ulysses backend"),
+    ("cp_packing.attention.hybrid", "Hybrid backend (Ulysses x all-gather)"),
     ("cp_packing.attention.dispatch", "Entry point"),
     ("cp_packing.report", "Load-balance report"),
     ("cp_packing.testing", "Test and benchmark scaffolding"),

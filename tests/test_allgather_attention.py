@@ -78,7 +78,7 @@ def _device() -> torch.device:
 
 
 def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float32, seed=0, causal=True,
-            backend="allgather", kernel="auto", group=None):
+            backend="allgather", kernel="auto", group=None, **options):
     """Max abs errors of this rank's CP out / dq / dk / dv against the sharded dense reference."""
     from cp_packing.attention.dispatch import context_parallel_attention
 
@@ -93,7 +93,8 @@ def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float
 
     device = _device()
     local = [sharded.shard(x).to(device).detach().requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*local, sharded, group=group, causal=causal, backend=backend, kernel=kernel)
+    out = context_parallel_attention(*local, sharded, group=group, causal=causal, backend=backend, kernel=kernel,
+                                     **options)
     (out * sharded.shard(dout).to(device)).sum().backward()
     pairs = [(out.cpu(), ref)] + [(x.grad.cpu(), r.grad) for x, r in zip(local, ref_in)]
     names = ("out", "dq", "dk", "dv")

@@ -277,7 +277,8 @@ def _local_batch(case: dict, group, layout: str):
     return distribute_batch({"input_ids": case["ids"], "labels": case["labels"]}, params, group=group, layout=layout)
 
 
-def _parity_worker(rank: int, world_size: int, models: dict, cases: list) -> dict:
+def _parity_worker(rank: int, world_size: int, models: dict, cases: list, backend: str = "auto",
+                   ulysses_size: int | None = None) -> dict:
     group = dist.group.WORLD
     out = {}
     for kind, layout, case in cases:
@@ -285,7 +286,8 @@ def _parity_worker(rank: int, world_size: int, models: dict, cases: list) -> dic
         model.zero_grad(set_to_none=True)
         local, sharded = _local_batch(case, group, layout)
         assert sharded.layout == layout and sharded.cp_rank == rank
-        logits = model(**cp_model_inputs(local, sharded, group=group)).logits[0]  # [T_local, V]
+        inputs = cp_model_inputs(local, sharded, group=group, backend=backend, ulysses_size=ulysses_size)
+        logits = model(**inputs).logits[0]  # [T_local, V]
         share = packed_cross_entropy(logits, local["labels"].reshape(-1), group=group)
         share.backward()
         grads = {}
@@ -311,7 +313,34 @@ def test_cp_model_matches_non_cp_model(cp):
     document's logits == the document alone. One spawn per cp size (every model and layout in it)."""
     models = {kind: make_model(kind, NAME) for kind in KINDS}
     cases = [(kind, layout, make_case(layout, cp, seed=cp)) for kind in KINDS for layout in _layouts()]
-    results = run_distributed(_parity_worker, cp, models, cases)
+    report = _check_parity(cp, cases, run_distributed(_parity_worker, cp, models, cases))
+    print(f"cp={cp} max abs diff (loss, grads, doc logits): {report}")
+
+
+@pytest.mark.distributed
+def test_cp_model_matches_non_cp_model_with_ulysses():
+    """``cp_model_inputs(..., backend="ulysses")`` at cp 4 with 4 query and 2 key/value heads (each key/value head
+    replicated on two ranks): the same loss, gradients and document logits as the model on the whole batch."""
+    cp = 4
+    models = {"llama": make_model("llama", NAME)}
+    cases = [("llama", layout, make_case(layout, cp, seed=cp + 1)) for layout in _layouts()]
+    report = _check_parity(cp, cases, run_distributed(_parity_worker, cp, models, cases, "ulysses"))
+    print(f"ulysses cp={cp} max abs diff (loss, grads, doc logits): {report}")
+
+
+@pytest.mark.distributed
+def test_cp_model_matches_non_cp_model_with_hybrid():
+    """``backend="hybrid", ulysses_size=2`` at cp 4 (4 query / 2 key-value heads): the same loss, gradients and
+    document logits as the model on the whole batch."""
+    cp = 4
+    models = {"qwen3": make_model("qwen3", NAME)}
+    cases = [("qwen3", layout, make_case(layout, cp, seed=cp + 2)) for layout in _layouts()]
+    report = _check_parity(cp, cases, run_distributed(_parity_worker, cp, models, cases, "hybrid", 2))
+    print(f"hybrid U=2 cp={cp} max abs diff (loss, grads, doc logits): {report}")
+
+
+def _check_parity(cp: int, cases: list, results: list) -> dict:
+    """Rank 0's result (every rank's shares and logits) against the eager model on the whole batch."""
     report = {}
     for kind, layout, case in cases:
         eager = make_model(kind, "eager")
@@ -328,7 +357,7 @@ def test_cp_model_matches_non_cp_model(cp):
         g = assert_grads_close({n: torch.from_numpy(x) for n, x in got["grads"].items()}, ref_grads)
         d = check_documents(eager, case, logits)
         report[(kind, layout)] = (float((total - ref_loss).abs()), g, d)
-    print(f"cp={cp} max abs diff (loss, grads, doc logits): {report}")
+    return report
 
 
 def test_cp1_runs_under_autocast_like_sdpa():

@@ -42,6 +42,7 @@ def test_verify_passes_on_a_correct_build():
     rows = table_rows(proc.stdout)
     for layout in ("contiguous", "zigzag", "balanced"):
         assert rows.get((layout, "allgather", "torch")) == "PASS", proc.stdout
+        assert rows.get((layout, "ulysses", "torch")) == "PASS", proc.stdout
     assert "FAIL" not in set(rows.values())
     assert "\n0 FAIL, " in proc.stdout
 
@@ -148,3 +149,11 @@ def test_verify_skips_what_the_real_flash_attn_refuses(ring_flash_attn, monkeypa
     monkeypatch.setattr(flash_attn, "IS_CP_PACKING_STUB", True)  # the test stand-in runs float32 contiguous
     rows = V.plan_rows(["contiguous"], ["ring_flash_attn"], [torch.float32], torch.device("cpu"))
     assert rows[0].skip is None
+
+
+def test_verify_skips_ulysses_when_cp_does_not_divide_the_heads():
+    rows = V.plan_rows(["contiguous"], ["ulysses"], [torch.float32], torch.device("cpu"), cp_size=3, heads=4)
+    torch_row = next(r for r in rows if r.kernel == "torch")
+    assert "cp_size=3 to divide --heads 4" in torch_row.skip
+    rows = V.plan_rows(["contiguous"], ["ulysses"], [torch.float32], torch.device("cpu"), cp_size=2, heads=4)
+    assert next(r for r in rows if r.kernel == "torch").skip is None

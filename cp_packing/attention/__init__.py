@@ -2,7 +2,8 @@
 
 ``dispatch``: ``context_parallel_attention``, the one entry point (local checks, one agreement per step, then the
 backend); ``kernels``: one varlen kernel API (pure-torch reference, flash-attn, torch varlen); ``allgather``: the
-built-in all-gather CP attention; ``ring``: the ring-flash-attn adapter. The backends are importable from their
+built-in all-gather CP attention; ``ulysses``: the built-in all-to-all (head shard) CP attention; ``hybrid``: Ulysses
+inside groups of ranks, all-gather across them; ``ring``: the ring-flash-attn adapter. The backends are importable from their
 modules for tests and experiments, but only the entry point raises a one-rank mistake on every rank. Importing this
 package imports torch only; flash_attn, ring_flash_attn and transformers are imported inside the functions that
 need them.

@@ -109,9 +109,21 @@ def allgather_keys(
 
 
 def _build_keys(sharded: ShardedPackedSeqParams, causal: bool, device: torch.device) -> AllGatherKeys:
-    token_index = sharded.token_index.to(device)  # [T_local] int64
-    run_cu = sharded.cu_seqlens.to(device=device, dtype=torch.int64)  # [R + 1]
-    key_start = sharded.key_start.to(device=device, dtype=torch.int64)  # [R]
+    return build_key_index(sharded.token_index, sharded.cu_seqlens, sharded.key_start,
+                           sharded.global_token_order().reshape(-1), sharded.global_params.cu_seqlens, causal, device)
+
+
+def build_key_index(
+    token_index: torch.Tensor, run_cu: torch.Tensor, key_start: torch.Tensor, order: torch.Tensor,
+    global_cu: torch.Tensor, causal: bool, device: torch.device,
+) -> AllGatherKeys:
+    """``AllGatherKeys`` for query tokens ``token_index`` ``[N]`` (global positions) in runs ``run_cu`` ``[R + 1]``
+    whose keys start at ``key_start`` ``[R]``, against a gathered buffer whose row i holds global position
+    ``order[i]`` (``[T]``). ``allgather_keys`` calls it with one rank's shard; the hybrid backend with the tokens of
+    a Ulysses group."""
+    token_index = token_index.to(device)  # [N] int64
+    run_cu = run_cu.to(device=device, dtype=torch.int64)  # [R + 1]
+    key_start = key_start.to(device=device, dtype=torch.int64)  # [R]
     run_len = run_cu[1:] - run_cu[:-1]  # [R]
     if run_len.numel() == 0:  # an empty batch: no runs, no keys
         empty_cu = torch.zeros(1, dtype=torch.int32, device=device)
@@ -119,14 +131,14 @@ def _build_keys(sharded: ShardedPackedSeqParams, causal: bool, device: torch.dev
     if causal:
         key_end = token_index[run_cu[1:] - 1] + 1  # [R] one past each run's last global token
     else:
-        cu = sharded.global_params.cu_seqlens.to(device=device, dtype=torch.int64)  # [S + 1]
+        cu = global_cu.to(device=device, dtype=torch.int64)  # [S + 1]
         seg = torch.searchsorted(cu, key_start, right=True)  # index of each run's segment end in cu
         key_end = cu[seg]
     key_len = key_end - key_start  # [R] > 0
     num_keys, max_k, max_q = torch.stack([key_len.sum(), key_len.max(), run_len.max()]).tolist()  # host sync
 
     key_pos = expand_runs(key_start, key_len, num_keys)  # [N_k] global positions of the keys
-    order = sharded.global_token_order().reshape(-1).to(device)  # [T] gathered row -> global position
+    order = order.to(device)  # [T] gathered row -> global position
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), dtype=order.dtype, device=device)  # global position -> row
     key_index = inverse[key_pos]  # [N_k]

@@ -11,11 +11,20 @@ equal to full attention on the global stream, sharded. Backends:
   all-gather (``contiguous``) varlen functions; causal only; needs ring-flash-attn and flash_attn (CUDA; on CPU the
   test stand-in). fp16/bf16 only (flash-attn's dtypes; the test stand-in also runs float32 contiguous); float32
   zigzag is refused everywhere (ring-flash-attn's float32 backward is wrong).
+* ``"ulysses"`` (built in, ``cp_packing.attention.ulysses``): all-to-all from the sequence shard to a head shard,
+  varlen attention over the whole stream on the global ``cu_seqlens`` for ``H / cp`` heads, all-to-all back. Every
+  layout, every kernel, causal or not; ``cp_size`` must divide the query heads (key/value heads are replicated
+  when it does not divide them). Explicit only.
+* ``"hybrid"`` (``cp_packing.attention.hybrid``, with ``ulysses_size=U``): Ulysses inside groups of ``U``
+  consecutive CP ranks, the all-gather backend across them; ``U`` divides ``cp_size`` and the query heads.
+  Explicit only.
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
   contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
   ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
   once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
-  every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer.
+  every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer. ``auto``
+  never picks ``ulysses``: which of all-gather and Ulysses moves fewer bytes depends on the head counts and
+  ``cp`` (docs/attention.md), and choosing by that bytes model belongs to the cost model (issue 13, item 3).
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
 from cp_packing.attention.kernels import resolve_kernel
+from cp_packing.attention.hybrid import check_ulysses_size, hybrid_attention
+from cp_packing.attention.ulysses import check_ulysses_heads, ulysses_attention
 from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
 
-BACKENDS = ("auto", "allgather", "ring_flash_attn")
+BACKENDS = ("auto", "allgather", "ring_flash_attn", "ulysses", "hybrid")
 
 logger = logging.getLogger("cp_packing")
 _LOGGED: set[tuple[str, str]] = set()
@@ -65,13 +76,16 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
 
 
 def select_backend(
-    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
+    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto",
+    ulysses_size: int | None = None,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
     ``backend="auto"`` resolves as described in the module docstring; an explicit backend is checked
     (``ring_flash_attn``: causal, zigzag/contiguous layout, kernel ``"auto"``/``"flash_attn"``, CUDA tensors or an
-    importable ``flash_attn`` on CPU). The kernel of ``ring_flash_attn`` is always ``"flash_attn"``.
+    importable ``flash_attn`` on CPU; ``ulysses``: ``sharded.cp_size`` divides q's heads; ``hybrid``:
+    ``ulysses_size`` divides ``sharded.cp_size`` and q's heads; ``ulysses_size`` with another backend is refused). The kernel of
+    ``ring_flash_attn`` is always ``"flash_attn"``.
 
     Raises:
         ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
@@ -80,12 +94,23 @@ def select_backend(
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    if (backend == "hybrid") != (ulysses_size is not None):
+        raise ValueError(
+            f"ulysses_size={ulysses_size!r} with backend={backend!r}: ulysses_size (ranks per Ulysses group) goes "
+            "with backend='hybrid' and only with it; use backend='ulysses' for Ulysses over the whole CP group"
+        )
     if backend == "auto":
         if _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel) and _ring_importable():
             return "ring_flash_attn", "flash_attn"
         return "allgather", resolve_kernel(kernel, q)
     if backend == "allgather":
         return "allgather", resolve_kernel(kernel, q)
+    if backend == "ulysses":
+        check_ulysses_heads(q.shape[1], sharded.cp_size)  # rank-local, so it runs before the agreement
+        return "ulysses", resolve_kernel(kernel, q)
+    if backend == "hybrid":
+        check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)  # rank-local, before the agreement
+        return "hybrid", resolve_kernel(kernel, q)
     # explicit ring_flash_attn
     if not causal:
         raise NotImplementedError(
@@ -171,6 +196,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     kernel: str = "auto",
+    ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -182,18 +208,21 @@ def context_parallel_attention(
             ``sharded.cp_size``, this process's rank ``sharded.cp_rank``. With ``cp_size == 1`` (and the allgather backend) nothing is communicated
             and no process group is needed.
         causal: causal within each segment (default). ``False``: every token attends its whole segment
-            (allgather backend only).
+            (allgather and ulysses backends).
         softmax_scale: default ``1 / sqrt(D)``.
-        backend: ``"auto"`` (default), ``"allgather"`` or ``"ring_flash_attn"`` (see module docstring).
-        kernel: the varlen kernel of the allgather backend: ``"auto"``, ``"torch"``, ``"flash_attn"``,
-            ``"torch_varlen"`` (``cp_packing.attention.kernels``).
+        backend: ``"auto"`` (default), ``"allgather"``, ``"ring_flash_attn"`` or ``"ulysses"`` (``cp_size`` must
+            divide H; see module docstring).
+        kernel: the varlen kernel of the allgather, ulysses and hybrid backends: ``"auto"``, ``"torch"``,
+            ``"flash_attn"``, ``"torch_varlen"`` (``cp_packing.attention.kernels``).
+        ulysses_size: ``backend="hybrid"`` only: ranks per Ulysses group (divides ``cp_size`` and H).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
 
     Raises:
         TypeError / ValueError: malformed inputs (the message names the value and the fix), a group that does
-            not match ``sharded``, an unknown backend or kernel.
+            not match ``sharded``, an unknown backend or kernel, ``backend="ulysses"`` with a head count that
+            ``cp_size`` does not divide.
         NotImplementedError: ``backend="ring_flash_attn"`` with ``causal=False``.
         ImportError: ``backend="ring_flash_attn"`` without ring-flash-attn / flash_attn installed.
 
@@ -213,16 +242,26 @@ def context_parallel_attention(
         check_attention_inputs(q, k, v, sharded)
         check_bool(causal, "causal")
         check_number(softmax_scale, "softmax_scale", allow_none=True)
-        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel,
+                                             ulysses_size=ulysses_size)
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
-                         softmax_scale=softmax_scale)
+                         softmax_scale=softmax_scale, ulysses_size=ulysses_size)
     _log_choice(chosen, kernel_name, sharded, q)
     if chosen == "allgather":
         return allgather_attention(
             q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+        )
+    if chosen == "ulysses":
+        return ulysses_attention(
+            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+        )
+    if chosen == "hybrid":
+        return hybrid_attention(
+            q, k, v, sharded, ulysses_size=ulysses_size, group=group, causal=causal, softmax_scale=softmax_scale,
+            kernel=kernel_name,
         )
     from cp_packing.attention.ring import ring_attention
 

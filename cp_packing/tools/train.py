@@ -379,7 +379,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attn-backend", choices=("auto", "allgather", "ring_flash_attn"), default="auto")
+    p.add_argument("--attn-backend", choices=("auto", "allgather", "ring_flash_attn", "ulysses"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", *KERNELS),
                    help="varlen kernel of the allgather backend (default auto: the best one available)")
     p.add_argument("--local-data", action="store_true",

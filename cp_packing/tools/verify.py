@@ -15,8 +15,8 @@ per (layout, backend, kernel, dtype) with the largest errors over all ranks and 
 tolerances scaled to the dtype; the process exits 1 on any FAIL (2 on a usage error). A NaN anywhere in an
 output or gradient counts as an infinite error (FAIL). Combinations that cannot run here or that a backend refuses
 by design (ring-flash-attn not installed, a CUDA-only kernel on CPU, float32 through the real flash-attn, which runs
-fp16/bf16 only, float32 zigzag through ring-flash-attn, whose float32 backward is wrong upstream) are listed as
-SKIP with the reason.
+fp16/bf16 only, float32 zigzag through ring-flash-attn, whose float32 backward is wrong upstream, Ulysses with a CP
+size that does not divide ``--heads``) are listed as SKIP with the reason.
 
 The whole world is the CP group (cp_size = world size).
 """
@@ -41,7 +41,7 @@ from cp_packing.testing import rank_device, synthetic_doc_ids
 from cp_packing.tools import launch, rank0_parser
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
-BACKENDS = ("allgather", "ring_flash_attn")
+BACKENDS = ("allgather", "ulysses", "ring_flash_attn")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (out, grads): PASS when max|err| <= tol * max(1, max|reference|). Half-precision inputs are rounded once, so the
 # reference sees exactly the same inputs; what remains is the kernel's own rounding of P, out and the gradients.
@@ -160,17 +160,21 @@ def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str |
     return None
 
 
-def plan_rows(layouts, backends, dtypes, device: torch.device) -> list[Row]:
+def plan_rows(layouts, backends, dtypes, device: torch.device, *, cp_size: int = 1, heads: int = 1) -> list[Row]:
     rows = []
     for layout in layouts:
         for dtype in dtypes:
-            if "allgather" in backends:
+            for backend in ("allgather", "ulysses"):
+                if backend not in backends:
+                    continue
                 for kernel in kernels.KERNELS:
-                    row = Row(layout, "allgather", kernel, dtype)
+                    row = Row(layout, backend, kernel, dtype)
                     if kernel not in kernels.available_kernels(device):
                         row.skip = f"kernel {kernel!r} not available on {device.type}"
                     elif kernel != "torch" and dtype not in (torch.float16, torch.bfloat16):
                         row.skip = f"kernel {kernel!r} runs fp16/bf16 only"
+                    elif backend == "ulysses" and heads % cp_size:
+                        row.skip = f"ulysses needs cp_size={cp_size} to divide --heads {heads} (refused)"
                     rows.append(row)
             if "ring_flash_attn" in backends:
                 row = Row(layout, "ring_flash_attn", "flash_attn", dtype)
@@ -221,7 +225,7 @@ def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, tr
 def verify(args, rank: int, cp_size: int, device: torch.device) -> int:
     """Run every row; rank 0 prints the table. Returns the exit code (the same on every rank)."""
     dtypes = [DTYPES[name] for name in (args.dtype or (["bfloat16", "float32"] if device.type == "cuda" else ["float32"]))]
-    rows = plan_rows(args.layouts, args.backends, dtypes, device)
+    rows = plan_rows(args.layouts, args.backends, dtypes, device, cp_size=cp_size, heads=args.heads)
     for row in rows:
         if row.skip:
             continue

@@ -1,0 +1,173 @@
+"""Hybrid context-parallel attention: Ulysses inside groups of ``U`` ranks, the all-gather backend across them.
+
+A CP group of ``cp = U * A`` ranks (CP ranks ``0 .. cp-1``, in the group's order, e.g. a DeviceMesh's ``cp``
+dimension) is cut two ways::
+
+    Ulysses groups (all-to-all, intra-node): {0 .. U-1}, {U .. 2U-1}, ...          a = cp_rank // U
+    all-gather groups (K/V, across nodes):   {u, U+u, 2U+u, ...} for u in [0, U)     u = cp_rank %  U
+
+1. All-to-all in the Ulysses group: ``[T_local, H, D]`` -> the ``U * T_local`` tokens of the group's ranks (in
+   rank order) for query heads ``[u * H/U, (u+1) * H/U)`` (key/value heads replicated as in ``ulysses`` when ``U``
+   does not divide ``H_kv``).
+2. All-gather K/V in the all-gather group: every rank of it holds the same heads for another Ulysses group's
+   tokens, so the gathered buffer holds all ``T`` tokens in CP-rank-major order (``sharded.global_token_order()``).
+3. Varlen attention of the group's queries (its runs, each against keys from its segment start: the all-gather
+   backend's key index, ``build_key_index``), then the all-to-all back. Backward: the transposed all-to-alls,
+   the re-gather of K/V and a reduce-scatter (SUM) of dK/dV, as in both backends.
+
+``U = cp`` is Ulysses, ``U = 1`` the all-gather backend. Forward bytes per layer and rank, in head-slices of
+``T_local`` tokens (``H_kv'`` = key/value heads after replication for ``U``): ``(2H + 2H_kv') (U-1)/U`` through the
+all-to-alls (inside a node) plus ``2 H_kv' (A-1)`` through the K/V all-gather (across nodes).
+
+The two sub-groups are created once per (CP group, U) with ``torch.distributed.new_group(...,
+use_local_synchronization=True)`` (only the CP group's ranks take part) and cached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_packing.attention import kernels
+from cp_packing.attention.allgather import (
+    AllGatherKeys,
+    _all_gather,
+    _reduce_scatter,
+    build_key_index,
+    check_attention_inputs,
+    resolve_attention_group,
+)
+from cp_packing.attention.ulysses import _heads_to_seq, _seq_to_heads, check_ulysses_heads, kv_replication
+from cp_packing.sharding import ShardedPackedSeqParams
+
+__all__ = ["check_ulysses_size", "hybrid_attention", "hybrid_groups"]
+
+_GROUPS: dict = {}
+
+
+def check_ulysses_size(ulysses_size, num_heads: int, cp_size: int) -> None:
+    """Raise unless ``ulysses_size`` is an int that divides ``cp_size`` and the query heads.
+
+    >>> check_ulysses_size(2, 32, 8)
+    >>> check_ulysses_size(3, 32, 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: ulysses_size=3 must divide cp_size=8 (Ulysses groups of 3 consecutive ranks); use one of 1, 2, 4, 8
+    """
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int):
+        raise TypeError(f"ulysses_size must be an int (ranks per Ulysses group), got {type(ulysses_size).__name__}")
+    if ulysses_size < 1 or cp_size % ulysses_size:
+        sizes = ", ".join(str(d) for d in range(1, cp_size + 1) if cp_size % d == 0)
+        raise ValueError(
+            f"ulysses_size={ulysses_size} must divide cp_size={cp_size} (Ulysses groups of {ulysses_size} "
+            f"consecutive ranks); use one of {sizes}"
+        )
+    check_ulysses_heads(num_heads, ulysses_size, name="ulysses_size")
+
+
+def hybrid_groups(group, cp_size: int, ulysses_size: int):
+    """``(ulysses_group, allgather_group)`` of this rank (``None`` for a one-rank group), created once per CP group
+    and ``ulysses_size``. Every rank of the CP group must call it (the first call creates the groups)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return None, None
+    ranks = dist.get_process_group_ranks(group)  # global ranks, in CP-rank order
+    key = (tuple(ranks), ulysses_size)
+    if key not in _GROUPS:
+        cp_rank = dist.get_rank(group)
+        a, u = divmod(cp_rank, ulysses_size)
+        U, A = ulysses_size, cp_size // ulysses_size
+        mine_u = [ranks[a * U + i] for i in range(U)]
+        mine_a = [ranks[j * U + u] for j in range(A)]
+        ug = dist.new_group(mine_u, use_local_synchronization=True) if U > 1 else None
+        ag = dist.new_group(mine_a, use_local_synchronization=True) if A > 1 else None
+        _GROUPS[key] = (ug, ag)
+    return _GROUPS[key]
+
+
+def _group_keys(sharded: ShardedPackedSeqParams, ulysses_size: int, causal: bool, device) -> AllGatherKeys:
+    """The key index of this rank's Ulysses group's tokens against the gathered ``[T]`` buffer (cached per step)."""
+
+    def build():
+        order = sharded.global_token_order().to(device)  # [cp, T_local]
+        a = sharded.cp_rank // ulysses_size
+        token_index = order[a * ulysses_size : (a + 1) * ulysses_size].reshape(-1)  # [U * T_local]
+        cu = sharded.global_params.cu_seqlens.to(device=device, dtype=torch.int64)
+        seg = torch.searchsorted(cu, token_index, right=True) - 1
+        new_run = torch.ones_like(token_index, dtype=torch.bool)
+        new_run[1:] = (token_index[1:] != token_index[:-1] + 1) | (seg[1:] != seg[:-1])
+        starts = torch.nonzero(new_run).reshape(-1)
+        run_cu = torch.cat([starts, torch.tensor([token_index.numel()], device=device)])
+        return build_key_index(token_index, run_cu, cu[seg[starts]], order.reshape(-1), cu, causal, device)
+
+    return sharded.cached(("hybrid_keys", ulysses_size, bool(causal), str(device)), build)
+
+
+class _HybridAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta):
+        ugroup, agroup, U, A, rep, keys, scale, causal, kernel = meta
+        if rep > 1:
+            k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        qh, kh, vh = (x.contiguous() for x in _seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
+        k_all, v_all = (x if agroup is None else _all_gather(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
+        out, lse = kernels.varlen_attention_forward(
+            qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+            keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+        )
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.meta = meta
+        (out_local,) = _heads_to_seq([out], ugroup, U)
+        return out_local
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        ugroup, agroup, U, A, rep, keys, scale, causal, kernel = ctx.meta
+        (douth,) = _seq_to_heads([dout.contiguous()], ugroup, U)
+        k_all, v_all = (x if agroup is None else _all_gather(x, agroup, A) for x in (kh, vh))  # re-gathered
+        dqh, dk_keys, dv_keys = kernels.varlen_attention_backward(
+            douth, qh, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+        )
+        dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
+        if agroup is not None:
+            dkh, dvh = (_reduce_scatter(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
+        dq, dk, dv = _heads_to_seq([dqh, dkh, dvh], ugroup, U)
+        if rep > 1:
+            dk, dv = (x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
+        return dq, dk, dv, None
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: ShardedPackedSeqParams,
+    *,
+    ulysses_size: int,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring).
+
+    Args:
+        q: ``[T_local, H, D]`` (``ulysses_size`` divides ``H``); k, v: ``[T_local, H_kv, D]``, ``H % H_kv == 0``.
+        sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
+        ulysses_size: ranks per Ulysses group; divides ``sharded.cp_size``.
+        group, causal, softmax_scale, kernel: as in ``ulysses_attention``.
+
+    Returns:
+        ``[T_local, H, D]`` in q's dtype: full attention per segment on the global stream, sharded.
+    """
+    check_attention_inputs(q, k, v, sharded)
+    check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)
+    name = kernels.resolve_kernel(kernel, q)
+    group = resolve_attention_group(group, sharded, q.device)
+    U, A = ulysses_size, sharded.cp_size // ulysses_size
+    ugroup, agroup = hybrid_groups(group, sharded.cp_size, U)
+    rep = kv_replication(q.shape[1], k.shape[1], U)
+    keys = _group_keys(sharded, U, causal, q.device)
+    return _HybridAttention.apply(q, k, v, (ugroup, agroup, U, A, rep, keys, softmax_scale, bool(causal), name))

@@ -1,0 +1,231 @@
+"""Ulysses (DeepSpeed-style) context-parallel attention: all-to-all from a sequence shard to a head shard.
+
+Each CP rank holds ``T_local`` tokens with all ``H`` heads. One all-to-all turns that into ALL ``T = cp * T_local``
+tokens for ``H / cp`` heads: rank r gets query heads ``[r * H/cp, (r+1) * H/cp)`` of every token, in the rank-major
+order of an all-gather (rank j's local tokens at rows ``[j * T_local, (j+1) * T_local)``, the order of
+``sharded.global_token_order()``). The rows are then permuted into GLOBAL token order (a no-op for ``contiguous``),
+so the global ``cu_seqlens`` / ``max_seqlen`` of the batch drive the varlen kernel unchanged, whatever the layout::
+
+    rank 0: tokens 0..3, heads 0..3           rank 0: tokens 0..7, heads 0..1
+    rank 1: tokens 4..7, heads 0..3   ─a2a─▶  rank 1: tokens 0..7, heads 2..3   ─kernel on global cu_seqlens─▶
+                                                                               ─a2a back─▶ [T_local, H, D]
+
+Attention work is equal on every rank whatever the document lengths (every rank sees the whole stream); the
+limit is the head count: ``cp`` must divide the query heads ``H``.
+
+GQA (k/v with ``H_kv`` heads, ``H % H_kv == 0``): rank r's query heads read key/value heads ``h // (H / H_kv)``.
+When ``cp`` divides ``H_kv`` k/v are sharded like q. Otherwise each key/value head is replicated ``rep = cp /
+gcd(H_kv, cp)`` times before the all-to-all (``H_kv * rep`` heads, a multiple of cp; ``rep`` always divides
+``H / H_kv`` when cp divides ``H``), so every rank receives the key/value heads its query heads need, and the
+gradients of the replicas are summed back in backward.
+
+q, k and v travel in ONE all-to-all (concatenated per destination rank); the output in one back. Backward runs
+the transposed all-to-alls (dout: sequence -> heads; dq/dk/dv: heads -> sequence) around the kernel's backward,
+from the saved head-shard ``q, k, v, out, lse`` (no recomputation; ``O(T * H / cp) = O(T_local * H)`` per layer).
+Bytes per layer and rank: forward ``(2H + 2 H_kv rep) * T_local * D`` elements through all-to-alls, of which
+``(cp-1)/cp`` leave the rank; see docs/attention.md for when that is cheaper than the all-gather backend.
+
+With ``cp_size == 1`` nothing is communicated (no process group is needed). ``dist.all_to_all_single`` runs on gloo
+(CPU) and NCCL alike. Call it through ``context_parallel_attention(..., backend="ulysses")``, which raises a
+one-rank mistake on every rank; ``ulysses_attention`` is the backend itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cp_packing.attention import kernels
+from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
+from cp_packing.sharding import ShardedPackedSeqParams
+
+__all__ = ["check_ulysses_heads", "kv_replication", "ulysses_attention"]
+
+
+# ------------------------------------------------------------------------------------------------------ heads
+
+
+def check_ulysses_heads(num_heads: int, cp_size: int, *, name: str = "cp_size") -> None:
+    """Raise a ValueError unless ``cp_size`` divides ``num_heads`` (the query heads), naming the alternatives.
+
+    ``name`` is how the message names the Ulysses degree (``"ulysses_size"`` for the hybrid backend).
+
+    >>> check_ulysses_heads(32, 8)
+    >>> check_ulysses_heads(12, 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: backend='ulysses' splits the query heads over the CP ranks, but cp_size=8 does not divide the 12 query heads; use backend='allgather' (any head count), or a cp_size that divides 12 (1, 2, 3, 4, 6, 12)
+    """
+    if num_heads % cp_size != 0:
+        sizes = ", ".join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)
+        raise ValueError(
+            f"backend='ulysses' splits the query heads over the CP ranks, but {name}={cp_size} does not divide the "
+            f"{num_heads} query heads; use backend='allgather' (any head count), or a {name} that divides "
+            f"{num_heads} ({sizes})"
+        )
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
+    """How many times each key/value head is replicated so that ``cp_size`` ranks each get whole GQA groups.
+
+    ``cp / gcd(H_kv, cp)``: 1 when cp divides ``H_kv`` (k/v sharded like q); with fewer key/value heads than ranks
+    each rank gets one replica. Needs ``H % cp == 0`` and ``H % H_kv == 0`` (then the factor divides ``H / H_kv``).
+
+    >>> kv_replication(32, 8, 4), kv_replication(32, 8, 16), kv_replication(12, 6, 4)
+    (1, 2, 2)
+    """
+    check_ulysses_heads(num_heads, cp_size)
+    return cp_size // math.gcd(num_kv_heads, cp_size)
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+
+
+def _seq_to_heads(parts: list[torch.Tensor], group, cp_size: int) -> list[torch.Tensor]:
+    """Every ``[T_local, h_i, D]`` in ``parts`` (``cp`` divides each ``h_i``) -> ``[cp * T_local, h_i / cp, D]``:
+    this rank's head slice of every rank's tokens, rank-major. One all-to-all for all parts."""
+    import torch.distributed as dist
+
+    T_local, D = parts[0].shape[0], parts[0].shape[2]
+    heads = [x.shape[1] // cp_size for x in parts]
+    send = torch.cat([x.reshape(T_local, cp_size, h, D) for x, h in zip(parts, heads)], 2)  # [T_local, cp, sum h, D]
+    send = send.transpose(0, 1).contiguous()  # [cp, T_local, sum h, D]: chunk j goes to rank j
+    if group is None:
+        received = send
+    else:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)  # chunk j came from rank j: its tokens, my heads
+    received = received.reshape(cp_size * T_local, sum(heads), D)
+    return list(received.split(heads, dim=1))
+
+
+def _heads_to_seq(parts: list[torch.Tensor], group, cp_size: int) -> list[torch.Tensor]:
+    """Inverse of ``_seq_to_heads``: every ``[cp * T_local, h_i, D]`` -> ``[T_local, cp * h_i, D]``."""
+    import torch.distributed as dist
+
+    T, D = parts[0].shape[0], parts[0].shape[2]
+    T_local = T // cp_size
+    heads = [x.shape[1] for x in parts]
+    send = torch.cat(parts, 1).reshape(cp_size, T_local, sum(heads), D).contiguous()  # chunk j: rank j's tokens
+    if group is None:
+        received = send
+    else:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)  # chunk j: my tokens, rank j's heads
+    received = received.transpose(0, 1)  # [T_local, cp, sum h, D]
+    return [x.reshape(T_local, cp_size * h, D).contiguous() for x, h in zip(received.split(heads, dim=2), heads)]
+
+
+# ------------------------------------------------------------------------------------------------ token order
+
+
+def _global_permutation(sharded: ShardedPackedSeqParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(order, inverse)``: gathered row -> global position and back; ``None`` when they are the identity
+    (``contiguous``, or ``cp_size == 1``). Cached per shard and device (one host sync, once per step)."""
+
+    def build():
+        order = sharded.global_token_order().reshape(-1).to(device)  # [T] gathered row -> global position
+        if bool(torch.equal(order, torch.arange(order.numel(), device=device))):  # host sync
+            return None
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), dtype=order.dtype, device=device)  # global position -> row
+        return order, inverse
+
+    return sharded.cached(("ulysses_permutation", str(device)), build)
+
+
+def _to_global(xs, perm):
+    return xs if perm is None else [x.index_select(0, perm[1]) for x in xs]
+
+
+def _to_gathered(xs, perm):
+    return xs if perm is None else [x.index_select(0, perm[0]) for x in xs]
+
+
+# --------------------------------------------------------------------------------------------------- autograd
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta):
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = meta
+        if rep > 1:  # [T_local, H_kv, D] -> [T_local, H_kv * rep, D]: head j is key/value head j // rep
+            k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        heads = _to_global(_seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
+        qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
+        out, lse = kernels.varlen_attention_forward(
+            qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
+            kernel=kernel,
+        )  # [T, H/cp, D], [H/cp, T]
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.meta = meta
+        (out_local,) = _heads_to_seq(_to_gathered([out], perm), group, cp_size)
+        return out_local  # [T_local, H, D]
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = ctx.meta
+        (douth,) = _to_global(_seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
+        dqh, dkh, dvh = kernels.varlen_attention_backward(
+            douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
+            causal=causal, kernel=kernel,
+        )
+        dq, dk, dv = _heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
+        if rep > 1:  # the replicas' gradients, summed back into their key/value head
+            dk, dv = (x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
+        return dq, dk, dv, None
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: ShardedPackedSeqParams,
+    *,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Ulysses context-parallel attention for any layout (see module docstring). Differentiable.
+
+    Args:
+        q: ``[T_local, H, D]`` with ``sharded.cp_size`` dividing ``H``; k, v: ``[T_local, H_kv, D]`` with
+            ``H % H_kv == 0`` (GQA; replicated when cp does not divide ``H_kv``); this rank's tokens in
+            ``sharded``'s local order, one floating dtype, one device.
+        sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
+        group: the CP ``ProcessGroup`` (``None``: the default group); its size must be ``sharded.cp_size``.
+            Not used (and no process group needed) when ``cp_size == 1``.
+        causal: causal within each segment (default); ``False``: every token attends its whole segment.
+        softmax_scale: default ``1 / sqrt(D)``.
+        kernel: the varlen kernel (``"auto"``, ``"torch"``, ``"flash_attn"``, ``"torch_varlen"``).
+
+    Returns:
+        ``[T_local, H, D]`` in q's dtype, contiguous: full attention per segment on the global stream, sharded.
+
+    Raises:
+        ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), or the checks of
+            ``check_attention_inputs`` / ``resolve_attention_group``.
+
+    >>> import torch, cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
+    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)  # no CP: no group needed
+    >>> q, kv = torch.randn(6, 4, 8), torch.randn(6, 1, 8)  # GQA: 4 query heads, 1 key/value head
+    >>> ulysses_attention(q, kv, kv, sharded).shape
+    torch.Size([6, 4, 8])
+    """
+    check_attention_inputs(q, k, v, sharded)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    cp_size = sharded.cp_size
+    rep = kv_replication(q.shape[1], k.shape[1], cp_size)
+    name = kernels.resolve_kernel(kernel, q)
+    group = resolve_attention_group(group, sharded, q.device)
+    params = sharded.global_params
+    cu_seqlens = sharded.cached(("ulysses_cu_seqlens", str(q.device)),
+                                lambda: params.cu_seqlens.to(device=q.device, dtype=torch.int32))
+    meta = (group, cp_size, rep, _global_permutation(sharded, q.device), cu_seqlens, int(params.max_seqlen),
+            softmax_scale, causal, name)
+    return _UlyssesAttention.apply(q, k, v, meta)

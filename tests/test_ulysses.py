@@ -1,0 +1,162 @@
+"""The Ulysses backend (``backend="ulysses"``) equals full causal attention per segment, forward and backward.
+
+The reference is ``tests/test_allgather_attention.compare``: dense masked attention on the GLOBAL stream in plain
+torch (float64), independent of the varlen kernels; every rank shards it and compares its CP out and dq/dk/dv.
+Head layouts: GQA with ``H_kv == cp``, ``H_kv < cp`` (replicated key/value heads: their gradients must be summed
+back), ``H_kv > cp``, ``cp`` not dividing ``H_kv``, and MHA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+from cp_packing.attention import context_parallel_attention, select_backend
+from cp_packing.padding import pad_segments
+from cp_packing.testing import run_distributed, synthetic_doc_ids
+from tests.test_allgather_attention import D, compare
+
+TIMEOUT = 90.0  # seconds for a whole scenario: a hang fails the test instead of waiting for the store timeout
+TOL = 2e-5
+
+
+def _zigzag_map(cp_size: int, seed: int) -> torch.Tensor:
+    """A lognormal map padded per document (``pad_segments``) so that the zigzag layout accepts it."""
+    doc_ids = synthetic_doc_ids("lognormal", 2, 10 * cp_size, seed=seed, median=6, pad=0.1)
+    return pad_segments(doc_ids, multiple=2 * cp_size).doc_ids
+
+
+def _head_cases(cp_size: int) -> dict[str, tuple[int, int]]:
+    """name -> (H, H_kv)."""
+    return {
+        "H_kv == cp": (2 * cp_size, cp_size),
+        "H_kv < cp (replicated)": (cp_size, 1),
+        "H_kv > cp": (4 * cp_size, 2 * cp_size),
+        "MHA": (cp_size, cp_size),
+    } | ({"cp does not divide H_kv": (12, 6)} if cp_size == 4 else {})
+
+
+def _dist_ulysses(rank, world_size):
+    contiguous = synthetic_doc_ids("lognormal", 2, 12 * world_size, seed=world_size, median=8, pad=0.1)
+    zigzag = _zigzag_map(world_size, seed=world_size)
+    balanced = synthetic_doc_ids("lognormal", 2, 12 * world_size, seed=7, median=20, pad=0.1)
+    errs = {}
+    for layout, doc_ids in (("contiguous", contiguous), ("zigzag", zigzag), ("balanced", balanced)):
+        for i, (name, (H, H_kv)) in enumerate(_head_cases(world_size).items()):
+            errs[f"{layout} {name}"] = compare(doc_ids, layout, world_size, rank, H=H, H_kv=H_kv, seed=i,
+                                               backend="ulysses")
+    errs["zigzag causal=False"] = compare(zigzag, "zigzag", world_size, rank, H=2 * world_size, H_kv=1,
+                                          causal=False, backend="ulysses")
+    # the last rank(s) hold only padding: they join both all-to-alls like every other rank
+    padding_rank = torch.tensor([[1] * 5 + [2] * 3 + [0] * (8 * world_size - 8)])
+    errs["contiguous padding rank"] = compare(padding_rank, "contiguous", world_size, rank, H=world_size, H_kv=1,
+                                              backend="ulysses")
+    return errs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_ulysses_matches_full_attention(cp_size):
+    """out, dq, dk, dv equal full attention per segment for every layout and GQA ratio, float32."""
+    per_rank = run_distributed(_dist_ulysses, cp_size, timeout=TIMEOUT)
+    for rank, errs in enumerate(per_rank):
+        assert len(errs) == 3 * len(_head_cases(cp_size)) + 2
+        for name, e in errs.items():
+            assert max(e.values()) < TOL, f"cp={cp_size} rank {rank} {name}: {e}"
+
+
+def test_ulysses_cp1_needs_no_process_group():
+    import torch.distributed as dist
+
+    was_initialized = dist.is_initialized()
+    errs = compare(_zigzag_map(1, seed=3), "contiguous", 1, 0, H=3, H_kv=1, backend="ulysses")
+    assert max(errs.values()) < TOL, errs
+    assert dist.is_initialized() == was_initialized
+
+
+# ------------------------------------------------------------------------------------------------------ bytes
+
+
+def _dist_bytes(rank, world_size, H, H_kv):
+    import torch.distributed as dist
+
+    sent = []
+    real = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        sent.append(input.numel())
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        errs = compare(synthetic_doc_ids("lognormal", 2, 8 * world_size, seed=1, median=8, pad=0.1), "balanced",
+                       world_size, rank, H=H, H_kv=H_kv, backend="ulysses")
+    finally:
+        dist.all_to_all_single = real
+    return errs, sent
+
+
+@pytest.mark.distributed
+def test_ulysses_all_to_all_moves_the_expected_elements():
+    """Forward: one all-to-all of q, k, v ((H + 2 H_kv rep) head-slices of T_local tokens) and one of the output
+    (H); backward: dout (H) and dq, dk, dv (H + 2 H_kv rep). With H_kv=1 < cp=4 each key/value head goes out 4 times."""
+    cp, H, H_kv, rep = 4, 8, 1, 4
+    T_local = 2 * 8 * cp // cp
+    for errs, sent in run_distributed(_dist_bytes, cp, H, H_kv, timeout=TIMEOUT):
+        assert max(errs.values()) < TOL, errs
+        qkv = (H + 2 * H_kv * rep) * T_local * D
+        assert sent == [qkv, H * T_local * D, H * T_local * D, qkv], sent
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def _dist_heads(rank, world_size, heads_per_rank):
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 5 + [2] * 7 + [3] * 4]))
+    sharded = shard_packed_seq_params(params, cp_size=world_size, cp_rank=rank, layout="contiguous")
+    H = heads_per_rank[rank]
+    q = torch.randn(sharded.num_local_tokens, H, D)
+    k = torch.randn(sharded.num_local_tokens, 1, D)
+    try:
+        out = context_parallel_attention(q, k, k, sharded, backend="ulysses")
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return type(exc).__name__, str(exc)
+    return "ok", tuple(out.shape)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "heads_per_rank, kind, words",
+    [
+        ((3, 3), "ValueError", "cp_size=2 does not divide the 3 query heads; use backend='allgather'"),
+        # a one-rank mistake: rank 0's check fails before any collective, and every rank raises it
+        ((3, 2), "ValueError", "cp_size=2 does not divide the 3 query heads; use backend='allgather'"),
+        ((2, 3), "ValueError", "cp_size=2 does not divide the 3 query heads"),
+        # both divisible, but the ranks disagree: the agreement names the field
+        ((4, 2), "AgreementError", "disagree on q"),
+    ],
+)
+def test_indivisible_heads_are_refused_on_every_rank(heads_per_rank, kind, words):
+    results = run_distributed(_dist_heads, 2, heads_per_rank, timeout=TIMEOUT)
+    assert [r[0] for r in results] == [kind, kind], results
+    assert all(words in r[1] for r in results), results
+
+
+def test_select_backend_checks_heads_and_auto_never_picks_ulysses():
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
+    s2 = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    q = torch.zeros(8, 4, D)
+    assert select_backend(q, s2, backend="ulysses") == ("ulysses", "torch")
+    assert select_backend(q, s2) == ("allgather", "torch")
+    with pytest.raises(ValueError, match=r"cp_size=2 does not divide the 3 query heads.*'allgather'.*\(1, 3\)"):
+        select_backend(torch.zeros(8, 3, D), s2, backend="ulysses")
+
+
+def test_kv_replication():
+    from cp_packing.attention.ulysses import kv_replication
+
+    assert [kv_replication(32, 8, cp) for cp in (1, 2, 4, 8, 16, 32)] == [1, 1, 1, 1, 2, 4]
+    assert kv_replication(12, 6, 4) == 2 and kv_replication(12, 3, 4) == 4
+    with pytest.raises(ValueError, match="cp_size=8 does not divide the 12 query heads"):
+        kv_replication(12, 4, 8)
