@@ -54,25 +54,23 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _as_rows(x: Any, name: str) -> torch.Tensor:
+def _as_rows(x: Any, name: str, shape: str = "[B, S] (or [T] for one flattened row)",
+             fix: str = "pass the per-token tensor the collator returned") -> torch.Tensor:
     """``x`` as an int64 ``[B, S]`` tensor: a ``[T]`` tensor is one row ``[1, T]``."""
-    check_tensor(x, name, "[B, S] or [T]")
+    check_tensor(x, name, shape)
     if x.dtype not in INTEGER_DTYPES:
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}; convert with {name}.long()")
     if x.dim() == 1:
         x = x.unsqueeze(0)
     elif x.dim() != 2:
-        raise ValueError(
-            f"{name} must be [B, S] (or [T] for one flattened row), got shape {tuple(x.shape)}; "
-            f"pass the per-token tensor the collator returned"
-        )
+        raise ValueError(f"{name} must be {shape}, got shape {tuple(x.shape)}; {fix}")
     return x.to(torch.int64)
 
 
-def _where(bad: torch.Tensor) -> tuple[int, int]:
-    """``(b, s)`` of the first True of a ``[B, S]`` bool tensor (one host sync; called only on an error path)."""
-    flat = int(bad.reshape(-1).nonzero()[0, 0])
-    return divmod(flat, bad.shape[1])
+def _first(bad: torch.Tensor) -> tuple[int, int] | None:
+    """``(b, s)`` of the first True of a ``[B, S]`` bool tensor, or ``None`` when there is none (one host sync)."""
+    hit = bad.reshape(-1).nonzero()
+    return None if hit.numel() == 0 else divmod(int(hit[0, 0]), bad.shape[1])
 
 
 def _real_tokens(attention_mask: Any, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -96,8 +94,8 @@ def _real_tokens(attention_mask: Any, like: torch.Tensor, name: str) -> torch.Te
     if mask.dtype == torch.bool:
         return mask
     outside = (mask != 0) & (mask != 1)
-    if bool(outside.any()):
-        b, s = _where(outside)
+    if (at := _first(outside)) is not None:
+        b, s = at
         value = int(mask[b, s])
         hint = (
             "it looks like a neat-packing doc map (LLaMA-Factory neat_packing puts the 1-based doc map in "
@@ -118,8 +116,8 @@ def _shifted(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
 
 def _check_no_negative(x: torch.Tensor, real: torch.Tensor, name: str, what: str) -> None:
     negative = real & (x < 0)
-    if bool(negative.any()):
-        b, s = _where(negative)
+    if (at := _first(negative)) is not None:
+        b, s = at
         raise ValueError(
             f"{name}[{b}, {s}] is {int(x[b, s])}; {what}. If this token is padding, mark it 0 in attention_mask"
         )
@@ -176,8 +174,8 @@ def doc_ids_from_position_ids(
     prev_pos = _shifted(pos, -1)
     start = real & (~prev_real | (pos == 0))
     bad = real & ~start & (pos != prev_pos + 1)
-    if bool(bad.any()):
-        b, s = _where(bad)
+    if (at := _first(bad)) is not None:
+        b, s = at
         raise ValueError(
             f"position_ids[{b}, {s}] is {int(pos[b, s])} after {int(prev_pos[b, s])} at [{b}, {s - 1}]: a position "
             "must restart at 0 (a new document) or increase by 1 (the same document). If your positions restart at "
@@ -217,8 +215,8 @@ def doc_ids_from_seq_idx(seq_idx: torch.Tensor, *, attention_mask: torch.Tensor 
     step = seq - _shifted(seq, 0)
     neighbours = real & prev_real
     bad = neighbours & ((step < 0) | (step > 1))
-    if bool(bad.any()):
-        b, s = _where(bad)
+    if (at := _first(bad)) is not None:
+        b, s = at
         now, before = int(seq[b, s]), int(seq[b, s - 1])
         hint = (
             "values that go back look like position_ids: convert those with doc_ids_from_position_ids"
@@ -305,17 +303,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_shape: Sequence[i
 def _lens_table(x: Any, name: str) -> torch.Tensor:
     """int64 ``[B, N]`` of lengths from a tensor or a list of lists (rows padded with -1)."""
     if isinstance(x, torch.Tensor):
-        check_tensor(x, name, "[B, N]")
-        if x.dtype not in INTEGER_DTYPES:
-            raise TypeError(f"{name} must have an integer dtype, got {x.dtype}; convert with {name}.long()")
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        elif x.dim() != 2:
-            raise ValueError(
-                f"{name} must be [B, N] (per row, the length of each sequence, -1 or 0 for none) or [N] for one "
-                f"row, got shape {tuple(x.shape)}"
-            )
-        table = x.to(torch.int64)
+        table = _as_rows(x, name, "[B, N] (per row, the length of each sequence, -1 or 0 for none) or [N] for one row",
+                         "pass one row of lengths per batch row")
     elif isinstance(x, (list, tuple)):
         rows = [x] if x and all(is_int(v) for v in x) else list(x)
         for b, row in enumerate(rows):
@@ -337,8 +326,8 @@ def _lens_table(x: Any, name: str) -> torch.Tensor:
             "wrap a NumPy array with torch.as_tensor"
         )
     below = table < -1
-    if bool(below.any()):
-        b, k = _where(below)
+    if (at := _first(below)) is not None:
+        b, k = at
         raise ValueError(
             f"{name}[{b}][{k}] is {int(table[b, k])}; a length is >= 0, and -1 or 0 marks an empty sequence slot"
         )
@@ -394,13 +383,12 @@ def doc_ids_from_seq_lens(
             )
         padded = padded.to(real.device)
         P = padded.clamp(min=0)
-        short = P < L
-        if bool(short.any()):
-            b, k = _where(short)
+        at = _first(P < L)  # a padded length holds the real tokens plus padding
+        if at is not None:
             raise ValueError(
-                f"seq_lens_padded[{b}][{k}] is {int(padded[b, k])} but seq_lens[{b}][{k}] is {int(real[b, k])}: the "
-                "padded length holds the real tokens plus padding, so it is >= the real length; check the argument "
-                "order (seq_lens = real lengths, seq_lens_padded = padded lengths)"
+                f"seq_lens_padded[{at[0]}][{at[1]}] is {int(padded[at])} but seq_lens[{at[0]}][{at[1]}] is "
+                f"{int(real[at])}: the padded length must be >= the real length; check the argument order "
+                "(seq_lens = real lengths, seq_lens_padded = padded lengths)"
             )
     B, N = L.shape
     row_total = P.sum(dim=1)

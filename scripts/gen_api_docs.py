@@ -32,6 +32,7 @@ SECTIONS = [
     ("cp_packing.distributed", "Over torch.distributed"),
     ("cp_packing.loss", "Labels and loss"),
     ("cp_packing.attention.kernels", "Varlen kernels"),
+    ("cp_packing.attention.comm", "Token and head collectives of the backends"),
     ("cp_packing.attention.allgather", "Built-in all-gather CP attention"),
     ("cp_packing.attention.ring", "ring-flash-attn adapter"),
     ("cp_packing.attention.ulysses", "Ulysses backend"),

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from cp_packing.attention import kernels
+from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
 from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
@@ -233,46 +234,10 @@ def resolve_attention_group(group: GroupLike, sharded: ShardedPackedSeqParams, d
 # ------------------------------------------------------------------------------------------------ collectives
 
 
-def _is_gloo(group) -> bool:
-    import torch.distributed as dist
-
-    return str(dist.get_backend(group)).lower() == "gloo"
-
-
-def _all_gather(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
-    """``[T_local, ...]`` on every rank -> ``[cp * T_local, ...]``, rank-major."""
-    import torch.distributed as dist
-
-    x = x.contiguous()
-    out = x.new_empty((cp_size * x.shape[0], *x.shape[1:]))
-    if _is_gloo(group):
-        dist.all_gather(list(out.chunk(cp_size)), x, group=group)
-    else:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, x, group=group)
-    return out
-
-
-def _reduce_scatter(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
-    """``[cp * T_local, ...]`` on every rank -> ``[T_local, ...]``: rank r gets the SUM over ranks of chunk r."""
-    import torch.distributed as dist
-
-    x = x.contiguous()
-    T_local = x.shape[0] // cp_size
-    if _is_gloo(group):
-        received = torch.empty_like(x)
-        dist.all_to_all_single(received, x, group=group)
-        return received.view(cp_size, T_local, *x.shape[1:]).sum(0)
-    out = x.new_empty((T_local, *x.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x, group=group)
-    return out
-
-
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     if group is None:
         return k, v
-    return _all_gather(k, group, cp_size), _all_gather(v, group, cp_size)
+    return all_gather_tokens(k, group, cp_size), all_gather_tokens(v, group, cp_size)
 
 
 # --------------------------------------------------------------------------------------------------- autograd
@@ -303,8 +268,8 @@ class _AllGatherAttention(torch.autograd.Function):
         dk_all = keys.scatter_add(dk_keys, total)  # [cp * T_local, H_kv, D]
         dv_all = keys.scatter_add(dv_keys, total)
         if group is not None:
-            dk_all = _reduce_scatter(dk_all, group, cp_size)  # [T_local, H_kv, D]
-            dv_all = _reduce_scatter(dv_all, group, cp_size)
+            dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
+            dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
         return dq, dk_all, dv_all, None, None, None, None, None, None
 
 

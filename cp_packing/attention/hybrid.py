@@ -30,13 +30,13 @@ import torch
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import (
     AllGatherKeys,
-    _all_gather,
-    _reduce_scatter,
     build_key_index,
     check_attention_inputs,
     resolve_attention_group,
 )
-from cp_packing.attention.ulysses import _heads_to_seq, _seq_to_heads, check_ulysses_heads, kv_replication
+from cp_packing.attention.comm import all_gather_tokens, heads_to_seq, reduce_scatter_tokens, seq_to_heads
+from cp_packing.attention.ulysses import check_ulysses_heads, kv_replication, replicate_kv, sum_replicas
+from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["check_ulysses_size", "hybrid_attention", "hybrid_groups"]
@@ -107,49 +107,38 @@ class _HybridAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta):
         ugroup, agroup, U, A, rep, keys, scale, causal, kernel = meta
-        if rep > 1:
-            k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-        qh, kh, vh = (x.contiguous() for x in _seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
-        k_all, v_all = (x if agroup is None else _all_gather(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
+        k, v = replicate_kv(k, v, rep)
+        qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
+        k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
         out, lse = kernels.varlen_attention_forward(
             qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
             keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
         )
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.meta = meta
-        (out_local,) = _heads_to_seq([out], ugroup, U)
+        (out_local,) = heads_to_seq([out], ugroup, U)
         return out_local
 
     @staticmethod
     def backward(ctx, dout):
         qh, kh, vh, out, lse = ctx.saved_tensors
         ugroup, agroup, U, A, rep, keys, scale, causal, kernel = ctx.meta
-        (douth,) = _seq_to_heads([dout.contiguous()], ugroup, U)
-        k_all, v_all = (x if agroup is None else _all_gather(x, agroup, A) for x in (kh, vh))  # re-gathered
+        (douth,) = seq_to_heads([dout.contiguous()], ugroup, U)
+        k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
         dqh, dk_keys, dv_keys = kernels.varlen_attention_backward(
             douth, qh, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
             keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
         )
         dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
         if agroup is not None:
-            dkh, dvh = (_reduce_scatter(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
-        dq, dk, dv = _heads_to_seq([dqh, dkh, dvh], ugroup, U)
-        if rep > 1:
-            dk, dv = (x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
-        return dq, dk, dv, None
+            dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
+        dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
+        return (dq, *sum_replicas(dk, dv, rep), None)
 
 
 def hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sharded: ShardedPackedSeqParams,
-    *,
-    ulysses_size: int,
-    group=None,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *, ulysses_size: int,
+    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
 ) -> torch.Tensor:
     """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring).
 

@@ -38,6 +38,8 @@ import torch
 
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
+from cp_packing.attention.comm import heads_to_seq, seq_to_heads
+from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["check_ulysses_heads", "kv_replication", "ulysses_attention"]
@@ -82,44 +84,6 @@ def kv_replication(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
 # ------------------------------------------------------------------------------------------------ collectives
 
 
-def _seq_to_heads(parts: list[torch.Tensor], group, cp_size: int) -> list[torch.Tensor]:
-    """Every ``[T_local, h_i, D]`` in ``parts`` (``cp`` divides each ``h_i``) -> ``[cp * T_local, h_i / cp, D]``:
-    this rank's head slice of every rank's tokens, rank-major. One all-to-all for all parts."""
-    import torch.distributed as dist
-
-    T_local, D = parts[0].shape[0], parts[0].shape[2]
-    heads = [x.shape[1] // cp_size for x in parts]
-    send = torch.cat([x.reshape(T_local, cp_size, h, D) for x, h in zip(parts, heads)], 2)  # [T_local, cp, sum h, D]
-    send = send.transpose(0, 1).contiguous()  # [cp, T_local, sum h, D]: chunk j goes to rank j
-    if group is None:
-        received = send
-    else:
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)  # chunk j came from rank j: its tokens, my heads
-    received = received.reshape(cp_size * T_local, sum(heads), D)
-    return list(received.split(heads, dim=1))
-
-
-def _heads_to_seq(parts: list[torch.Tensor], group, cp_size: int) -> list[torch.Tensor]:
-    """Inverse of ``_seq_to_heads``: every ``[cp * T_local, h_i, D]`` -> ``[T_local, cp * h_i, D]``."""
-    import torch.distributed as dist
-
-    T, D = parts[0].shape[0], parts[0].shape[2]
-    T_local = T // cp_size
-    heads = [x.shape[1] for x in parts]
-    send = torch.cat(parts, 1).reshape(cp_size, T_local, sum(heads), D).contiguous()  # chunk j: rank j's tokens
-    if group is None:
-        received = send
-    else:
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)  # chunk j: my tokens, rank j's heads
-    received = received.transpose(0, 1)  # [T_local, cp, sum h, D]
-    return [x.reshape(T_local, cp_size * h, D).contiguous() for x, h in zip(received.split(heads, dim=2), heads)]
-
-
-# ------------------------------------------------------------------------------------------------ token order
-
-
 def _global_permutation(sharded: ShardedPackedSeqParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(order, inverse)``: gathered row -> global position and back; ``None`` when they are the identity
     (``contiguous``, or ``cp_size == 1``). Cached per shard and device (one host sync, once per step)."""
@@ -143,6 +107,20 @@ def _to_gathered(xs, perm):
     return xs if perm is None else [x.index_select(0, perm[0]) for x in xs]
 
 
+def replicate_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H_kv, D]`` -> ``[T, H_kv * rep, D]``: head j is key/value head ``j // rep`` (identity for rep 1)."""
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adjoint of ``replicate_kv``: the replicas' gradients summed back into their key/value head."""
+    if rep == 1:
+        return dk, dv
+    return tuple(x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
+
+
 # --------------------------------------------------------------------------------------------------- autograd
 
 
@@ -150,9 +128,8 @@ class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta):
         group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = meta
-        if rep > 1:  # [T_local, H_kv, D] -> [T_local, H_kv * rep, D]: head j is key/value head j // rep
-            k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-        heads = _to_global(_seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
+        k, v = replicate_kv(k, v, rep)  # [T_local, H_kv * rep, D]
+        heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
         qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
         out, lse = kernels.varlen_attention_forward(
             qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
@@ -160,34 +137,25 @@ class _UlyssesAttention(torch.autograd.Function):
         )  # [T, H/cp, D], [H/cp, T]
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.meta = meta
-        (out_local,) = _heads_to_seq(_to_gathered([out], perm), group, cp_size)
+        (out_local,) = heads_to_seq(_to_gathered([out], perm), group, cp_size)
         return out_local  # [T_local, H, D]
 
     @staticmethod
     def backward(ctx, dout):
         qh, kh, vh, out, lse = ctx.saved_tensors
         group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = ctx.meta
-        (douth,) = _to_global(_seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
+        (douth,) = _to_global(seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
         dqh, dkh, dvh = kernels.varlen_attention_backward(
             douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
             causal=causal, kernel=kernel,
         )
-        dq, dk, dv = _heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
-        if rep > 1:  # the replicas' gradients, summed back into their key/value head
-            dk, dv = (x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
-        return dq, dk, dv, None
+        dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
+        return (dq, *sum_replicas(dk, dv, rep), None)
 
 
 def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sharded: ShardedPackedSeqParams,
-    *,
-    group=None,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *,
+    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
 ) -> torch.Tensor:
     """Ulysses context-parallel attention for any layout (see module docstring). Differentiable.
 
@@ -195,12 +163,7 @@ def ulysses_attention(
         q: ``[T_local, H, D]`` with ``sharded.cp_size`` dividing ``H``; k, v: ``[T_local, H_kv, D]`` with
             ``H % H_kv == 0`` (GQA; replicated when cp does not divide ``H_kv``); this rank's tokens in
             ``sharded``'s local order, one floating dtype, one device.
-        sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
-        group: the CP ``ProcessGroup`` (``None``: the default group); its size must be ``sharded.cp_size``.
-            Not used (and no process group needed) when ``cp_size == 1``.
-        causal: causal within each segment (default); ``False``: every token attends its whole segment.
-        softmax_scale: default ``1 / sqrt(D)``.
-        kernel: the varlen kernel (``"auto"``, ``"torch"``, ``"flash_attn"``, ``"torch_varlen"``).
+        sharded, group, causal, softmax_scale, kernel: as in ``allgather_attention`` (any layout).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype, contiguous: full attention per segment on the global stream, sharded.
