@@ -25,7 +25,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import HALF_DTYPES, check_bool, check_number
+from cp_packing._checks import HALF_DTYPES, check_bool, check_number, check_window
 from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
@@ -65,7 +65,13 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
 
 
 def select_backend(
-    q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto"
+    q: torch.Tensor,
+    sharded: ShardedPackedSeqParams,
+    *,
+    causal: bool = True,
+    backend: str = "auto",
+    kernel: str = "auto",
+    window: int | None = None,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
@@ -75,13 +81,18 @@ def select_backend(
 
     Raises:
         ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
-        NotImplementedError: ``ring_flash_attn`` with ``causal=False``.
+        NotImplementedError: ``ring_flash_attn`` with ``causal=False`` or a ``window`` (``"auto"`` then picks
+            ``allgather``).
         ImportError: explicit ``ring_flash_attn`` that cannot be imported.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
     if backend == "auto":
-        if _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel) and _ring_importable():
+        if (
+            window is None
+            and _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel)
+            and _ring_importable()
+        ):
             return "ring_flash_attn", "flash_attn"
         return "allgather", resolve_kernel(kernel, q)
     if backend == "allgather":
@@ -91,6 +102,11 @@ def select_backend(
         raise NotImplementedError(
             "backend='ring_flash_attn' is causal only (ring-flash-attn's zigzag varlen asserts causal); use "
             "backend='allgather' for causal=False"
+        )
+    if window is not None:
+        raise NotImplementedError(
+            f"backend='ring_flash_attn' cannot run window={window} (ring-flash-attn 0.1.8 has no sliding window); "
+            "use backend='allgather' (or 'auto', which picks it for a window)"
         )
     if sharded.layout not in _RING_LAYOUTS:
         raise ValueError(
@@ -171,6 +187,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     kernel: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -187,6 +204,9 @@ def context_parallel_attention(
         backend: ``"auto"`` (default), ``"allgather"`` or ``"ring_flash_attn"`` (see module docstring).
         kernel: the varlen kernel of the allgather backend: ``"auto"``, ``"torch"``, ``"flash_attn"``,
             ``"torch_varlen"`` (``cp_packing.attention.kernels``).
+        window: sliding window per segment (``None``: none; needs ``causal=True``): a token at in-segment
+            position ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``). allgather backend only
+            (``"auto"`` never picks ring-flash-attn with a window).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
@@ -213,16 +233,18 @@ def context_parallel_attention(
         check_attention_inputs(q, k, v, sharded)
         check_bool(causal, "causal")
         check_number(softmax_scale, "softmax_scale", allow_none=True)
-        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel)
+        check_window(window, causal)
+        chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel, window=window)
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
-                         softmax_scale=softmax_scale)
+                         softmax_scale=softmax_scale, window=window)
     _log_choice(chosen, kernel_name, sharded, q)
     if chosen == "allgather":
         return allgather_attention(
-            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,
+            window=window,
         )
     from cp_packing.attention.ring import ring_attention
 
