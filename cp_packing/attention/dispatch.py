@@ -6,13 +6,13 @@ equal to full attention on the global stream, sharded. Backends:
 
 * ``"allgather"`` (built in, ``cp_packing.attention.allgather``): all-gather K/V, one key index per step, varlen
   attention per local run. Every layout (contiguous, zigzag, balanced, ...), every kernel, every dtype, causal or
-  not, CPU or CUDA.
+  not, with or without a sliding ``window``, CPU or CUDA.
 * ``"ring_flash_attn"`` (``cp_packing.attention.ring``): ring-flash-attn 0.1.8's zigzag ring (``zigzag``) or llama3
   all-gather (``contiguous``) varlen functions; causal only; needs ring-flash-attn and flash_attn (CUDA; on CPU the
   test stand-in). fp16/bf16 only (flash-attn's dtypes; the test stand-in also runs float32 contiguous); float32
   zigzag is refused everywhere (ring-flash-attn's float32 backward is wrong).
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
-  contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
+  contiguous, ``causal=True``, no ``window``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
   ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
   once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
   every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer.

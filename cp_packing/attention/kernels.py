@@ -19,6 +19,9 @@ Conventions (the same for every kernel, so that callers can merge partial result
   first ``m - n`` queries when ``n < m``) gets ``out = 0`` and ``lse = -inf`` -- the logsumexp of an empty set, the
   identity of a logsumexp merge -- never NaN. flash-attn itself writes ``+inf`` there; the flash-attn and
   torch-varlen paths translate. Tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` are treated like empty rows.
+* ``window=w`` (sliding window, default ``None``; needs ``causal=True``): query ``i`` of a length-``m`` run with
+  ``n`` keys attends only keys ``i + (n - m) - w < j <= i + (n - m)``, the last ``w`` keys up to its own aligned
+  position (HF's ``sliding_window``; flash-attn ``window_size=(w - 1, 0)``).
 * ``varlen_attention_backward`` uses the ``out`` and ``lse`` it is GIVEN (not a recomputation), as flash-attn
   does: with the ``out``/``lse`` of a larger attention (merged over several key blocks) it returns this key
   block's share of the gradient, which is what ring attention needs.
