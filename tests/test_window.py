@@ -181,3 +181,49 @@ def test_window_key_index_holds_exactly_the_keys_in_some_window():
     assert keys.cu_seqlens_k.tolist() == [0, 5, 11]  # [5, 10) then [10, 16)
     assert keys.key_slice == slice(5, 16) and keys.max_seqlen_k == 6
     assert allgather_keys(r1).cu_seqlens_k.tolist() == [0, 10, 16]  # without a window: from the segment start
+
+
+# ----------------------------------------------------------------------------------------------------- cost model
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "rowzigzag"])
+@pytest.mark.parametrize("window", [1, 3, 8, None])
+def test_windowed_rank_cost_is_the_sum_of_min_position_plus_one_window(layout, window):
+    """layout_cost(window=w).rank_cost == per rank, the sum over its tokens of min(p + 1, w), with p the token's
+    position in its segment from the plain-Python segmentation and the rank's tokens from the shard itself."""
+    from cp_packing.cost import causal_cost, layout_cost
+
+    cp = 2
+    doc = torch.tensor([[1] * 20 + [2] * 4 + [0] * 4 + [3] * 4, [1] * 8 + [2] * 24])  # segments % 4 == 0
+    pos = torch.empty(doc.numel(), dtype=torch.int64)
+    for a, b in segments_of(doc):
+        pos[a:b] = torch.arange(b - a)
+    token_cost = pos + 1 if window is None else torch.clamp(pos + 1, max=window)
+    got = layout_cost(doc, cp_size=cp, layout=layout, window=window)
+    if layout == "rowzigzag":  # the whole-row reference: chunks r and 2cp-1-r of every row (S = 32, chunk 8)
+        owner = torch.tensor([0, 1, 1, 0]).repeat_interleave(8).repeat(2)
+        want = [int(token_cost[owner == r].sum()) for r in range(cp)]
+    else:
+        params = packed_seq_params_from_doc_ids(doc)
+        want = [int(token_cost[shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout=layout).token_index]
+                    .sum()) for r in range(cp)]
+    assert got.rank_cost.tolist() == want
+    assert got.ideal_cost == float(token_cost.sum()) / cp
+    total = causal_cost(packed_seq_params_from_doc_ids(doc).cu_seqlens, torch.tensor([0]), torch.tensor([64]),
+                        window=window)
+    assert int(total) == int(token_cost.sum())
+
+
+def test_window_changes_the_cost_and_is_checked():
+    from cp_packing.cost import causal_cost, choose_layout, layout_cost
+
+    doc = torch.tensor([[1] * 60 + [2] * 4])
+    full = layout_cost(doc, cp_size=2, layout="contiguous")
+    windowed = layout_cost(doc, cp_size=2, layout="contiguous", window=4)
+    assert windowed.imbalance < full.imbalance  # a long document under a small window is no longer quadratic
+    assert choose_layout(packed_seq_params_from_doc_ids(doc), cp_size=2, window=4) in ("contiguous", "zigzag",
+                                                                                        "balanced")
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        causal_cost(torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([4]), window=0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        layout_cost(doc, cp_size=2, layout="contiguous", window="4")
