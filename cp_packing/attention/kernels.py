@@ -409,7 +409,7 @@ def _fa_call(fn, **kwargs):
 
 
 def _left(window: int | None) -> int:
-    """flash-attn's ``window_size_left`` for our ``window`` (keys ``p - window < k <= p``): ``window - 1``; -1 = none."""
+    """flash-attn's ``window_size_left`` for ``window`` (keys ``p - window < k <= p``): ``window - 1``; -1: none."""
     return -1 if window is None else window - 1
 
 
