@@ -226,3 +226,22 @@ def check_cost_tokens(total: Any, name: str = "cu_seqlens") -> int:
         max=MAX_COST_TOKENS,
         hint="its causal cost sum(p + 1) could overflow int64; split the batch",
     )
+
+
+def check_window(window: Any, causal: Any = True, name: str = "window") -> int | None:
+    """``window`` (sliding-window attention: a query at in-document position ``p`` attends keys at positions
+    ``p - window < k <= p``, HF's ``sliding_window``) as an int >= 1, or ``None`` (no window). A window needs
+    ``causal=True`` (HF's bidirectional window is another mask, not supported).
+
+    >>> check_window(4), check_window(None)
+    (4, None)
+    """
+    if window is None:
+        return None
+    window = check_int(window, name, min=1, hint="pass the model's sliding_window (>= 1), or None for full attention")
+    if causal is not True:
+        raise ValueError(
+            f"{name}={window} needs causal=True (a query attends the {window} keys ending at itself); call with "
+            f"causal=True, or {name}=None for non-causal attention"
+        )
+    return window

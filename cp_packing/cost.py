@@ -8,6 +8,11 @@ costs ``W(end) - W(start)`` with the prefix ``W(t) = (cost of the segments befor
 cost here is that closed form, vectorised (no loop over tokens or segments). Padding segments count: the varlen
 kernel attends them like documents (padding attends to padding), so they take the same time.
 
+Sliding window (``window=w``, HF's ``sliding_window``): a token at position ``p`` attends ``min(p + 1, w)`` keys, so
+it costs that, and the closed form per segment becomes ``m(m+1)/2 + (p - m) w`` with ``m = min(p, w)`` (a long
+document under a small window is linear, not quadratic). ``causal_cost``, ``layout_cost`` and ``choose_layout``
+take ``window=``.
+
 Figures (``LayoutCost``):
 
 * ``imbalance = busiest / mean`` of the per-rank costs (1.0 is perfect; the step time follows the busiest rank).
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_int, check_number
+from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_int, check_number, check_window
 from cp_packing.layouts import LAYOUTS
 from cp_packing.layouts.balanced import balanced_plan
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
@@ -109,23 +114,37 @@ class LayoutCost:
 
 
 
-def _prefix_cost(cu: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """``W(t)``: causal cost of the global stream ``[0, t)`` (``t`` int64, any shape, ``0 <= t <= T``)."""
+def _head_cost(p: np.ndarray, window: int | None) -> np.ndarray:
+    """Cost of positions ``0 .. p-1`` of one segment: ``sum min(i + 1, window)`` = ``p(p+1)/2`` without a window,
+    ``m(m+1)/2 + (p - m) * window`` with ``m = min(p, window)``."""
+    if window is None:
+        return p * (p + 1) // 2
+    m = np.minimum(p, window)
+    return m * (m + 1) // 2 + (p - m) * window
+
+
+def _prefix_cost(cu: np.ndarray, t: np.ndarray, window: int | None = None) -> np.ndarray:
+    """``W(t)``: causal cost of the global stream ``[0, t)`` (``t`` int64, any shape, ``0 <= t <= T``); under a
+    sliding ``window`` a token at position ``p`` costs ``min(p + 1, window)``."""
     lengths = cu[1:] - cu[:-1]
     before = np.zeros(cu.size, dtype=np.int64)
-    np.cumsum(lengths * (lengths + 1) // 2, out=before[1:])
+    np.cumsum(_head_cost(lengths, window), out=before[1:])
     seg = np.searchsorted(cu, t, side="right") - 1  # the segment holding t (index N for t == T)
     p = t - cu[seg]
-    return before[seg] + p * (p + 1) // 2
+    return before[seg] + _head_cost(p, window)
 
 
-def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+def causal_cost(
+    cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Tensor, *, window: int | None = None
+) -> torch.Tensor:
     """Causal cost ``sum(p + 1)`` of each range ``[start, start + length)`` of the global stream.
 
     Args:
         cu_seqlens: int ``[N + 1]`` global cumulative segment lengths.
         start, length: int ``[R]``, ranges of global positions (a range may cross segments; each token counts with
             its position inside its own segment).
+        window: sliding window (``None``: none): a token at position ``p`` then attends ``min(p + 1, window)``
+            keys and costs that (``sum min(p + 1, window)``).
 
     Returns:
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
@@ -135,7 +154,10 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
 
     >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]))
     tensor([10,  8])
+    >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]), window=2)
+    tensor([7, 5])
     """
+    window = check_window(window)
     cu = check_cu_seqlens(cu_seqlens)
     check_cost_tokens(int(cu[-1]))
     s = _np64(start, "start")
@@ -145,7 +167,7 @@ def causal_cost(cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Ten
     total = int(cu[-1])
     if s.size and (s.min() < 0 or n.min() < 0 or (s + n).max() > total):
         raise ValueError(f"ranges must lie inside the global stream [0, {total}) with length >= 0")
-    return torch.from_numpy(_prefix_cost(cu, s + n) - _prefix_cost(cu, s))
+    return torch.from_numpy(_prefix_cost(cu, s + n, window) - _prefix_cost(cu, s, window))
 
 
 def _np64(x, name: str) -> np.ndarray:
@@ -169,13 +191,14 @@ def _split_at_segments(cu: np.ndarray, rank: np.ndarray, start: np.ndarray, end:
     return rank[owner][keep], seg[keep], p_start[keep], p_end[keep]
 
 
-def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, length: np.ndarray):
+def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, length: np.ndarray,
+             window: int | None = None):
     """Per-rank cost, tokens, runs and K/V tokens needed from other ranks, for ranges owned by ranks."""
     nz = length > 0
     rank, start, length = rank[nz], start[nz], length[nz]
     end = start + length
     rank_cost = np.zeros(cp, dtype=np.int64)
-    np.add.at(rank_cost, rank, _prefix_cost(cu, end) - _prefix_cost(cu, start))  # exact int64 sums
+    np.add.at(rank_cost, rank, _prefix_cost(cu, end, window) - _prefix_cost(cu, start, window))  # exact int64
     tokens = np.zeros(cp, dtype=np.int64)
     np.add.at(tokens, rank, length)
     p_rank, p_seg, p_start, p_end = _split_at_segments(cu, rank, start, end)
@@ -217,18 +240,26 @@ def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] |
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
 
 
-def _zigzag_figures(lengths: np.ndarray, cp: int):
+def _zigzag_figures(lengths: np.ndarray, cp: int, window: int | None = None):
     """Per-rank cost, tokens, runs and K/V tokens needed from other ranks under zigzag, in closed form from the
     segment lengths (every one a multiple of ``2 * cp``): O(segments + cp) memory, no per-rank run list.
 
     With ``c = L / 2cp``, rank r holds chunks ``r`` and ``2cp-1-r`` of a segment: ``2c`` tokens costing
     ``c(2rc + c + 1)/2 + c((4cp - 2r - 1)c + 1)/2 = c (L + 1)`` whatever r; two runs (one on rank ``cp - 1``, whose
-    chunks touch); it needs the keys up to its tail's end ``(2cp - r) c``, of which it holds ``2c``."""
+    chunks touch); it needs the keys up to its tail's end ``(2cp - r) c``, of which it holds ``2c``. Under a sliding
+    ``window`` the cost depends on r: each chunk is priced with ``_head_cost`` (one pass per rank, O(segments))."""
     lengths = lengths[lengths > 0]
     c = lengths // (2 * cp)
     n, c_sum = lengths.size, int(c.sum())
     ranks = np.arange(cp, dtype=np.int64)
-    rank_cost = np.full(cp, int((c * (lengths + 1)).sum()), dtype=np.int64)
+    if window is None:
+        rank_cost = np.full(cp, int((c * (lengths + 1)).sum()), dtype=np.int64)
+    else:
+        rank_cost = np.array([
+            int((_head_cost((r + 1) * c, window) - _head_cost(r * c, window)
+                 + _head_cost((2 * cp - r) * c, window) - _head_cost((2 * cp - 1 - r) * c, window)).sum())
+            for r in range(cp)
+        ], dtype=np.int64)
     tokens = np.full(cp, 2 * c_sum, dtype=np.int64)
     runs = np.where(ranks == cp - 1, n, 2 * n).astype(np.int64)
     return rank_cost, tokens, runs, (2 * cp - ranks - 2) * c_sum
@@ -270,7 +301,7 @@ def _params(params_or_doc_ids: object) -> PackedSeqParams:
     )
 
 
-def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor):
+def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor, window: int | None = None):
     """``(rank_cost, tokens, runs, kv_tokens, padding overhead)`` of one layout (zigzag padded where it must be)."""
     if layout == "zigzag":
         lengths = np.diff(cu)
@@ -278,10 +309,10 @@ def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor):
         if np.any(lengths % (2 * cp)):
             lengths, added, real = _padded_lengths(cu, doc_ids, 2 * cp)
             overhead = added / real if real else 0.0
-        return (*_zigzag_figures(lengths, cp), overhead)
+        return (*_zigzag_figures(lengths, cp, window), overhead)
     rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
     rank, start, length = _layout_ranges(cu, cp, layout, rows)
-    return (*_figures(cu, cp, rank, start, length), 0.0)
+    return (*_figures(cu, cp, rank, start, length, window), 0.0)
 
 
 def layout_cost(
@@ -292,6 +323,7 @@ def layout_cost(
     num_kv_heads: int = 8,
     head_dim: int = 128,
     dtype_bytes: int = 2,
+    window: int | None = None,
 ) -> LayoutCost:
     """Cost figures of one layout on one batch (see the module docstring).
 
@@ -304,6 +336,9 @@ def layout_cost(
             ``"balanced"``, ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name)
             or ``"rowzigzag"`` (the whole-row reference; needs nothing).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
+        window: sliding window of the attention (``None``: full causal): every cost (``rank_cost``, ``imbalance``,
+            ``ideal_cost``) counts ``min(p + 1, window)`` per token; ``auto`` compares the candidates under it.
+            ``kv_bytes_allgather`` stays the unwindowed key range (an upper bound under a window).
 
     Returns:
         ``LayoutCost``.
@@ -316,6 +351,7 @@ def layout_cost(
     tensor([3, 7])
     """
     cp = check_int(cp_size, "cp_size", min=1)
+    window = check_window(window)
     for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
         check_int(value, name, min=1)
     if layout not in COST_LAYOUTS:
@@ -323,15 +359,15 @@ def layout_cost(
     params = _params(params_or_doc_ids)
     cu = _np64(params.cu_seqlens, "cu_seqlens")
     total = check_cost_tokens(int(cu[-1]))
-    ideal = float(_prefix_cost(cu, np.array([total]))[0]) / cp
+    ideal = float(_prefix_cost(cu, np.array([total]), window)[0]) / cp
     if layout == "auto":
-        layout = choose_layout(params, cp_size=cp)
+        layout = choose_layout(params, cp_size=cp, window=window)
     if layout in ("contiguous", "balanced") and total % cp:
         raise ValueError(
             f"layout {layout!r} needs B*S % cp_size == 0, got B*S = {total} and cp_size={cp}, not divisible; pad "
             f"the rows to a multiple of {cp}"
         )
-    rank_cost, tokens, runs, kv_tokens, overhead = _rank_figures(cu, cp, layout, params.doc_ids)
+    rank_cost, tokens, runs, kv_tokens, overhead = _rank_figures(cu, cp, layout, params.doc_ids, window)
     mean = rank_cost.sum() / cp
     per_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token, one layer
     t_local = int(tokens.max()) if tokens.size else 0
@@ -356,7 +392,7 @@ def layout_cost(
 # layout="auto"
 
 
-def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) -> str:
+def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, window: int | None = None) -> str:
     """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch.
 
     Candidates: ``contiguous`` and ``balanced`` (need ``T % cp_size == 0``), ``zigzag`` (needs every segment
@@ -370,6 +406,8 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) 
         params: ``PackedSeqParams`` of the ``[B, S]`` batch.
         cp_size: the context-parallel group size.
         rtol: relative tolerance of a cost tie, ``>= 0``.
+        window: price the candidates under this sliding window (``None``: full causal; see ``layout_cost``). The
+            ``balanced`` candidate is still planned for the full causal cost.
 
     Returns:
         ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
@@ -388,6 +426,7 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) 
         )
     check_cp(cp_size)
     rtol = check_number(rtol, "rtol", min=0.0)
+    window = check_window(window)
     cu = check_cu_seqlens(params.cu_seqlens)
     total = check_cost_tokens(int(cu[-1]))
     if total % cp_size:
@@ -396,7 +435,7 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) 
             f"(every layout gives each rank T / cp_size tokens); pad the rows to a multiple of {cp_size} (or of "
             f"{2 * cp_size} for zigzag: cp_packing.pad_segments(doc_ids, multiple={2 * cp_size}))"
         )
-    name, table = _cached_choice(cu.tobytes(), cp_size, rtol)
+    name, table = _cached_choice(cu.tobytes(), cp_size, rtol, window)
     if logger.isEnabledFor(logging.DEBUG):
         rows = ", ".join(f"{k}: busiest/mean {im:.4f}, kv {kv / 2**20:.1f} MiB" for k, _, im, kv in table)
         logger.debug("layout='auto' with cp_size=%d picks %r (%s)", cp_size, name, rows)
@@ -404,12 +443,14 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01) 
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_choice(cu_bytes: bytes, cp: int, rtol: float) -> tuple[str, tuple[tuple[str, int, float, int], ...]]:
+def _cached_choice(
+    cu_bytes: bytes, cp: int, rtol: float, window: int | None = None
+) -> tuple[str, tuple[tuple[str, int, float, int], ...]]:
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     candidates = [name for name in AUTO_LAYOUTS if name != "zigzag" or not np.any(np.diff(cu) % (2 * cp))]
     table = []  # (name, busiest cost, busiest / mean, K/V bytes received under all-gather, summed over ranks)
     for name in candidates:
-        rank_cost, _, _, kv_tokens, _ = _rank_figures(cu, cp, name, None)
+        rank_cost, _, _, kv_tokens, _ = _rank_figures(cu, cp, name, None, window)
         mean = rank_cost.sum() / cp
         busiest = int(rank_cost.max())
         table.append((name, busiest, busiest / mean if mean > 0 else 1.0, int(kv_tokens.sum()) * 2 * 8 * 128 * 2))

@@ -28,8 +28,10 @@ Decisions:
   ``cp_model_inputs(input_ids, packed_params)`` (a ``PackedSeqParams`` is sharded with ``cp_size=1``) and no group.
 * Attention dropout is refused (``dropout > 0`` raises): the CP kernels have no dropout. Set
   ``config.attention_dropout = 0.0`` (the default of Llama/Qwen configs).
-* Sliding-window layers, logit soft-capping and attention sinks (``sliding_window``/``softcap``/``s_aux`` not None)
-  are refused: the CP kernels compute plain causal attention within a segment.
+* Sliding-window layers (``sliding_window``, which HF passes per layer: Mistral, Qwen2 with
+  ``use_sliding_window=True``; ``None`` on full-attention layers) run with the window counted inside each document,
+  as HF's ``sliding_window_causal_mask_function`` does (a query at position ``p`` attends keys ``p - w < k <= p``).
+  Logit soft-capping and attention sinks (``softcap``/``s_aux`` not None) are refused: the CP kernels have neither.
 * ``scaling`` (the module's softmax scale) is honoured; an ``is_causal`` keyword, else ``module.is_causal``, selects
   causal attention (the order HF's sdpa path uses).
 * Under ``torch.autocast`` (standard AMP: float32 weights), q/k/v are cast to the autocast dtype (HF's RoPE
@@ -181,6 +183,8 @@ def cp_attention_forward(
         cp_group: the CP ``ProcessGroup`` (``None`` only when ``cp_sharded.cp_size == 1``).
         cp_backend, cp_kernel, cp_ulysses_size: forwarded to ``context_parallel_attention`` as ``backend`` /
             ``kernel`` / ``ulysses_size`` (``backend="hybrid"`` only).
+        sliding_window: the layer's window (HF passes it; ``None`` = full attention), forwarded as ``window``:
+            within each document a token at position ``p`` attends positions ``p - sliding_window < k <= p``.
         **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
@@ -188,7 +192,7 @@ def cp_attention_forward(
 
     Raises:
         ValueError: missing ``cp_sharded``, batch size != 1, a token count that does not match ``cp_sharded``, a
-            non-None ``attention_mask``, ``dropout > 0``, sliding window / softcap / sinks, or a missing group with
+            non-None ``attention_mask``, ``dropout > 0``, softcap / sinks, or a missing group with
             ``cp_size > 1``.
         TypeError: ``cp_sharded`` of the wrong type; q/k/v of different dtypes outside ``torch.autocast``.
 
@@ -232,8 +236,6 @@ def cp_attention_forward(
         )
     if dropout:
         _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
-    if sliding_window is not None:
-        _refuse("sliding_window", sliding_window, "use a config without sliding-window layers")
     if softcap is not None:
         _refuse("softcap", softcap, "use a model without attention logit soft-capping")
     if s_aux is not None:
@@ -262,6 +264,7 @@ def cp_attention_forward(
         backend=cp_backend,
         kernel=cp_kernel,
         ulysses_size=cp_ulysses_size,
+        window=sliding_window,
     )  # [T_local, H, D]
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):

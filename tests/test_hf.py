@@ -227,7 +227,7 @@ def test_attention_function_errors():
     q = torch.randn(1, 4, 60, 8)
     kv = torch.randn(1, 2, 60, 8)
     attn = model.model.layers[0].self_attn
-    for bad in ({"sliding_window": 4}, {"softcap": 30.0}, {"s_aux": torch.zeros(4)}):
+    for bad in ({"softcap": 30.0}, {"s_aux": torch.zeros(4)}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             cp_attention_forward(attn, q, kv, kv, None, cp_sharded=sharded, **bad)
     two = shard_packed_seq_params(packed_seq_params_from_doc_ids(case["doc"]), cp_size=2, cp_rank=0,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cp_packing._checks import check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
 from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device
@@ -90,7 +91,11 @@ class AllGatherKeys:
 
 
 def allgather_keys(
-    sharded: ShardedPackedSeqParams, *, causal: bool = True, device: torch.device | str | None = None
+    sharded: ShardedPackedSeqParams,
+    *,
+    causal: bool = True,
+    device: torch.device | str | None = None,
+    window: int | None = None,
 ) -> AllGatherKeys:
     """The all-gather backend's key index for this rank (computed once per ``sharded`` and device, then cached).
 
@@ -99,29 +104,38 @@ def allgather_keys(
         causal: ``True``: run ``i``'s keys are global tokens ``[key_start[i], last token of run i]``;
             ``False``: the run's whole segment.
         device: where the index tensors go (default: ``sharded.token_index.device``).
+        window: sliding window (``None``: none; needs ``causal=True``): run ``i``'s keys start at
+            ``max(key_start[i], first query of run i - window + 1)``, the earliest key any of its queries can see
+            (fewer keys gathered and attended; the kernel still masks each query to its own window).
 
     Returns:
         ``AllGatherKeys``. Costs three host syncs (key count and maxima, the range test) the first time, none after.
     """
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}")
+    window = check_window(window, causal)
     device = torch.device(device) if device is not None else sharded.token_index.device
-    return sharded.cached(("allgather_keys", bool(causal), str(device)), lambda: _build_keys(sharded, causal, device))
+    return sharded.cached(
+        ("allgather_keys", bool(causal), str(device), window), lambda: _build_keys(sharded, causal, device, window)
+    )
 
 
-def _build_keys(sharded: ShardedPackedSeqParams, causal: bool, device: torch.device) -> AllGatherKeys:
+def _build_keys(
+    sharded: ShardedPackedSeqParams, causal: bool, device: torch.device, window: int | None = None
+) -> AllGatherKeys:
     return build_key_index(sharded.token_index, sharded.cu_seqlens, sharded.key_start,
-                           sharded.global_token_order().reshape(-1), sharded.global_params.cu_seqlens, causal, device)
+                           sharded.global_token_order().reshape(-1), sharded.global_params.cu_seqlens, causal, device,
+                           window=window)
 
 
 def build_key_index(
     token_index: torch.Tensor, run_cu: torch.Tensor, key_start: torch.Tensor, order: torch.Tensor,
-    global_cu: torch.Tensor, causal: bool, device: torch.device,
+    global_cu: torch.Tensor, causal: bool, device: torch.device, *, window: int | None = None,
 ) -> AllGatherKeys:
     """``AllGatherKeys`` for query tokens ``token_index`` ``[N]`` (global positions) in runs ``run_cu`` ``[R + 1]``
     whose keys start at ``key_start`` ``[R]``, against a gathered buffer whose row i holds global position
     ``order[i]`` (``[T]``). ``allgather_keys`` calls it with one rank's shard; the hybrid backend with the tokens of
-    a Ulysses group."""
+    a Ulysses group. With a ``window``, a run's keys start no earlier than its first query - window + 1."""
     token_index = token_index.to(device)  # [N] int64
     run_cu = run_cu.to(device=device, dtype=torch.int64)  # [R + 1]
     key_start = key_start.to(device=device, dtype=torch.int64)  # [R]
@@ -131,6 +145,8 @@ def build_key_index(
         return AllGatherKeys(None, slice(0, 0), empty_cu, empty_cu, 0, 0, 0)
     if causal:
         key_end = token_index[run_cu[1:] - 1] + 1  # [R] one past each run's last global token
+        if window is not None:  # the run's first query sees back to itself - window + 1, later queries less far
+            key_start = torch.maximum(key_start, token_index[run_cu[:-1]] - (window - 1))
     else:
         cu = global_cu.to(device=device, dtype=torch.int64)  # [S + 1]
         seg = torch.searchsorted(cu, key_start, right=True)  # index of each run's segment end in cu
@@ -245,24 +261,25 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[t
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool, kernel: str):
+    def forward(ctx, q, k, v, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool, kernel: str,
+                window: int | None = None):
         k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
         out, lse = kernels.varlen_attention_forward(
             q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
         )  # out [T_local, H, D], lse [H, T_local]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (keys, group, cp_size, scale, causal, kernel)  # scale: None = 1/sqrt(D)
+        ctx.meta = (keys, group, cp_size, scale, causal, kernel, window)  # scale: None = 1/sqrt(D)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        keys, group, cp_size, scale, causal, kernel = ctx.meta
+        keys, group, cp_size, scale, causal, kernel, window = ctx.meta
         k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
         dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
             dout, q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
         )
         total = k_all.shape[0]
         dk_all = keys.scatter_add(dk_keys, total)  # [cp * T_local, H_kv, D]
@@ -270,7 +287,7 @@ class _AllGatherAttention(torch.autograd.Function):
         if group is not None:
             dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
             dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
-        return dq, dk_all, dv_all, None, None, None, None, None, None
+        return dq, dk_all, dv_all, None, None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -283,6 +300,7 @@ def allgather_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """All-gather context-parallel attention for any layout (see module docstring). Differentiable.
 
@@ -296,17 +314,22 @@ def allgather_attention(
         softmax_scale: default ``1 / sqrt(D)``.
         kernel: the varlen kernel (``"auto"``, ``"torch"``, ``"flash_attn"``, ``"torch_varlen"``; see
             ``cp_packing.attention.kernels``).
+        window: sliding window (``None``: none; needs ``causal=True``): a token at in-segment position ``p``
+            attends the keys at positions ``p - window < k <= p`` of its segment (HF's ``sliding_window``). Only
+            the keys inside some local query's window are selected from the gathered K/V.
 
     Returns:
         ``[T_local, H, D]`` in q's dtype: for each local token, attention over its segment's keys (causal: up to
-        itself), equal to full attention on the global stream, sharded.
+        itself; with ``window``: the last ``window`` of them), equal to full attention on the global stream,
+        sharded.
     """
     check_attention_inputs(q, k, v, sharded)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
+    window = check_window(window, causal)
     name = kernels.resolve_kernel(kernel, q)
     group = resolve_attention_group(group, sharded, q.device)
-    keys = allgather_keys(sharded, causal=causal, device=q.device)
-    return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name)
+    keys = allgather_keys(sharded, causal=causal, device=q.device, window=window)
+    return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name, window)

@@ -6,7 +6,7 @@ equal to full attention on the global stream, sharded. Backends:
 
 * ``"allgather"`` (built in, ``cp_packing.attention.allgather``): all-gather K/V, one key index per step, varlen
   attention per local run. Every layout (contiguous, zigzag, balanced, ...), every kernel, every dtype, causal or
-  not, CPU or CUDA.
+  not, with or without a sliding ``window``, CPU or CUDA.
 * ``"ring_flash_attn"`` (``cp_packing.attention.ring``): ring-flash-attn 0.1.8's zigzag ring (``zigzag``) or llama3
   all-gather (``contiguous``) varlen functions; causal only; needs ring-flash-attn and flash_attn (CUDA; on CPU the
   test stand-in). fp16/bf16 only (flash-attn's dtypes; the test stand-in also runs float32 contiguous); float32
@@ -19,7 +19,7 @@ equal to full attention on the global stream, sharded. Backends:
   consecutive CP ranks, the all-gather backend across them; ``U`` divides ``cp_size`` and the query heads.
   Explicit only.
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
-  contiguous, ``causal=True``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
+  contiguous, ``causal=True``, no ``window``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
   ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
   once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
   every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer. ``auto``
@@ -34,7 +34,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import HALF_DTYPES, check_bool, check_number
+from cp_packing._checks import HALF_DTYPES, check_bool, check_number, check_window
 from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
@@ -77,7 +77,7 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
 
 def select_backend(
     q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto",
-    ulysses_size: int | None = None,
+    ulysses_size: int | None = None, window: int | None = None,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
@@ -89,7 +89,8 @@ def select_backend(
 
     Raises:
         ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
-        NotImplementedError: ``ring_flash_attn`` with ``causal=False``.
+        NotImplementedError: ``ring_flash_attn`` with ``causal=False`` or a ``window`` (``"auto"`` then picks
+            ``allgather``).
         ImportError: explicit ``ring_flash_attn`` that cannot be imported.
     """
     if backend not in BACKENDS:
@@ -100,11 +101,20 @@ def select_backend(
             "with backend='hybrid' and only with it; use backend='ulysses' for Ulysses over the whole CP group"
         )
     if backend == "auto":
-        if _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel) and _ring_importable():
+        if (
+            window is None
+            and _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel)
+            and _ring_importable()
+        ):
             return "ring_flash_attn", "flash_attn"
         return "allgather", resolve_kernel(kernel, q)
     if backend == "allgather":
         return "allgather", resolve_kernel(kernel, q)
+    if window is not None and backend in ("ulysses", "hybrid"):
+        raise NotImplementedError(
+            f"backend={backend!r} cannot run window={window} yet (the sliding window runs on the all-gather "
+            "backend); use backend='allgather' (or 'auto', which picks it for a window)"
+        )
     if backend == "ulysses":
         check_ulysses_heads(q.shape[1], sharded.cp_size)  # rank-local, so it runs before the agreement
         return "ulysses", resolve_kernel(kernel, q)
@@ -116,6 +126,11 @@ def select_backend(
         raise NotImplementedError(
             "backend='ring_flash_attn' is causal only (ring-flash-attn's zigzag varlen asserts causal); use "
             "backend='allgather' for causal=False"
+        )
+    if window is not None:
+        raise NotImplementedError(
+            f"backend='ring_flash_attn' cannot run window={window} (ring-flash-attn 0.1.8 has no sliding window); "
+            "use backend='allgather' (or 'auto', which picks it for a window)"
         )
     if sharded.layout not in _RING_LAYOUTS:
         raise ValueError(
@@ -197,6 +212,7 @@ def context_parallel_attention(
     backend: str = "auto",
     kernel: str = "auto",
     ulysses_size: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -210,11 +226,14 @@ def context_parallel_attention(
         causal: causal within each segment (default). ``False``: every token attends its whole segment
             (allgather and ulysses backends).
         softmax_scale: default ``1 / sqrt(D)``.
-        backend: ``"auto"`` (default), ``"allgather"``, ``"ring_flash_attn"`` or ``"ulysses"`` (``cp_size`` must
-            divide H; see module docstring).
+        backend: ``"auto"`` (default), ``"allgather"``, ``"ring_flash_attn"``, ``"ulysses"`` (``cp_size`` must
+            divide H) or ``"hybrid"`` (see module docstring).
         kernel: the varlen kernel of the allgather, ulysses and hybrid backends: ``"auto"``, ``"torch"``,
             ``"flash_attn"``, ``"torch_varlen"`` (``cp_packing.attention.kernels``).
         ulysses_size: ``backend="hybrid"`` only: ranks per Ulysses group (divides ``cp_size`` and H).
+        window: sliding window per segment (``None``: none; needs ``causal=True``): a token at in-segment
+            position ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``). allgather backend only
+            (``"auto"`` then always picks it).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
@@ -242,17 +261,19 @@ def context_parallel_attention(
         check_attention_inputs(q, k, v, sharded)
         check_bool(causal, "causal")
         check_number(softmax_scale, "softmax_scale", allow_none=True)
+        check_window(window, causal)
         chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel,
-                                             ulysses_size=ulysses_size)
+                                             ulysses_size=ulysses_size, window=window)
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
-                         softmax_scale=softmax_scale, ulysses_size=ulysses_size)
+                         softmax_scale=softmax_scale, ulysses_size=ulysses_size, window=window)
     _log_choice(chosen, kernel_name, sharded, q)
     if chosen == "allgather":
         return allgather_attention(
-            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,
+            window=window,
         )
     if chosen == "ulysses":
         return ulysses_attention(

@@ -19,6 +19,9 @@ Conventions (the same for every kernel, so that callers can merge partial result
   first ``m - n`` queries when ``n < m``) gets ``out = 0`` and ``lse = -inf`` -- the logsumexp of an empty set, the
   identity of a logsumexp merge -- never NaN. flash-attn itself writes ``+inf`` there; the flash-attn and
   torch-varlen paths translate. Tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` are treated like empty rows.
+* ``window=w`` (sliding window, default ``None``; needs ``causal=True``): query ``i`` of a length-``m`` run with
+  ``n`` keys attends only keys ``i + (n - m) - w < j <= i + (n - m)``, the last ``w`` keys up to its own aligned
+  position (HF's ``sliding_window``; flash-attn ``window_size=(w - 1, 0)``).
 * ``varlen_attention_backward`` uses the ``out`` and ``lse`` it is GIVEN (not a recomputation), as flash-attn
   does: with the ``out``/``lse`` of a larger attention (merged over several key blocks) it returns this key
   block's share of the gradient, which is what ring attention needs.
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cp_packing._checks import HALF_DTYPES
+from cp_packing._checks import HALF_DTYPES, check_window
 from cp_packing._imports import try_import
 
 __all__ = [
@@ -284,7 +287,7 @@ class _Chunk:
     query head of a key/value head without copying K/V (GQA).
     """
 
-    def __init__(self, q, k, cu_q_starts, lens_q, cu_k_starts, lens_k, causal, dtype):
+    def __init__(self, q, k, cu_q_starts, lens_q, cu_k_starts, lens_k, causal, dtype, window=None):
         device = q.device
         H, H_kv, D = q.shape[1], k.shape[1], q.shape[2]
         G = H // H_kv
@@ -299,6 +302,8 @@ class _Chunk:
             i = torch.arange(Mq, device=device)[None, :, None]
             j = torch.arange(Mk, device=device)[None, None, :]
             mask &= j <= i + shift[:, None, None]  # bottom-right aligned
+            if window is not None:  # sliding window: the `window` keys ending at the query's own (aligned) position
+                mask &= j > i + shift[:, None, None] - window
         self.mask = mask[:, None, None].expand(n, 1, G, Mq, Mk).reshape(n, 1, G * Mq, Mk)  # [n, 1, G*Mq, Mk]
         self.qh = self.heads_q(_gather(q, self.index_q, self.valid_q, dtype))  # [n, H_kv, G*Mq, D]
         self.kh = _gather(k, self.index_k, self.valid_k, dtype).permute(0, 2, 1, 3)  # [n, H_kv, Mk, D]
@@ -328,7 +333,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
     """Pure-torch varlen attention. Sequences are padded to the longest one of their group and run through a
     batched matmul with a mask; groups are sized to keep each score tensor under ``_REFERENCE_SCORE_BUDGET``
     elements, so memory is ``O(group * H * max_q * max_k)`` and time is that of dense attention over the padded
@@ -341,7 +346,7 @@ def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     out = torch.zeros(Tq, H, D, dtype=dtype, device=q.device)  # [Tq, H, D]
     lse = torch.full((H, Tq), float("-inf"), dtype=dtype, device=q.device)  # [H, Tq]
     for lo, hi in _chunks(lens_q, lens_k, H):
-        c = _Chunk(q, k, starts_q[lo:hi], lens_q[lo:hi], starts_k[lo:hi], lens_k[lo:hi], causal, dtype)
+        c = _Chunk(q, k, starts_q[lo:hi], lens_q[lo:hi], starts_k[lo:hi], lens_k[lo:hi], causal, dtype, window)
         vh = _gather(v, c.index_k, c.valid_k, dtype).permute(0, 2, 1, 3)  # [n, H_kv, Mk, D]
         s = c.scores(scale)  # [n, H_kv, G*Mq, Mk]
         lse_c = torch.logsumexp(s, dim=-1)  # [n, H_kv, G*Mq]; -inf for empty rows
@@ -352,7 +357,9 @@ def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return out.to(q.dtype), lse
 
 
-def _reference_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _reference_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+):
     """Gradients of the reference attention, from the GIVEN ``out`` and ``lse`` (flash-attn semantics):
     ``P = exp(scale * q.k - lse)``, ``dV = P^T dO``, ``dS = P * (dO.V - rowsum(dO * O))``, ``dQ = scale dS K``,
     ``dK = scale dS^T Q``; GQA key/value gradients are summed over the query heads that share them."""
@@ -366,7 +373,7 @@ def _reference_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max
     dv = torch.zeros(v.shape, dtype=dtype, device=q.device)  # [Tk, H_kv, D]
     lse_t = lse.to(dtype).T[:, :, None]  # [Tq, H, 1]
     for lo, hi in _chunks(lens_q, lens_k, H):
-        c = _Chunk(q, k, starts_q[lo:hi], lens_q[lo:hi], starts_k[lo:hi], lens_k[lo:hi], causal, dtype)
+        c = _Chunk(q, k, starts_q[lo:hi], lens_q[lo:hi], starts_k[lo:hi], lens_k[lo:hi], causal, dtype, window)
         vh = _gather(v, c.index_k, c.valid_k, dtype).permute(0, 2, 1, 3)  # [n, H_kv, Mk, D]
         do = c.heads_q(_gather(dout, c.index_q, c.valid_q, dtype))  # [n, H_kv, G*Mq, D]
         o = c.heads_q(_gather(out, c.index_q, c.valid_q, dtype))  # [n, H_kv, G*Mq, D]
@@ -401,13 +408,23 @@ def _fa_call(fn, **kwargs):
     return fn(**{key: val for key, val in kwargs.items() if key in names})
 
 
+def _left(window: int | None) -> int:
+    """flash-attn's ``window_size_left`` for ``window`` (keys ``p - window < k <= p``): ``window - 1``; -1: none."""
+    return -1 if window is None else window - 1
+
+
+def _right(window: int | None) -> int:
+    """flash-attn's ``window_size_right``: 0 under a (causal) window, -1 = none (``causal`` then decides)."""
+    return -1 if window is None else 0
+
+
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     """flash-attn kernels need ``head_dim % 8 == 0``; its own autograd functions zero-pad, and so do we."""
     extra = -x.shape[-1] % multiple
     return F.pad(x, [0, extra]) if extra else x
 
 
-def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
     fa = _flash_attn_interface()
     D = q.shape[-1]
     outputs = _fa_call(
@@ -416,14 +433,17 @@ def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        window_size_left=_left(window), window_size_right=_right(window), softcap=0.0, alibi_slopes=None,
+        return_softmax=False,
     )
     out, lse = (outputs[0], outputs[5]) if len(outputs) == 8 else (outputs[0], outputs[1])  # 2.6: 8 outputs
     lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))  # flash-attn: +inf for empty rows; ours: -inf
     return out[..., :D], lse
 
 
-def _flash_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _flash_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+):
     fa = _flash_attn_interface()
     D = q.shape[-1]
     q, k, v, out, dout = (_pad_head_dim(x) for x in (q, k, v, out, dout))
@@ -435,7 +455,8 @@ def _flash_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+        window_size_left=_left(window), window_size_right=_right(window), softcap=0.0, alibi_slopes=None,
+        deterministic=False,
         rng_state=None,
     )
     return dq[..., :D], dk[..., :D], dv[..., :D]
@@ -449,16 +470,21 @@ def _expand_kv(x: torch.Tensor, H: int) -> torch.Tensor:
     return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
 
 
-def _torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     H = q.shape[1]
     kwargs: dict[str, Any] = {"return_aux": AuxRequest(lse=True), "scale": scale}
     names = set(inspect.signature(varlen_attn).parameters)
-    if "is_causal" in names:  # torch 2.9 / 2.10
+    if "is_causal" in names:  # torch 2.9 / 2.10: no window argument
+        if window is not None:
+            raise ValueError(
+                f"kernel='torch_varlen' cannot run window={window}: torch {torch.__version__}'s varlen_attn has no "
+                "window_size argument; use kernel='flash_attn' or 'torch', or a torch with varlen_attn(window_size=)"
+            )
         kwargs["is_causal"] = causal
-    else:  # torch >= 2.11: causal is window_size=(-1, 0)
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:  # torch >= 2.11: causal is window_size=(-1, 0), a sliding window (window - 1, 0)
+        kwargs["window_size"] = (_left(window), 0) if causal else (-1, -1)
     with torch.no_grad():
         out, lse = varlen_attn(
             q, _expand_kv(k, H), _expand_kv(v, H), cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
@@ -470,12 +496,19 @@ def _torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return out, lse.contiguous()
 
 
-def _torch_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _torch_varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+):
     op = torch.ops.torch_attn._varlen_attn_backward
     H, H_kv = q.shape[1], k.shape[1]
     kwargs: dict[str, Any] = {"scale": scale}
     if "window_size" in {a.name for a in op.default._schema.arguments}:
-        kwargs["window_size"] = [-1, 0] if causal else [-1, -1]
+        kwargs["window_size"] = [_left(window), 0] if causal else [-1, -1]
+    elif window is not None:
+        raise ValueError(
+            f"kernel='torch_varlen' cannot run window={window}: this torch's varlen backward has no window_size; "
+            "use kernel='flash_attn' or 'torch'"
+        )
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0 in varlen_attn
     dq, dk, dv = op(
         dout.contiguous(), q, _expand_kv(k, H), _expand_kv(v, H), out,
@@ -495,17 +528,20 @@ _FORWARD = {"torch": _reference_forward, "flash_attn": _flash_forward, "torch_va
 _BACKWARD = {"torch": _reference_backward, "flash_attn": _flash_backward, "torch_varlen": _torch_varlen_backward}
 
 
-def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel) -> tuple[str, float]:
-    """Validate a varlen call; return the concrete kernel and the softmax scale."""
+def _checked(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal=True, window=None
+) -> tuple[str, float, int | None]:
+    """Validate a varlen call; return the concrete kernel, the softmax scale and the window."""
     check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    return resolve_kernel(kernel, q), _scale(softmax_scale, q.shape[2])
+    window = check_window(window, bool(causal))
+    return resolve_kernel(kernel, q), _scale(softmax_scale, q.shape[2]), window
 
 
 def varlen_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto",
+    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto", window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen (packed) attention forward. Records no autograd graph (use ``varlen_attention`` for that).
 
@@ -517,6 +553,10 @@ def varlen_attention_forward(
         softmax_scale: default ``1 / sqrt(D)``.
         causal: bottom-right aligned causal mask per sequence (see module docstring).
         kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"torch_varlen"``.
+        window: sliding window (``None``: none): query ``i`` attends only the ``window`` keys ending at its
+            bottom-right aligned position, keys ``i + (n - m) - window < j <= i + (n - m)`` (HF's
+            ``sliding_window``: ``p - window < k <= p``; flash-attn ``window_size=(window - 1, 0)``). Needs
+            ``causal=True``. ``"torch_varlen"`` takes it only where torch's ``varlen_attn`` has ``window_size``.
 
     Returns:
         ``out`` ``[Tq, H, D]`` in q's dtype and ``lse`` float32 ``[H, Tq]`` (natural log; ``-inf`` for a query
@@ -529,9 +569,13 @@ def varlen_attention_forward(
     The reference kernel computes in float32 (float64 for float64 inputs) and syncs once with the host to read
     ``cu_seqlens``; the flash-attn and torch-varlen kernels are sync-free.
     """
-    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
+    name, scale, window = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    )
     with torch.no_grad():
-        return _FORWARD[name](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal))
+        return _FORWARD[name](
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), window
+        )
 
 
 def varlen_attention_backward(
@@ -549,6 +593,7 @@ def varlen_attention_backward(
     softmax_scale: float | None = None,
     causal: bool = True,
     kernel: str = "auto",
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``varlen_attention_forward`` with respect to q, k, v.
 
@@ -556,49 +601,56 @@ def varlen_attention_backward(
         dout: ``[Tq, H, D]``, the gradient of ``out``.
         out, lse: the forward's outputs (``[Tq, H, D]``, ``[H, Tq]``). They are USED, not recomputed: pass the
             merged ``out``/``lse`` of a larger attention to get this key block's share of its gradient.
-        the rest: as in ``varlen_attention_forward`` (same kernel choice, scale and mask).
+        the rest: as in ``varlen_attention_forward`` (same kernel choice, scale, mask and ``window``).
 
     Returns:
         ``dq [Tq, H, D]``, ``dk [Tk, H_kv, D]``, ``dv [Tk, H_kv, D]`` in the inputs' dtype (GQA gradients summed
         over each key/value head's query heads); zero for tokens outside every sequence.
     """
-    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
+    name, scale, window = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    )
     _check_grad_inputs(dout, out, lse, q)
     with torch.no_grad():
         return _BACKWARD[name](
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal)
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal),
+            window,
         )
 
 
 class _VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, kernel):
-        out, lse = _FORWARD[kernel](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, kernel, window):
+        out, lse = _FORWARD[kernel](
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window
+        )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.meta = (max_seqlen_q, max_seqlen_k, scale, causal, kernel)
+        ctx.meta = (max_seqlen_q, max_seqlen_k, scale, causal, kernel, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        max_seqlen_q, max_seqlen_k, scale, causal, kernel = ctx.meta
+        max_seqlen_q, max_seqlen_k, scale, causal, kernel, window = ctx.meta
         dq, dk, dv = _BACKWARD[kernel](
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto",
+    *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto", window: int | None = None,
 ) -> torch.Tensor:
     """Differentiable varlen attention: ``out [Tq, H, D]`` (see ``varlen_attention_forward`` for the arguments).
 
     Backward runs the same kernel's backward from the saved ``out`` and ``lse`` (no recomputation of the forward);
     with GQA, ``k.grad``/``v.grad`` are ``[Tk, H_kv, D]``, summed over the query heads sharing each head.
     """
-    name, scale = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel)
+    name, scale, window = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    )
     return _VarlenAttentionFunction.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), name
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), name, window
     )
