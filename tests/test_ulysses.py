@@ -160,3 +160,17 @@ def test_kv_replication():
     assert kv_replication(12, 6, 4) == 2 and kv_replication(12, 3, 4) == 4
     with pytest.raises(ValueError, match="cp_size=8 does not divide the 12 query heads"):
         kv_replication(12, 4, 8)
+
+
+@pytest.mark.parametrize("backend, extra", [("ulysses", {}), ("hybrid", {"ulysses_size": 1})])
+def test_a_window_is_refused_by_the_head_sharded_backends(backend, extra):
+    """The sliding window runs on the all-gather backend; Ulysses and hybrid refuse it instead of ignoring it."""
+    from cp_packing import context_parallel_attention, packed_seq_params_from_doc_ids, shard_packed_seq_params
+
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]])),
+                                      cp_size=1, cp_rank=0)
+    q = torch.randn(6, 2, 8)
+    with pytest.raises(NotImplementedError, match=f"backend='{backend}' cannot run window=3"):
+        context_parallel_attention(q, q, q, sharded, backend=backend, window=3, **extra)
+    out = context_parallel_attention(q, q, q, sharded, window=3)  # auto: the all-gather backend
+    assert out.shape == q.shape
