@@ -42,6 +42,16 @@ def doc_maps(draw, max_b: int = 3, max_s: int = 48, multiple: int = 1, max_doc_l
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def runs_of_row(row: list[int]) -> list[tuple[int, int, int]]:
+    """``(value, start, end)`` maximal runs of a row."""
+    out, start = [], 0
+    for s in range(1, len(row) + 1):
+        if s == len(row) or row[s] != row[s - 1]:
+            out.append((row[start], start, s))
+            start = s
+    return out
+
+
 def segments_of(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
     """Plain-Python reference segmentation: ``(start, end)`` flat ranges, runs within a row."""
     B, S = doc_ids.shape

@@ -22,7 +22,7 @@ from cp_packing.formats import (
     doc_ids_from_seq_lens,
     warn_if_zero_based,
 )
-from tests.maps import doc_maps
+from tests.maps import doc_maps, runs_of_row
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -32,22 +32,12 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def runs(row: list[int]) -> list[tuple[int, int, int]]:
-    """``(value, start, end)`` of every run of one value in a row."""
-    out, start = [], 0
-    for s in range(1, len(row) + 1):
-        if s == len(row) or row[s] != row[s - 1]:
-            out.append((row[start], start, s))
-            start = s
-    return out
-
-
 def canonical(doc_ids: torch.Tensor) -> list[list[int]]:
     """The doc map every converter should return: real runs numbered 1, 2, ... per row, padding 0."""
     out = []
     for row in doc_ids.tolist():
         new, n = [0] * len(row), 0
-        for value, a, b in runs(row):
+        for value, a, b in runs_of_row(row):
             if value:
                 n += 1
                 new[a:b] = [n] * (b - a)
@@ -68,7 +58,7 @@ def position_ids_of(doc_ids: torch.Tensor, pad_value: int) -> list[list[int]]:
     out = []
     for row in doc_ids.tolist():
         pos = []
-        for value, a, b in runs(row):
+        for value, a, b in runs_of_row(row):
             pos += list(range(b - a)) if value else [pad_value] * (b - a)
         out.append(pos)
     return out
@@ -81,7 +71,7 @@ def seq_idx_of(doc_ids: torch.Tensor, *, per_row: bool) -> list[list[int]]:
         if per_row:
             n = 0
         idx = []
-        for value, a, b in runs(row):
+        for value, a, b in runs_of_row(row):
             if value:
                 idx += [n] * (b - a)
                 n += 1
@@ -100,7 +90,7 @@ def cu_seqlens_of(doc_ids: torch.Tensor) -> tuple[list[int], list[list[int]]]:
     cu, expected = [0], []
     for b, row in enumerate(doc_ids.tolist()):
         new, n = [0] * S, 0
-        for _, a, e in runs(row):
+        for _, a, e in runs_of_row(row):
             if b * S + a < end:
                 n += 1
                 stop = min(e, end - b * S)
@@ -116,7 +106,7 @@ def seq_lens_of(doc_ids: torch.Tensor) -> tuple[list[list[int]], list[list[int]]
     real, padded = [], []
     for row in doc_ids.tolist():
         r, p = [], []
-        row_runs = runs(row)
+        row_runs = runs_of_row(row)
         if row_runs and row_runs[-1][0] == 0:
             row_runs = row_runs[:-1]
         for value, a, b in row_runs:
@@ -235,7 +225,7 @@ def test_seq_lens_without_padded_lengths(doc_ids):
     compact = [[v for v in row if v] for row in doc_ids.tolist()]
     S = doc_ids.shape[1]
     doc_ids = torch.tensor([row + [0] * (S - len(row)) for row in compact])
-    real = [[b - a for v, a, b in runs(row) if v] for row in doc_ids.tolist()]
+    real = [[b - a for v, a, b in runs_of_row(row) if v] for row in doc_ids.tolist()]
     assert_same_segmentation(doc_ids_from_seq_lens(real, seq_len=S), doc_ids)
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import PaddedBatch, pad_segments
+from tests.maps import runs_of_row
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -33,16 +34,6 @@ def doc_maps(draw, max_b: int = 4, max_s: int = 14):
         rows.append(row[:S])
     dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8]))
     return torch.tensor(rows, dtype=dtype)
-
-
-def runs_of_row(row: list[int]) -> list[tuple[int, int, int]]:
-    """``(value, start, end)`` maximal runs of a row."""
-    out, start = [], 0
-    for s in range(1, len(row) + 1):
-        if s == len(row) or row[s] != row[s - 1]:
-            out.append((row[start], start, s))
-            start = s
-    return out
 
 
 def reference_layout(doc_ids: torch.Tensor, m: int):
