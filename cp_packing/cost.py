@@ -43,6 +43,7 @@ stream raises a ValueError instead of overflowing silently.
 from __future__ import annotations
 
 import functools
+import math
 import logging
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ from cp_packing.layouts import LAYOUTS
 from cp_packing.layouts.balanced import balanced_plan
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS"]
+__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS", "BYTES_BACKENDS", "backend_bytes", "choose_backend_by_bytes",
+           "kv_replication_factor"]
 
 logger = logging.getLogger("cp_packing")
 
@@ -458,3 +460,101 @@ def _cached_choice(
     tied = [row for row in table if row[1] <= lowest * (1.0 + rtol)]
     best = min(tied, key=lambda row: (row[3], AUTO_LAYOUTS.index(row[0])))
     return best[0], tuple(table)
+
+
+# -------------------------------------------------------------------------------------- bytes per backend
+
+#: Backends ``backend_bytes`` prices (``hybrid`` needs ``ulysses_size``).
+BYTES_BACKENDS = ("allgather", "ring_flash_attn", "ulysses", "hybrid")
+
+
+def kv_replication_factor(num_kv_heads: int, ulysses_size: int) -> int:
+    """How many times the Ulysses backends replicate each key/value head: ``U / gcd(H_kv, U)`` for a Ulysses
+    degree ``U`` (1 when ``U`` divides ``H_kv``). The one formula ``cp_packing.attention.ulysses.kv_replication``
+    uses (after checking the query heads).
+
+    >>> kv_replication_factor(8, 4), kv_replication_factor(8, 16), kv_replication_factor(6, 4)
+    (1, 2, 2)
+    """
+    check_int(num_kv_heads, "num_kv_heads", min=1)
+    check_int(ulysses_size, "ulysses_size", min=1)
+    return ulysses_size // math.gcd(num_kv_heads, ulysses_size)
+
+
+def backend_bytes(
+    backend: str, *, T_local: int, cp_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype_bytes: int = 2, ulysses_size: int | None = None,
+) -> int:
+    """Bytes one rank sends (and, the same count, receives) per layer in the FORWARD pass of ``backend``.
+
+    With ``s = head_dim * dtype_bytes * T_local`` (one head-slice of the rank's tokens), ``H = num_heads``,
+    ``H_kv = num_kv_heads`` and ``H_kv' = H_kv * kv_replication_factor(H_kv, U)``:
+
+    * ``allgather``: k and v of every other rank, ``2 H_kv s (cp - 1)`` (a plain ``all_gather``, whatever the layout).
+    * ``ring_flash_attn``: a full ring pass of k and v, the same ``2 H_kv s (cp - 1)``.
+    * ``ulysses`` (``U = cp``): q, k, v out and the output back through all-to-alls, of which ``(cp - 1) / cp``
+      leaves the rank: ``(2 H + 2 H_kv') s (cp - 1) / cp``.
+    * ``hybrid`` (``ulysses_size=U``, ``A = cp / U``): Ulysses inside the group, ``(2 H + 2 H_kv') s (U - 1) / U``,
+      plus the all-gather of the head-sharded k/v across the ``A`` groups, ``2 H_kv' s (A - 1)``.
+
+    Backward moves about twice the forward for every backend (the transposed collectives). The bytes decide
+    ``backend="auto"`` between ``allgather`` and ``ulysses``.
+
+    Raises:
+        ValueError: an unknown backend, ``ulysses_size`` missing for / given to a backend other than ``hybrid``, a
+            Ulysses degree that does not divide ``num_heads`` (or ``ulysses_size`` that does not divide ``cp_size``),
+            or ``num_kv_heads`` not dividing ``num_heads``.
+
+    >>> kw = dict(T_local=4096, num_heads=32, num_kv_heads=8, head_dim=128)
+    >>> backend_bytes("allgather", cp_size=8, **kw) // 2**20, backend_bytes("ulysses", cp_size=8, **kw) // 2**20
+    (112, 70)
+    """
+    if backend not in BYTES_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} for backend_bytes; choose one of {', '.join(map(repr, BYTES_BACKENDS))}")
+    for value, name in ((T_local, "T_local"), (cp_size, "cp_size"), (num_heads, "num_heads"),
+                        (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
+        check_int(value, name, min=0 if name == "T_local" else 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (GQA groups)")
+    if (backend == "hybrid") != (ulysses_size is not None):
+        raise ValueError(f"ulysses_size={ulysses_size!r} with backend={backend!r}: pass ulysses_size with "
+                         "backend='hybrid' and only with it")
+    slice_bytes = head_dim * dtype_bytes * T_local
+    if backend in ("allgather", "ring_flash_attn"):
+        return 2 * num_kv_heads * slice_bytes * (cp_size - 1)
+    U = cp_size if backend == "ulysses" else ulysses_size
+    check_int(U, "ulysses_size", min=1)
+    if cp_size % U:
+        raise ValueError(f"ulysses_size={U} must divide cp_size={cp_size}; use a divisor of {cp_size}")
+    if num_heads % U:
+        raise ValueError(f"backend={backend!r} needs its Ulysses degree {U} to divide num_heads={num_heads}; use "
+                         "backend='allgather' or a degree that divides the query heads")
+    kv_eff = num_kv_heads * kv_replication_factor(num_kv_heads, U)
+    a2a = (2 * num_heads + 2 * kv_eff) * slice_bytes * (U - 1) // U
+    return a2a + 2 * kv_eff * slice_bytes * (cp_size // U - 1)
+
+
+def choose_backend_by_bytes(
+    *, T_local: int, cp_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+    window: int | None = None,
+) -> tuple[str, int, int | None]:
+    """``(backend, allgather bytes, ulysses bytes)``: ``"ulysses"`` when ``cp_size`` divides ``num_heads``, there
+    is no ``window`` and Ulysses moves FEWER forward bytes per layer than the all-gather (``backend_bytes``);
+    else ``"allgather"`` (ties included). The Ulysses figure is ``None`` where Ulysses cannot run.
+    ``backend="auto"`` uses this rule when it does not pick ring-flash-attn.
+
+    Ulysses is cheaper exactly when ``H + H_kv' < cp * H_kv``: for 32/8 heads at cp 8, not at cp 4; for MHA at any
+    cp above 2.
+
+    >>> choose_backend_by_bytes(T_local=1, cp_size=8, num_heads=32, num_kv_heads=8, head_dim=1, dtype_bytes=1)
+    ('ulysses', 112, 70)
+    >>> choose_backend_by_bytes(T_local=1, cp_size=4, num_heads=32, num_kv_heads=8, head_dim=1, dtype_bytes=1)
+    ('allgather', 48, 60)
+    """
+    kw = dict(T_local=T_local, cp_size=cp_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+              dtype_bytes=dtype_bytes)
+    allgather = backend_bytes("allgather", **kw)
+    if window is not None or num_heads % cp_size:
+        return "allgather", allgather, None
+    ulysses = backend_bytes("ulysses", **kw)
+    return ("ulysses" if ulysses < allgather else "allgather"), allgather, ulysses

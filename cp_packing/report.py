@@ -19,11 +19,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing.cost import LayoutCost, layout_cost
+from cp_packing.cost import LayoutCost, backend_bytes, choose_backend_by_bytes, layout_cost
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
 __all__ = [
     "REPORT_LAYOUTS",
+    "backend_bytes_table",
     "balance_costs",
     "balance_report",
     "plot_balance",
@@ -120,6 +121,59 @@ def balance_report(
             f"B*S = {params.total_tokens} is not divisible by cp_size={cp_size}: contiguous, balanced and auto do not "
             "apply (pad the rows)"
         )
+    return "\n".join(lines)
+
+
+def _ints(value, name: str) -> list[int]:
+    values = [value] if isinstance(value, int) else list(value)
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{name} must be an int or a non-empty sequence of ints, got {value!r}")
+    return values
+
+
+def backend_bytes_table(
+    *, T_local: int, cp_size: int | Sequence[int], num_heads: int | Sequence[int], num_kv_heads: int | Sequence[int],
+    head_dim: int = 128, dtype_bytes: int = 2,
+) -> str:
+    """A plain-text table of the forward bytes per layer one rank sends (= receives), in MiB, per backend
+    (``cp_packing.cost.backend_bytes``): all-gather, ring (a full pass), Ulysses, hybrid with ``ulysses_size=2``,
+    and what ``backend="auto"`` picks between all-gather and Ulysses (``choose_backend_by_bytes``; ring-flash-attn
+    aside). ``-``: the backend cannot run there (the Ulysses degree does not divide the query heads).
+
+    Args:
+        T_local: tokens per rank.
+        cp_size: one CP size or several (one row each).
+        num_heads, num_kv_heads: one head configuration or several, zipped (``num_heads=(32, 32, 64),
+            num_kv_heads=(8, 32, 8)``).
+        head_dim, dtype_bytes: the head size and the bytes per element.
+
+    >>> print(backend_bytes_table(T_local=4096, cp_size=8, num_heads=32, num_kv_heads=8))  # doctest: +NORMALIZE_WHITESPACE
+    heads (H/H_kv)   cp  all-gather MiB  ring MiB  ulysses MiB  hybrid U=2 MiB  auto
+    ------------------------------------------------------------------------------------
+    32/8              8           112.0     112.0         70.0            88.0  ulysses
+    """
+    cps, hs, kvs = _ints(cp_size, "cp_size"), _ints(num_heads, "num_heads"), _ints(num_kv_heads, "num_kv_heads")
+    if len(hs) != len(kvs):
+        raise ValueError(f"num_heads ({len(hs)} values) and num_kv_heads ({len(kvs)} values) are zipped: give "
+                         "them the same length")
+    header = (f"{'heads (H/H_kv)':<15} {'cp':>3} {'all-gather MiB':>15} {'ring MiB':>9} {'ulysses MiB':>12} "
+              f"{'hybrid U=2 MiB':>15}  auto")
+    lines = [header, "-" * (len(header) + 4)]
+    mib = float(2**20)
+    for H, H_kv in zip(hs, kvs):
+        for cp in cps:
+            kw = dict(T_local=T_local, cp_size=cp, num_heads=H, num_kv_heads=H_kv, head_dim=head_dim,
+                      dtype_bytes=dtype_bytes)
+            cells = []
+            for backend, extra in (("allgather", {}), ("ring_flash_attn", {}), ("ulysses", {}),
+                                   ("hybrid", {"ulysses_size": 2})):
+                try:
+                    cells.append(f"{backend_bytes(backend, **kw, **extra) / mib:.1f}")
+                except ValueError:
+                    cells.append("-")
+            auto = choose_backend_by_bytes(**kw)[0]
+            lines.append(f"{f'{H}/{H_kv}':<15} {cp:>3} {cells[0]:>15} {cells[1]:>9} {cells[2]:>12} {cells[3]:>15}  "
+                         f"{auto}")
     return "\n".join(lines)
 
 

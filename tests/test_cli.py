@@ -105,3 +105,12 @@ def test_report_prints_every_layout(capsys):
     assert code == 0
     for layout in ("contiguous", "zigzag", "balanced"):
         assert layout in out
+
+
+def test_report_prints_backend_bytes_for_the_heads(capsys):
+    code, out, _ = cli("report", "--synthetic", "lognormal", "--batch", "2", "--seqlen", "1024", "--cp", "8",
+                       "--heads", "32", "--kv-heads", "8", capsys=capsys)
+    assert code == 0
+    assert "T_local=256" in out
+    # 256 tokens x 128 x 2 bytes = 64 KiB per head-slice: all-gather 16 x 7, Ulysses 80 x 7/8 of them
+    assert out.splitlines()[-1].split() == ["32/8", "8", "7.0", "7.0", "4.4", "5.5", "ulysses"], out

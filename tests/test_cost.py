@@ -301,3 +301,47 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(cp_packing.cost, extraglobs={"torch": torch})
     assert result.failed == 0 and result.attempted > 0
+
+
+# ---------------------------------------------------------------------------------------------- backend bytes
+
+
+def test_backend_bytes_hand_checked():
+    """The issue's 32/8 example in head-slices of T_local tokens: all-gather 16 (cp-1), Ulysses 80 (cp-1)/cp."""
+    from cp_packing.cost import backend_bytes, choose_backend_by_bytes
+
+    kw = dict(T_local=1, num_heads=32, num_kv_heads=8, head_dim=1, dtype_bytes=1)
+    assert [backend_bytes("allgather", cp_size=cp, **kw) for cp in (1, 2, 4, 8)] == [0, 16, 48, 112]
+    assert [backend_bytes("ring_flash_attn", cp_size=cp, **kw) for cp in (2, 4, 8)] == [16, 48, 112]
+    assert [backend_bytes("ulysses", cp_size=cp, **kw) for cp in (1, 2, 4, 8)] == [0, 40, 60, 70]
+    # 32/8 at cp 16: k/v replicated twice: (64 + 32) * 15 / 16
+    assert backend_bytes("ulysses", cp_size=16, **kw) == 90
+    # hybrid U=2 at cp 8: (64 + 16) / 2 inside + 2 * 8 * 3 across
+    assert backend_bytes("hybrid", cp_size=8, ulysses_size=2, **kw) == 40 + 48
+    assert backend_bytes("hybrid", cp_size=8, ulysses_size=8, **kw) == backend_bytes("ulysses", cp_size=8, **kw)
+    assert backend_bytes("hybrid", cp_size=8, ulysses_size=1, **kw) == backend_bytes("allgather", cp_size=8, **kw)
+    big = dict(T_local=4096, num_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert backend_bytes("ulysses", cp_size=8, **big) == 70 * 4096 * 128 * 2 * 7 // 8 * 8 // 7
+    assert choose_backend_by_bytes(cp_size=4, **kw) == ("allgather", 48, 60)
+    assert choose_backend_by_bytes(cp_size=8, **kw) == ("ulysses", 112, 70)
+    assert choose_backend_by_bytes(cp_size=8, window=4, **kw) == ("allgather", 112, None)
+    mha = dict(kw, num_kv_heads=32)
+    assert choose_backend_by_bytes(cp_size=2, **mha) == ("allgather", 64, 64)  # a tie goes to allgather
+
+
+def test_backend_bytes_errors():
+    from cp_packing.cost import backend_bytes
+
+    kw = dict(T_local=8, num_heads=12, num_kv_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match=r"Ulysses degree 8 to divide num_heads=12; use backend='allgather'"):
+        backend_bytes("ulysses", cp_size=8, **kw)
+    with pytest.raises(ValueError, match=r"ulysses_size=3 must divide cp_size=8"):
+        backend_bytes("hybrid", cp_size=8, ulysses_size=3, **kw)
+    with pytest.raises(ValueError, match=r"ulysses_size=None with backend='hybrid'"):
+        backend_bytes("hybrid", cp_size=8, **kw)
+    with pytest.raises(ValueError, match=r"unknown backend 'auto'"):
+        backend_bytes("auto", cp_size=8, **kw)
+    with pytest.raises(ValueError, match=r"num_kv_heads=5 must divide num_heads=12"):
+        backend_bytes("allgather", cp_size=2, **dict(kw, num_kv_heads=5))
+    with pytest.raises(ValueError, match="cp_size"):
+        backend_bytes("allgather", cp_size=0, **kw)

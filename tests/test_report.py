@@ -159,3 +159,17 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(cp_packing.report, extraglobs={"torch": torch})
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_backend_bytes_table_rows_and_picks():
+    from cp_packing.report import backend_bytes_table
+
+    table = backend_bytes_table(T_local=4096, cp_size=(2, 4, 8), num_heads=(32, 12), num_kv_heads=(8, 4))
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert len(rows) == 6
+    assert rows[0] == ["32/8", "2", "16.0", "16.0", "40.0", "40.0", "allgather"]
+    assert rows[1] == ["32/8", "4", "48.0", "48.0", "60.0", "56.0", "allgather"]
+    assert rows[2] == ["32/8", "8", "112.0", "112.0", "70.0", "88.0", "ulysses"]
+    assert rows[5][:2] == ["12/4", "8"] and rows[5][4] == "-" and rows[5][6] == "allgather"  # 8 does not divide 12
+    with pytest.raises(ValueError, match="same length"):
+        backend_bytes_table(T_local=1, cp_size=2, num_heads=(32, 64), num_kv_heads=8)

@@ -15,7 +15,7 @@ from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.attention import context_parallel_attention, select_backend
 from cp_packing.padding import pad_segments
 from cp_packing.testing import run_distributed, synthetic_doc_ids
-from tests.test_allgather_attention import D, compare
+from tests.test_allgather_attention import D, compare, seeded_qkv
 
 TIMEOUT = 90.0  # seconds for a whole scenario: a hang fails the test instead of waiting for the store timeout
 TOL = 2e-5
@@ -109,6 +109,63 @@ def test_ulysses_all_to_all_moves_the_expected_elements():
         assert sent == [qkv, H * T_local * D, H * T_local * D, qkv], sent
 
 
+def _dist_forward_bytes(rank, world_size, cases):
+    """Forward bytes each rank receives from OTHER ranks per backend, counted at the collectives: an
+    ``all_to_all_single`` over n ranks brings ``(n-1)/n`` of its input from others, an ``all_gather`` ``(n-1)`` times
+    its input. The first call of a step runs the agreement (its own collectives); the counted call is the second."""
+    import torch.distributed as dist
+
+    doc_ids = synthetic_doc_ids("lognormal", 2, 8 * world_size, seed=2, median=8, pad=0.1)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    received = {}
+    real_a2a, real_ag = dist.all_to_all_single, dist.all_gather
+
+    def a2a(output, input, *args, group=None, **kwargs):
+        n = dist.get_world_size(group)
+        counted.append(input.numel() * input.element_size() * (n - 1) // n)
+        return real_a2a(output, input, *args, group=group, **kwargs)
+
+    def ag(tensor_list, tensor, *args, group=None, **kwargs):
+        counted.append(tensor.numel() * tensor.element_size() * (dist.get_world_size(group) - 1))
+        return real_ag(tensor_list, tensor, *args, group=group, **kwargs)
+
+    for name, (backend, H, H_kv, extra) in cases.items():
+        sharded = shard_packed_seq_params(params, cp_size=world_size, cp_rank=rank, layout="balanced")
+        q, k, v = (sharded.shard(x) for x in seeded_qkv(params.total_tokens, H, H_kv, torch.float32, 0)[:3])
+        context_parallel_attention(q, k, v, sharded, backend=backend, **extra)  # agreement and warm-up
+        counted = []
+        dist.all_to_all_single, dist.all_gather = a2a, ag
+        try:
+            with torch.no_grad():
+                context_parallel_attention(q, k, v, sharded, backend=backend, **extra)
+        finally:
+            dist.all_to_all_single, dist.all_gather = real_a2a, real_ag
+        received[name] = (sum(counted), sharded.num_local_tokens)
+    return received
+
+
+@pytest.mark.distributed
+def test_backend_bytes_equals_what_the_backends_move():
+    """``cp_packing.cost.backend_bytes`` equals the forward bytes counted at the collectives, cp 4, float32."""
+    from cp_packing.cost import backend_bytes
+
+    cp = 4
+    cases = {
+        "allgather GQA": ("allgather", 8, 2, {}, {}),
+        "ulysses H_kv == cp": ("ulysses", 8, 4, {}, {}),
+        "ulysses H_kv < cp (replicated)": ("ulysses", 8, 1, {}, {}),
+        "ulysses MHA": ("ulysses", 4, 4, {}, {}),
+        "hybrid U=2": ("hybrid", 4, 1, {"ulysses_size": 2}, {"ulysses_size": 2}),
+    }
+    run_cases = {name: (b, H, H_kv, extra) for name, (b, H, H_kv, extra, _) in cases.items()}
+    for received in run_distributed(_dist_forward_bytes, cp, run_cases, timeout=TIMEOUT):
+        for name, (backend, H, H_kv, _, bytes_kw) in cases.items():
+            measured, T_local = received[name]
+            expected = backend_bytes(backend, T_local=T_local, cp_size=cp, num_heads=H, num_kv_heads=H_kv, head_dim=D,
+                                     dtype_bytes=4, **bytes_kw)
+            assert measured == expected > 0, (name, measured, expected)
+
+
 # ------------------------------------------------------------------------------------------------------ errors
 
 
@@ -143,12 +200,21 @@ def test_indivisible_heads_are_refused_on_every_rank(heads_per_rank, kind, words
     assert all(words in r[1] for r in results), results
 
 
-def test_select_backend_checks_heads_and_auto_never_picks_ulysses():
+def test_select_backend_checks_heads_and_auto_picks_by_bytes():
     params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
     s2 = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
     q = torch.zeros(8, 4, D)
     assert select_backend(q, s2, backend="ulysses") == ("ulysses", "torch")
-    assert select_backend(q, s2) == ("allgather", "torch")
+    assert select_backend(q, s2) == ("allgather", "torch")  # MHA at cp 2: equal bytes, a tie goes to allgather
+    s4 = shard_packed_seq_params(params, cp_size=4, cp_rank=0, layout="contiguous")
+    s8 = shard_packed_seq_params(params, cp_size=8, cp_rank=0, layout="contiguous")
+    q4, q32 = torch.zeros(4, 4, D), torch.zeros(2, 32, D)
+    assert select_backend(q4, s4) == ("ulysses", "torch")  # MHA at cp 4: 2H/cp * 3 < 2H * 3
+    assert select_backend(q4, s4, num_kv_heads=1) == ("allgather", "torch")  # 4/1 heads: (8 + 8)*3/4 > 2*3
+    assert select_backend(q4, s4, window=2) == ("allgather", "torch")  # Ulysses refuses a window
+    assert select_backend(q4, s8) == ("allgather", "torch")  # cp 8 does not divide 4 heads
+    assert select_backend(torch.zeros(4, 32, D), s4, num_kv_heads=8) == ("allgather", "torch")  # 32/8 at cp 4
+    assert select_backend(q32, s8, num_kv_heads=8) == ("ulysses", "torch")  # 32/8 at cp 8 (the issue's figures)
     with pytest.raises(ValueError, match=r"cp_size=2 does not divide the 3 query heads.*'allgather'.*\(1, 3\)"):
         select_backend(torch.zeros(8, 3, D), s2, backend="ulysses")
 
@@ -158,8 +224,29 @@ def test_kv_replication():
 
     assert [kv_replication(32, 8, cp) for cp in (1, 2, 4, 8, 16, 32)] == [1, 1, 1, 1, 2, 4]
     assert kv_replication(12, 6, 4) == 2 and kv_replication(12, 3, 4) == 4
+    from cp_packing.cost import kv_replication_factor  # the one formula, shared with the cost model
+
+    for H, H_kv, cp in ((32, 8, 16), (12, 6, 4), (12, 3, 4), (8, 8, 4), (64, 8, 32)):
+        assert kv_replication(H, H_kv, cp) == kv_replication_factor(H_kv, cp)
     with pytest.raises(ValueError, match="cp_size=8 does not divide the 12 query heads"):
         kv_replication(12, 4, 8)
+
+
+def test_auto_logs_its_bytes_choice_once(caplog):
+    import logging
+
+    from cp_packing.attention import dispatch
+
+    dispatch._LOGGED.clear()
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
+    s = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous")
+    q = torch.randn(16, 2, D)
+    with caplog.at_level(logging.INFO, logger="cp_packing"):
+        for _ in range(2):
+            dispatch.context_parallel_attention(q, q, q, s)
+    lines = [r.getMessage() for r in caplog.records if "context_parallel_attention" in r.getMessage()]
+    assert len(lines) == 1 and "backend=allgather" in lines[0], lines
+    assert "auto by forward bytes per layer and rank: allgather 0, ulysses 0" in lines[0], lines
 
 
 @pytest.mark.parametrize("backend, extra", [("ulysses", {}), ("hybrid", {"ulysses_size": 1})])

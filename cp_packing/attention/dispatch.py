@@ -14,17 +14,17 @@ equal to full attention on the global stream, sharded. Backends:
 * ``"ulysses"`` (built in, ``cp_packing.attention.ulysses``): all-to-all from the sequence shard to a head shard,
   varlen attention over the whole stream on the global ``cu_seqlens`` for ``H / cp`` heads, all-to-all back. Every
   layout, every kernel, causal or not; ``cp_size`` must divide the query heads (key/value heads are replicated
-  when it does not divide them). Explicit only.
+  when it does not divide them). ``"auto"`` picks it when it moves fewer bytes (below).
 * ``"hybrid"`` (``cp_packing.attention.hybrid``, with ``ulysses_size=U``): Ulysses inside groups of ``U``
   consecutive CP ranks, the all-gather backend across them; ``U`` divides ``cp_size`` and the query heads.
   Explicit only.
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
   contiguous, ``causal=True``, no ``window``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
-  ``allgather``. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
+  ``ulysses`` when ``cp_size`` divides the query heads, there is no ``window`` and it moves fewer forward bytes per
+  layer than the all-gather (``cp_packing.cost.choose_backend_by_bytes``: ``H + H_kv' < cp * H_kv``, e.g. 32/8
+  heads at cp 8, MHA at cp 4), else ``allgather`` (ties included); the log line then gives both byte figures. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
   once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
-  every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer. ``auto``
-  never picks ``ulysses``: which of all-gather and Ulysses moves fewer bytes depends on the head counts and
-  ``cp`` (docs/attention.md), and choosing by that bytes model belongs to the cost model (issue 13, item 3).
+  every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from cp_packing.attention.allgather import allgather_attention, check_attention_
 from cp_packing.attention.kernels import resolve_kernel
 from cp_packing.attention.hybrid import check_ulysses_size, hybrid_attention
 from cp_packing.attention.ulysses import check_ulysses_heads, ulysses_attention
+from cp_packing.cost import choose_backend_by_bytes
 from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -75,9 +76,20 @@ def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size:
     )
 
 
+def _auto_bytes_choice(q, sharded, window, num_kv_heads) -> tuple[str, int, int | None]:
+    """``choose_backend_by_bytes`` for this call's shapes: ``(backend, allgather bytes, ulysses bytes)``."""
+    H = q.shape[1]
+    H_kv = H if num_kv_heads is None else num_kv_heads
+    if H_kv < 1 or H % H_kv:
+        return "allgather", 0, None  # malformed GQA: check_attention_inputs names it
+    return choose_backend_by_bytes(T_local=sharded.num_local_tokens, cp_size=sharded.cp_size, num_heads=H,
+                                   num_kv_heads=H_kv, head_dim=max(1, q.shape[2]), dtype_bytes=q.element_size(),
+                                   window=window)
+
+
 def select_backend(
     q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto",
-    ulysses_size: int | None = None, window: int | None = None,
+    ulysses_size: int | None = None, window: int | None = None, num_kv_heads: int | None = None,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
@@ -85,7 +97,8 @@ def select_backend(
     (``ring_flash_attn``: causal, zigzag/contiguous layout, kernel ``"auto"``/``"flash_attn"``, CUDA tensors or an
     importable ``flash_attn`` on CPU; ``ulysses``: ``sharded.cp_size`` divides q's heads; ``hybrid``:
     ``ulysses_size`` divides ``sharded.cp_size`` and q's heads; ``ulysses_size`` with another backend is refused). The kernel of
-    ``ring_flash_attn`` is always ``"flash_attn"``.
+    ``ring_flash_attn`` is always ``"flash_attn"``. ``num_kv_heads`` (k's heads; ``None``: q's, as in MHA) feeds
+    ``"auto"``'s bytes rule between ``allgather`` and ``ulysses``.
 
     Raises:
         ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
@@ -107,7 +120,7 @@ def select_backend(
             and _ring_importable()
         ):
             return "ring_flash_attn", "flash_attn"
-        return "allgather", resolve_kernel(kernel, q)
+        return _auto_bytes_choice(q, sharded, window, num_kv_heads)[0], resolve_kernel(kernel, q)
     if backend == "allgather":
         return "allgather", resolve_kernel(kernel, q)
     if window is not None and backend in ("ulysses", "hybrid"):
@@ -148,13 +161,13 @@ def select_backend(
     return "ring_flash_attn", "flash_attn"
 
 
-def _log_choice(backend: str, kernel: str, sharded: ShardedPackedSeqParams, q: torch.Tensor) -> None:
+def _log_choice(backend: str, kernel: str, sharded: ShardedPackedSeqParams, q: torch.Tensor, why: str = "") -> None:
     if (backend, kernel) in _LOGGED:
         return
     _LOGGED.add((backend, kernel))
     logger.info(
-        "context_parallel_attention: backend=%s kernel=%s (layout=%s, cp_size=%d, %s on %s)",
-        backend, kernel, sharded.layout, sharded.cp_size, str(q.dtype).replace("torch.", ""), q.device.type,
+        "context_parallel_attention: backend=%s kernel=%s (layout=%s, cp_size=%d, %s on %s)%s",
+        backend, kernel, sharded.layout, sharded.cp_size, str(q.dtype).replace("torch.", ""), q.device.type, why,
     )
 
 
@@ -226,7 +239,7 @@ def context_parallel_attention(
         causal: causal within each segment (default). ``False``: every token attends its whole segment
             (allgather and ulysses backends).
         softmax_scale: default ``1 / sqrt(D)``.
-        backend: ``"auto"`` (default), ``"allgather"``, ``"ring_flash_attn"``, ``"ulysses"`` (``cp_size`` must
+        backend: ``"auto"`` (default: ring-flash-attn, else all-gather or Ulysses by bytes), ``"allgather"``, ``"ring_flash_attn"``, ``"ulysses"`` (``cp_size`` must
             divide H) or ``"hybrid"`` (see module docstring).
         kernel: the varlen kernel of the allgather, ulysses and hybrid backends: ``"auto"``, ``"torch"``,
             ``"flash_attn"``, ``"torch_varlen"`` (``cp_packing.attention.kernels``).
@@ -263,13 +276,18 @@ def context_parallel_attention(
         check_number(softmax_scale, "softmax_scale", allow_none=True)
         check_window(window, causal)
         chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel,
-                                             ulysses_size=ulysses_size, window=window)
+                                             ulysses_size=ulysses_size, window=window, num_kv_heads=k.shape[1])
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
                          softmax_scale=softmax_scale, ulysses_size=ulysses_size, window=window)
-    _log_choice(chosen, kernel_name, sharded, q)
+    why = ""
+    if backend == "auto" and chosen in ("allgather", "ulysses"):
+        _, allgather_bytes, ulysses_bytes = _auto_bytes_choice(q, sharded, window, k.shape[1])
+        why = (f"; auto by forward bytes per layer and rank: allgather {allgather_bytes}, ulysses "
+               f"{'n/a' if ulysses_bytes is None else ulysses_bytes}")
+    _log_choice(chosen, kernel_name, sharded, q, why)
     if chosen == "allgather":
         return allgather_attention(
             q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,

@@ -32,13 +32,13 @@ one-rank mistake on every rank; ``ulysses_attention`` is the backend itself.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
+from cp_packing.cost import kv_replication_factor
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -78,7 +78,7 @@ def kv_replication(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
     (1, 2, 2)
     """
     check_ulysses_heads(num_heads, cp_size)
-    return cp_size // math.gcd(num_kv_heads, cp_size)
+    return kv_replication_factor(num_kv_heads, cp_size)
 
 
 # ------------------------------------------------------------------------------------------------ collectives

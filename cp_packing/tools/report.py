@@ -2,6 +2,7 @@
 
     python -m cp_packing report --synthetic lognormal --batch 8 --seqlen 4096 --seed 0 --cp 8 [--png out.png]
     python -m cp_packing report --doc-ids batch.pt --cp 8          # a saved [B, S] map (.pt or .npy)
+    python -m cp_packing report --cp 8 --heads 32 --kv-heads 8     # + bytes per layer per backend
 
 The one place the tools use the report module (``balance_report`` / ``plot_balance``).
 """
@@ -27,7 +28,10 @@ def add_parser(sub) -> None:
     rep.add_argument("--seed", type=int, default=0)
     rep.add_argument("--cp", type=positive_int, default=8, help="CP group size (default 8)")
     rep.add_argument("--layouts", help="comma-separated subset of contiguous,rowzigzag,zigzag,balanced,auto")
-    rep.add_argument("--num-kv-heads", type=positive_int, default=8)
+    rep.add_argument("--num-kv-heads", "--kv-heads", dest="num_kv_heads", type=positive_int, default=8,
+                     help="key/value heads (default 8)")
+    rep.add_argument("--heads", type=positive_int,
+                     help="query heads: also print the bytes per layer of every attention backend for these heads")
     rep.add_argument("--head-dim", type=positive_int, default=128)
     rep.add_argument("--dtype-bytes", type=positive_int, default=2)
     rep.add_argument("--png", help="also write a bar chart PNG (needs matplotlib: the 'plot' extra)")
@@ -55,6 +59,16 @@ def run(args) -> int:
     kwargs = {"layouts": tuple(args.layouts.split(","))} if args.layouts else {}
     print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                          dtype_bytes=args.dtype_bytes, **kwargs))
+    if args.heads:
+        from cp_packing.report import backend_bytes_table
+
+        if args.heads % args.num_kv_heads:
+            raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.num_kv_heads} (GQA groups)")
+        T_local = -(-B * S // args.cp)
+        print(f"\nforward bytes per layer per rank, T_local={T_local} (B*S / cp), head_dim={args.head_dim}, "
+              f"{args.dtype_bytes} bytes per element:")
+        print(backend_bytes_table(T_local=T_local, cp_size=args.cp, num_heads=args.heads,
+                                  num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes))
     if args.png:
         plot_balance(params, cp_size=args.cp, path=args.png, **kwargs)
         print(f"\nwrote {args.png}")
