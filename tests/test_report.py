@@ -173,3 +173,11 @@ def test_backend_bytes_table_rows_and_picks():
     assert rows[5][:2] == ["12/4", "8"] and rows[5][4] == "-" and rows[5][6] == "allgather"  # 8 does not divide 12
     with pytest.raises(ValueError, match="same length"):
         backend_bytes_table(T_local=1, cp_size=2, num_heads=(32, 64), num_kv_heads=8)
+
+
+def test_the_bytes_table_in_the_docs_is_current():
+    from cp_packing.report import backend_bytes_table
+
+    table = backend_bytes_table(T_local=4096, cp_size=(2, 4, 8), num_heads=(32, 32, 64), num_kv_heads=(8, 32, 8))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert table in open(os.path.join(root, "docs", "attention.md")).read(), "docs/attention.md: regenerate the table"
