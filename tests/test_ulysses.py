@@ -261,3 +261,19 @@ def test_a_window_is_refused_by_the_head_sharded_backends(backend, extra):
         context_parallel_attention(q, q, q, sharded, backend=backend, window=3, **extra)
     out = context_parallel_attention(q, q, q, sharded, window=3)  # auto: the all-gather backend
     assert out.shape == q.shape
+
+
+def test_backends_benchmark_quick_runs():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "bench_attention_backends.py"), "--quick"],
+                       cwd=repo, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  allgather") or line.startswith("  ulysses")]
+    # 8/2 heads x 64, fp32, 256 tokens per rank at cp 2: all-gather 2*2*64*4*256 B, Ulysses (16 + 4)*64*4*256/2 B
+    assert [row[:2] for row in rows] == [["allgather", "0.250"], ["ulysses", "0.625"]], r.stdout
+    assert rows[0][-2:] == ["<-", "auto"] and float(rows[0][3]) > 0, r.stdout
