@@ -22,11 +22,11 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import check_bool, check_choice, check_cu_seqlens, check_doc_ids, is_int
+from cp_packing._checks import check_bool, check_choice, is_int
 from cp_packing.agreement import AgreementError, agree, digest
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
-from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, as_signed, shard_packed_seq_params
 
 __all__ = ["DOC_IDS_KEY", "distribute_batch", "distribute_packed_seq_params"]
@@ -108,9 +108,8 @@ def _prepare_batch(batch: object, params: object, where: str) -> tuple[PackedSeq
 def _metadata(params: PackedSeqParams, batch: _Batch | None) -> _Metadata:
     """The source's metadata, after checking that it rebuilds ``params`` exactly (a hand-built ``PackedSeqParams``
     whose segments are not runs of one document would otherwise shard differently on the other ranks)."""
-    doc_ids = check_doc_ids(params.doc_ids, "params.doc_ids")
+    doc_ids = check_params(params).doc_ids  # the seed's validation: cu_seqlens covers B*S, row starts, max_seqlen
     B, S = doc_ids.shape
-    check_cu_seqlens(params.cu_seqlens, "params.cu_seqlens", total=B * S)
     flat = as_signed(doc_ids.reshape(-1))
     cu = params.cu_seqlens.to(device=flat.device, dtype=torch.int64)
     segment_doc = flat.index_select(0, cu[:-1])
