@@ -17,7 +17,16 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CPGroup", "GroupLike", "as_process_group", "backend_config", "backend_for_device", "device_for_backend", "resolve_group"]
+__all__ = [
+    "CPGroup",
+    "GroupLike",
+    "as_process_group",
+    "backend_config",
+    "backend_for_device",
+    "check_shard_in_group",
+    "device_for_backend",
+    "resolve_group",
+]
 
 GroupLike = Optional[Union[dist.ProcessGroup, "DeviceMesh"]]
 """What a ``group=`` argument may be: a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``None``."""
@@ -158,3 +167,19 @@ def backend_for_device(config: str, device_type: str) -> str | None:
     if devices is None:
         return None
     return config if device_type in devices else ""
+
+
+def check_shard_in_group(cp_size: int, cp_rank: int, group_size: int, group_rank: int, *, which: str = "the CP group"
+                         ) -> None:
+    """Raise a ValueError unless a shard built for ``(cp_size, cp_rank)`` belongs to this process in a group of
+    ``group_size`` ranks where it is rank ``group_rank`` (the DP x CP mesh mistake: the global rank's view)."""
+    if group_size != cp_size:
+        raise ValueError(
+            f"sharded.cp_size={cp_size} but {which} has {group_size} ranks; pass the context-parallel group as "
+            f"group= (e.g. mesh['cp'].get_group()) or shard with cp_size={group_size}"
+        )
+    if group_rank != cp_rank:
+        raise ValueError(
+            f"sharded.cp_rank={cp_rank} but this process is rank {group_rank} of the CP group; shard with "
+            "cp_rank=torch.distributed.get_rank(group) (in a DP x CP mesh: mesh['cp'])"
+        )

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from cp_packing._checks import INTEGER_DTYPES, check_choice, check_doc_ids, check_int, check_tensor
 from cp_packing.agreement import agree, digest
-from cp_packing.groups import CPGroup, GroupLike, resolve_group
+from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -147,12 +147,7 @@ def _check_shard(sharded: object, cp: CPGroup | None, num_labels: int, reduction
                              "without CP, the batch's PackedSeqParams): the segment boundaries of each local token")
         return ()
     if isinstance(sharded, ShardedPackedSeqParams):
-        if sharded.cp_size != cp_size:
-            raise ValueError(f"sharded.cp_size={sharded.cp_size} but the CP group has {cp_size} rank(s); pass "
-                             "group= the CP process group that the batch was sharded for")
-        if sharded.cp_rank != cp_rank:
-            raise ValueError(f"sharded.cp_rank={sharded.cp_rank} but this process is rank {cp_rank} of the CP "
-                             "group; shard with cp_rank=dist.get_rank(group) (in a DP x CP mesh: mesh['cp'])")
+        check_shard_in_group(sharded.cp_size, sharded.cp_rank, cp_size, cp_rank)
         cu, token_index, where = sharded.global_params.cu_seqlens, sharded.token_index, f"sharded (cp_rank={cp_rank})"
     elif isinstance(sharded, PackedSeqParams):
         if cp_size > 1:

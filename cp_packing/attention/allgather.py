@@ -37,7 +37,7 @@ import torch
 from cp_packing._checks import check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
-from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device
+from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group
 from cp_packing.layouts import expand_runs
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -223,19 +223,9 @@ def resolve_attention_group(group: GroupLike, sharded: ShardedPackedSeqParams, d
             f"sharded.cp_size={sharded.cp_size} needs a torch.distributed process group, but none is initialised; "
             "call torch.distributed.init_process_group(...) (torchrun) and pass the CP group as group="
         )
-    size = dist.get_world_size(group)
-    if size != sharded.cp_size:
-        which = "the default (world) group" if group is None else "the given group"
-        raise ValueError(
-            f"sharded.cp_size={sharded.cp_size} but {which} has {size} ranks; pass the context-parallel group as "
-            f"group= (e.g. mesh['cp'].get_group()) or shard with cp_size={size}"
-        )
-    rank = dist.get_rank(group)
-    if rank != sharded.cp_rank:
-        raise ValueError(
-            f"sharded.cp_rank={sharded.cp_rank} but this process is rank {rank} of the CP group; shard with "
-            f"cp_rank=torch.distributed.get_rank(group)"
-        )
+    which = "the default (world) group" if group is None else "the given group"
+    check_shard_in_group(sharded.cp_size, sharded.cp_rank, dist.get_world_size(group), dist.get_rank(group),
+                         which=which)
     config = backend_config(group)  # "cpu:gloo,cuda:nccl": per device type
     if backend_for_device(config, device.type) == "":
         fix = "move q/k/v to CUDA" if "nccl" in config.lower() else "move q/k/v to a device the group serves"
