@@ -1,0 +1,511 @@
+"""Neat packing of tokenized documents into fixed-shape steps, balanced across data-parallel replicas.
+
+``pack_documents(documents, seq_len=, rows=, dp_size=)`` turns a stream of tokenized documents into *steps*. A step
+is a list of ``dp_size`` dicts, one per DP replica, each ``{"input_ids", "labels", "doc_ids"}`` of shape
+``[rows, seq_len]``: the global batch a replica's CP group shards (``doc_ids`` is the 1-based doc map,
+``labels`` are already shifted on the global stream as :func:`cp_packing.next_token_labels` shifts them).
+
+How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` documents):
+
+1. **fill**: read documents until ``buffer_size`` are held (documents carried over from the last round count). A
+   document longer than ``seq_len`` is split into pieces of ``seq_len`` tokens (and one shorter tail), truncated to
+   ``seq_len``, or refused, as ``long_documents`` says.
+2. **pack**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into the open
+   row with the least room that still fits it; a new row when none does).
+3. **select**: the ``n * rows * dp_size`` fullest rows are emitted as ``n`` steps (``n`` as large as the rows
+   allow); the documents of the other rows are carried to the next round, where new documents can fill the room
+   they left (so a round loses no fill to its own tail). When the source is exhausted every row is emitted; the
+   last step may then be smaller (``ceil(remaining / dp_size)`` rows per replica, the same on every replica) or,
+   with ``drop_last=True``, dropped, counted in :attr:`PackingStats.dropped_documents` and logged.
+4. **balance**: the cost of a row is the causal attention work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over
+   its segments (its documents and its trailing padding run, which the varlen kernel attends like a document),
+   times ``attention_weight``, plus ``token_weight * seq_len`` (the linear part: projections and MLP run on every
+   token, padding included). The rows are dealt to ``n * dp_size`` replica slots of ``rows`` rows each by
+   longest-processing-time (the costliest row to the cheapest slot that has room), the slots are sorted by cost and
+   grouped ``dp_size`` at a time into steps (similar slots wait for each other), and each step is refined by
+   swapping rows between its busiest replica and the others while that lowers the busiest.
+5. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last). A split
+   document's pieces are cut at emit time in stream order, so they are consecutive slices of the document in the
+   order they are yielded (step, then replica, then row).
+
+Every token of every document is yielded exactly once (``truncate`` drops what is past ``seq_len``, counted;
+``drop_last`` drops the last step, counted). Labels: ``labels[t] = input_ids[t + 1]`` inside a document segment,
+``-100`` at its last token (a split piece's last token too: attention cannot cross rows), on padding, and where the
+caller's unshifted labels were ``-100`` at ``t + 1`` (prompt masking). See docs/packing.md for the benchmark against
+TRL's ``pack_dataset(strategy="bfd")``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from cp_packing._checks import INTEGER_DTYPES, check_bool, check_choice, check_int, check_number
+
+__all__ = ["LONG_DOCUMENTS", "DocumentPacker", "PackingStats", "pack_documents"]
+
+logger = logging.getLogger("cp_packing")
+
+#: What ``pack_documents`` does with a document longer than ``seq_len``.
+LONG_DOCUMENTS = ("split", "truncate", "error")
+
+IGNORE_INDEX = -100
+_KEY = 1 << 32  # best-fit keys: room * _KEY + row (rows < 2**32)
+
+
+@dataclass
+class PackingStats:
+    """What the packer has done so far; updated as steps are yielded.
+
+    Attributes:
+        seq_len: the row length.
+        documents: source documents read.
+        steps: steps yielded.
+        rows: rows yielded, over all replicas (empty rows of a step the buffer could not fill included).
+        empty_rows: rows yielded that hold only padding.
+        tokens: real (document) tokens yielded.
+        split_documents: documents longer than ``seq_len`` split into pieces (``long_documents="split"``).
+        split_pieces: the pieces those documents were split into.
+        truncated_documents, truncated_tokens: documents cut to ``seq_len`` and the tokens cut off (``"truncate"``).
+        dropped_documents, dropped_tokens: documents (or pieces of them) and tokens of the last step that
+            ``drop_last=True`` did not yield.
+        step_imbalance: per yielded step, the busiest replica's cost over the mean replica cost (1.0 is perfect).
+    """
+
+    seq_len: int
+    documents: int = 0
+    steps: int = 0
+    rows: int = 0
+    empty_rows: int = 0
+    tokens: int = 0
+    split_documents: int = 0
+    split_pieces: int = 0
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+    dropped_documents: int = 0
+    dropped_tokens: int = 0
+    step_imbalance: list[float] = field(default_factory=list)
+
+    @property
+    def fill(self) -> float:
+        """Real tokens / all token slots yielded (``rows * seq_len``); 1.0 before any row."""
+        return self.tokens / (self.rows * self.seq_len) if self.rows else 1.0
+
+    @property
+    def max_imbalance(self) -> float:
+        """The largest per-step busiest / mean replica cost so far (1.0 before any step)."""
+        return max(self.step_imbalance, default=1.0)
+
+
+@dataclass
+class _Doc:
+    """A source document held in the buffer until all its tokens are yielded."""
+
+    index: int  # position in the source
+    ids: np.ndarray  # int64 [L]
+    keep: np.ndarray | None  # bool [L]: False where the caller's unshifted label is -100; None: all kept
+    cursor: int = 0  # tokens already placed (split documents give their pieces in stream order)
+    left: int = 0  # pieces not yet placed
+
+
+class DocumentPacker:
+    """Iterator over packed, DP-balanced steps of tokenized documents; see :func:`pack_documents` (the same
+    arguments) and the module docstring for how a step is formed. ``.stats`` (:class:`PackingStats`) is updated as
+    steps are yielded.
+
+    >>> packer = DocumentPacker([[5, 6, 7], [8, 9], [3, 4, 5, 6]], seq_len=5, rows=1, dp_size=2)
+    >>> [[d["doc_ids"].tolist() for d in step] for step in packer]
+    [[[[1, 1, 1, 1, 0]], [[1, 1, 1, 2, 2]]]]
+    >>> packer.stats.fill, packer.stats.steps
+    (0.9, 1)
+    """
+
+    def __init__(
+        self,
+        documents: Iterable[Any],
+        *,
+        seq_len: int,
+        rows: int,
+        dp_size: int = 1,
+        long_documents: str = "split",
+        buffer_size: int = 4096,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        drop_last: bool = False,
+        attention_weight: float = 1.0,
+        token_weight: float = 0.0,
+    ) -> None:
+        self.seq_len = check_int(seq_len, "seq_len", min=1, hint="the row length in tokens")
+        self.rows = check_int(rows, "rows", min=1, hint="rows per replica per step")
+        self.dp_size = check_int(dp_size, "dp_size", min=1, hint="the number of data-parallel replicas")
+        self.long_documents = check_choice(long_documents, "long_documents", LONG_DOCUMENTS)
+        self.buffer_size = check_int(buffer_size, "buffer_size", min=1, hint="documents held at most")
+        self.seed = check_int(seed, "seed")
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0, max=2**63 - 1)
+        self.drop_last = check_bool(drop_last, "drop_last")
+        self.attention_weight = check_number(attention_weight, "attention_weight", min=0.0)
+        self.token_weight = check_number(token_weight, "token_weight", min=0.0)
+        if isinstance(documents, (str, bytes, dict)) or not hasattr(documents, "__iter__"):
+            raise TypeError(f"documents must be an iterable of documents (lists of token ids, 1-D int tensors or dicts "
+                            f"with 'input_ids'), got {type(documents).__name__}")
+        self.stats = PackingStats(seq_len=self.seq_len)
+        self._source = iter(documents)
+        self._exhausted = False
+        self._held: dict[int, _Doc] = {}  # source index -> document with tokens not yet yielded
+        self._carry: list[tuple[int, int]] = []  # (length, source index) pieces carried to the next round
+        self._rng = np.random.default_rng(self.seed)
+        self._warned_small_buffer = False
+        self._steps = self._generate()
+
+    def __iter__(self) -> DocumentPacker:
+        return self
+
+    def __next__(self) -> list[dict[str, torch.Tensor]]:
+        return next(self._steps)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # reading
+
+    def _read(self) -> list[tuple[int, int]]:
+        """Read documents until ``buffer_size`` are held; return the new pieces ``(length, source index)``."""
+        pieces: list[tuple[int, int]] = []
+        while not self._exhausted and len(self._held) < self.buffer_size:
+            try:
+                raw = next(self._source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            index = self.stats.documents
+            self.stats.documents += 1
+            ids, keep = _as_document(raw, index)
+            n = ids.size
+            lengths = [n]
+            if n > self.seq_len:
+                if self.long_documents == "error":
+                    raise ValueError(
+                        f"document {index} has {n} tokens, more than seq_len={self.seq_len}; pass "
+                        f"long_documents='split' (pieces in separate rows) or 'truncate', or raise seq_len")
+                if self.long_documents == "truncate":
+                    self.stats.truncated_documents += 1
+                    self.stats.truncated_tokens += n - self.seq_len
+                    ids, keep, lengths = ids[: self.seq_len], None if keep is None else keep[: self.seq_len], [self.seq_len]
+                else:
+                    lengths = [self.seq_len] * (n // self.seq_len) + ([n % self.seq_len] if n % self.seq_len else [])
+                    self.stats.split_documents += 1
+                    self.stats.split_pieces += len(lengths)
+            self._held[index] = _Doc(index, ids, keep, left=len(lengths))
+            pieces.extend((length, index) for length in lengths)
+        return pieces
+
+    # ------------------------------------------------------------------------------------------------------------
+    # rounds
+
+    def _generate(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        step_rows = self.rows * self.dp_size
+        while True:
+            pieces = self._carry + self._read()
+            self._carry = []
+            if not pieces:
+                return
+            rows = best_fit_decreasing([p[0] for p in pieces], self.seq_len)
+            rows = [[pieces[i] for i in row] for row in rows]
+            used = np.array([sum(p[0] for p in row) for row in rows], dtype=np.int64)
+            order = np.argsort(-used, kind="stable")  # fullest first
+            if self._exhausted:
+                n_full = len(rows) // step_rows
+            else:
+                n_full = len(rows) // step_rows
+                if n_full == 0:  # the buffer cannot fill a step: yield what it holds
+                    self._warn_small_buffer(len(rows), step_rows)
+                    rows = rows + [[] for _ in range(step_rows - len(rows))]
+                    order = np.arange(step_rows)
+                    n_full = 1
+                self._carry = [p for i in order[n_full * step_rows:] for p in rows[i]]
+            full = [rows[i] for i in order[: n_full * step_rows]]
+            steps = self._balance(full, n_full, self.rows)
+            steps = [steps[i] for i in self._rng.permutation(len(steps))]
+            if self._exhausted and len(rows) > n_full * step_rows:
+                rest = [rows[i] for i in order[n_full * step_rows:]]
+                k_last = -(-len(rest) // self.dp_size)
+                rest += [[] for _ in range(k_last * self.dp_size - len(rest))]
+                last = self._balance(rest, 1, k_last)[0]
+                if self.drop_last:
+                    self._drop(last)
+                else:
+                    steps.append(last)
+            for step in steps:
+                yield self._emit(step)
+            if self._exhausted and not self._carry:
+                return
+
+    def _warn_small_buffer(self, n_rows: int, step_rows: int) -> None:
+        if not self._warned_small_buffer:
+            self._warned_small_buffer = True
+            logger.warning(
+                "pack_documents: buffer_size=%d documents fill only %d of the %d rows of a step (rows * dp_size); "
+                "yielding steps with empty rows: raise buffer_size", self.buffer_size, n_rows, step_rows)
+
+    def _row_costs(self, rows: list[list[tuple[int, int]]]) -> np.ndarray:
+        """float64 ``[R]``: ``attention_weight * sum L(L+1)/2`` (segments and the padding run) ``+ token_weight * S``."""
+        costs = np.empty(len(rows), dtype=np.float64)
+        for r, row in enumerate(rows):
+            pad = self.seq_len - sum(p[0] for p in row)
+            costs[r] = sum(p[0] * (p[0] + 1) // 2 for p in row) + pad * (pad + 1) // 2
+        return self.attention_weight * costs + self.token_weight * self.seq_len
+
+    def _balance(self, rows: list[list[tuple[int, int]]], n_steps: int, k: int) -> list[list[list[list[tuple[int, int]]]]]:
+        """Deal ``n_steps * dp_size * k`` rows into ``n_steps`` steps of ``dp_size`` replicas of ``k`` rows."""
+        costs = self._row_costs(rows)
+        bins = assign_rows(costs, n_bins=n_steps * self.dp_size, per_bin=k)
+        bin_cost = np.array([costs[b].sum() for b in bins])
+        by_cost = np.argsort(-bin_cost, kind="stable")
+        steps = []
+        for s in range(n_steps):
+            group = [list(bins[i]) for i in by_cost[s * self.dp_size:(s + 1) * self.dp_size]]
+            refine_step(costs, group)
+            steps.append([[rows[i] for i in self._rng.permutation(b)] for b in group])
+        return steps
+
+    # ------------------------------------------------------------------------------------------------------------
+    # emitting
+
+    def _emit(self, step: list[list[list[tuple[int, int]]]]) -> list[dict[str, torch.Tensor]]:
+        out, costs = [], []
+        for replica_rows in step:
+            out.append(self._tensors(replica_rows))
+            costs.append(float(self._row_costs(replica_rows).sum()))
+        mean = sum(costs) / len(costs)
+        self.stats.steps += 1
+        self.stats.step_imbalance.append(max(costs) / mean if mean > 0 else 1.0)
+        return out
+
+    def _tensors(self, rows: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+        k, S = len(rows), self.seq_len
+        input_ids = np.full((k, S), self.pad_token_id, dtype=np.int64)
+        labels = np.full((k, S), IGNORE_INDEX, dtype=np.int64)
+        doc_ids = np.zeros((k, S), dtype=np.int32)
+        for r, row in enumerate(rows):
+            pos = 0
+            for d, (length, index) in enumerate(row, start=1):
+                x, keep = self._take(index, length)
+                input_ids[r, pos:pos + length] = x
+                doc_ids[r, pos:pos + length] = d
+                lab = labels[r, pos:pos + length - 1]
+                lab[:] = x[1:]
+                if keep is not None:
+                    lab[~keep[1:]] = IGNORE_INDEX
+                pos += length
+            self.stats.tokens += pos
+            self.stats.empty_rows += pos == 0
+        self.stats.rows += k
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                "doc_ids": torch.from_numpy(doc_ids)}
+
+    def _take(self, index: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The next ``length`` tokens of document ``index`` (pieces are cut in the order they are yielded)."""
+        doc = self._held[index]
+        a = doc.cursor
+        doc.cursor += length
+        doc.left -= 1
+        if doc.left == 0:
+            del self._held[index]
+        return doc.ids[a:a + length], None if doc.keep is None else doc.keep[a:a + length]
+
+    def _drop(self, step: list[list[list[tuple[int, int]]]]) -> None:
+        pieces = [p for replica_rows in step for row in replica_rows for p in row]
+        for length, index in pieces:
+            self._take(index, length)
+        self.stats.dropped_tokens += sum(p[0] for p in pieces)
+        self.stats.dropped_documents += len({p[1] for p in pieces})
+        if pieces:
+            logger.warning("pack_documents: drop_last=True dropped the last, smaller step: %d tokens of %d documents",
+                           self.stats.dropped_tokens, self.stats.dropped_documents)
+
+
+def pack_documents(
+    documents: Iterable[Any],
+    *,
+    seq_len: int,
+    rows: int,
+    dp_size: int = 1,
+    long_documents: str = "split",
+    buffer_size: int = 4096,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    drop_last: bool = False,
+    attention_weight: float = 1.0,
+    token_weight: float = 0.0,
+) -> DocumentPacker:
+    """Pack tokenized documents into steps of ``dp_size`` replica batches ``[rows, seq_len]``, balanced across DP.
+
+    How steps are formed, how documents flow between them and what the cost is: the module docstring and
+    docs/packing.md. Reads ``documents`` lazily: at most ``buffer_size`` documents are held at any time.
+
+    Args:
+        documents: an iterable (a list, a generator, a HF ``datasets.Dataset``) of documents, each a sequence of
+            non-negative int token ids, a 1-D integer tensor or array, or a dict with ``"input_ids"`` and optional
+            ``"labels"`` (HF's unshifted convention: the input ids with ``-100`` where a token is not a target, e.g.
+            the prompt; same length). Other keys are ignored.
+        seq_len: tokens per row.
+        rows: rows per replica per step.
+        dp_size: data-parallel replicas; a step is a list of ``dp_size`` dicts.
+        long_documents: a document longer than ``seq_len`` is ``"split"`` into pieces of ``seq_len`` (each a new
+            document segment in its own row; :attr:`PackingStats.split_documents`), ``"truncate"``\\ d to
+            ``seq_len`` (:attr:`PackingStats.truncated_tokens`), or refused (``"error"``: a ValueError).
+        buffer_size: documents held at most (best-fit-decreasing works over them); larger packs fuller.
+        seed: the order of a round's steps and of the rows within a replica (deterministic for a seed).
+        pad_token_id: the input id of padding tokens (their label is -100 and doc id 0 whatever it is).
+        drop_last: drop the last, smaller step (counted in :attr:`PackingStats.dropped_tokens`, logged) instead of
+            yielding it with ``ceil(remaining rows / dp_size)`` rows per replica.
+        attention_weight, token_weight: the row cost ``attention_weight * sum L(L+1)/2 + token_weight * seq_len``.
+            Every replica gets ``rows * seq_len`` tokens, so the linear part is the same on each and cannot move the
+            assignment; with the default 0 :attr:`PackingStats.step_imbalance` is the strict attention-only figure.
+
+    Returns:
+        A :class:`DocumentPacker`: iterate it for steps, each a list of ``dp_size`` dicts ``{"input_ids": int64,
+        "labels": int64, "doc_ids": int32}`` of shape ``[rows, seq_len]``; its ``.stats`` is a :class:`PackingStats`.
+
+    Raises:
+        TypeError: a bad argument type; while iterating, a document (or token) that is not an int sequence.
+        ValueError: a non-positive ``seq_len`` / ``rows`` / ``dp_size`` / ``buffer_size``, an unknown
+            ``long_documents``; while iterating, an empty document, a negative token, labels of another length or
+            that are neither -100 nor the input id, or a document longer than ``seq_len`` under ``"error"``.
+
+    >>> step = next(pack_documents([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, [4, 5]], seq_len=6, rows=1))
+    >>> step[0]["input_ids"].tolist(), step[0]["labels"].tolist(), step[0]["doc_ids"].tolist()
+    ([[1, 2, 3, 4, 5, 0]], [[2, 3, -100, 5, -100, -100]], [[1, 1, 1, 2, 2, 0]])
+    """
+    return DocumentPacker(
+        documents, seq_len=seq_len, rows=rows, dp_size=dp_size, long_documents=long_documents,
+        buffer_size=buffer_size, seed=seed, pad_token_id=pad_token_id, drop_last=drop_last,
+        attention_weight=attention_weight, token_weight=token_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure pieces: document checks, best-fit-decreasing, assignment to replicas
+
+
+def _as_tokens(x: Any, what: str) -> np.ndarray:
+    """``x`` as a 1-D int64 array, or a TypeError / ValueError naming ``what``."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"{what} must hold integer token ids, got a {x.dtype} tensor; convert with .long()")
+        arr = x.detach().cpu().numpy()
+    elif isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {type(x).__name__}; tokenize it first"
+                        + (" (documents is a list of documents, not one document)" if isinstance(x, int) else ""))
+    else:
+        arr = np.asarray(x)
+        if arr.dtype.kind not in "iu" and arr.size:
+            bad = next((v for v in np.ravel(arr) if not isinstance(v, (int, np.integer)) or isinstance(v, bool)), None)
+            raise TypeError(f"{what} must hold int token ids, got {bad!r} ({type(bad).__name__}) in it")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D (one document), got shape {tuple(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 2**63 - 1:
+        raise ValueError(f"{what} has a token id above int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_document(raw: Any, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(ids int64 [L], keep bool [L] or None)`` of one source document; ``keep`` False where its label is -100."""
+    labels = None
+    if isinstance(raw, dict) or (hasattr(raw, "keys") and hasattr(raw, "__getitem__") and not isinstance(raw, torch.Tensor)):
+        if "input_ids" not in raw:
+            raise ValueError(f"document {index} is a dict without 'input_ids' (keys: {sorted(raw.keys())})")
+        labels = raw.get("labels")
+        raw = raw["input_ids"]
+    ids = _as_tokens(raw, f"document {index}")
+    if ids.size == 0:
+        raise ValueError(f"document {index} is empty; filter empty documents out before packing")
+    if int(ids.min()) < 0:
+        raise ValueError(f"document {index} has a negative token id {int(ids.min())}; token ids are >= 0")
+    if labels is None:
+        return ids, None
+    lab = _as_tokens(labels, f"labels of document {index}")
+    if lab.size != ids.size:
+        raise ValueError(f"labels of document {index} have {lab.size} tokens but input_ids {ids.size}; labels must "
+                         "be the unshifted input ids with -100 where a token is not a target")
+    keep = lab != IGNORE_INDEX
+    bad = np.flatnonzero(keep & (lab != ids))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(f"labels of document {index} at position {t} is {int(lab[t])}, neither -100 nor the input id "
+                         f"{int(ids[t])}: pass HF-style unshifted labels (the packer shifts them)")
+    return ids, None if keep.all() else keep
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of ``capacity``: each length, longest first, into the open bin with the least room that fits it.
+
+    Ties keep the input order (a stable sort; the lowest bin on equal room). Every length must be ``<= capacity``.
+
+    Returns:
+        One list of indices into ``lengths`` per bin, in the order they were placed.
+
+    >>> best_fit_decreasing([3, 5, 2, 4], 7)
+    [[1, 2], [3, 0]]
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    bins: list[list[int]] = []
+    used: list[int] = []
+    room: list[int] = []  # sorted keys room * _KEY + bin of the open bins
+    for i in order:
+        length = lengths[i]
+        j = bisect.bisect_left(room, length * _KEY)
+        if j < len(room):
+            b = room.pop(j) % _KEY
+        else:
+            b = len(bins)
+            bins.append([])
+            used.append(0)
+        bins[b].append(i)
+        used[b] += length
+        if used[b] < capacity:
+            bisect.insort(room, (capacity - used[b]) * _KEY + b)
+    return bins
+
+
+def assign_rows(costs: np.ndarray, *, n_bins: int, per_bin: int) -> list[list[int]]:
+    """Deal ``n_bins * per_bin`` rows into ``n_bins`` bins of exactly ``per_bin`` rows, costliest row first into the
+    cheapest bin with room (longest-processing-time with a cardinality limit).
+
+    >>> assign_rows(np.array([9., 1., 5., 5.]), n_bins=2, per_bin=2)
+    [[0, 1], [2, 3]]
+    """
+    assert costs.size == n_bins * per_bin
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    heap = [(0.0, b) for b in range(n_bins)]
+    for i in np.argsort(-costs, kind="stable").tolist():
+        total, b = heapq.heappop(heap)
+        bins[b].append(i)
+        if len(bins[b]) < per_bin:
+            heapq.heappush(heap, (total + float(costs[i]), b))
+    return bins
+
+
+def refine_step(costs: np.ndarray, bins: list[list[int]], max_swaps: int = 64) -> None:
+    """In place: swap one row of the busiest bin with one of another bin while that lowers the busiest bin's cost
+    (and the other bin stays below it); stops at a local optimum or after ``max_swaps`` swaps."""
+    for _ in range(max_swaps):
+        totals = np.array([costs[b].sum() for b in bins])
+        a = int(np.argmax(totals))
+        ca = costs[bins[a]]  # [k]
+        best, move = totals[a], None
+        for o in range(len(bins)):
+            if o == a or not bins[o]:
+                continue
+            delta = ca[:, None] - costs[bins[o]][None, :]  # [k, k]: moving a's row i, o's row j
+            worst = np.maximum(totals[a] - delta, totals[o] + delta)
+            i, j = np.unravel_index(np.argmin(worst), worst.shape)
+            if worst[i, j] < best - 1e-9 * max(best, 1.0):
+                best, move = worst[i, j], (o, int(i), int(j))
+        if move is None:
+            return
+        o, i, j = move
+        bins[a][i], bins[o][j] = bins[o][j], bins[a][i]
