@@ -213,25 +213,18 @@ class DocumentPacker:
             self._carry = []
             if not pieces:
                 return
-            rows = best_fit_decreasing([p[0] for p in pieces], self.seq_len)
-            rows = [[pieces[i] for i in row] for row in rows]
-            used = np.array([sum(p[0] for p in row) for row in rows], dtype=np.int64)
-            order = np.argsort(-used, kind="stable")  # fullest first
-            if self._exhausted:
-                n_full = len(rows) // step_rows
-            else:
-                n_full = len(rows) // step_rows
-                if n_full == 0:  # the buffer cannot fill a step: yield what it holds
-                    self._warn_small_buffer(len(rows), step_rows)
-                    rows = rows + [[] for _ in range(step_rows - len(rows))]
-                    order = np.arange(step_rows)
-                    n_full = 1
-                self._carry = [p for i in order[n_full * step_rows:] for p in rows[i]]
-            full = [rows[i] for i in order[: n_full * step_rows]]
-            steps = self._balance(full, n_full, self.rows)
+            rows = [[pieces[i] for i in row] for row in best_fit_decreasing([p[0] for p in pieces], self.seq_len)]
+            rows.sort(key=lambda row: -sum(p[0] for p in row))  # fullest first (stable)
+            n_full = len(rows) // step_rows
+            if n_full == 0 and not self._exhausted:  # the buffer cannot fill a step: yield what it holds
+                self._warn_small_buffer(len(rows), step_rows)
+                rows += [[] for _ in range(step_rows - len(rows))]
+                n_full = 1
+            steps, rest = self._steps_of(pieces, rows, n_full)
             steps = [steps[i] for i in self._rng.permutation(len(steps))]
-            if self._exhausted and len(rows) > n_full * step_rows:
-                rest = [rows[i] for i in order[n_full * step_rows:]]
+            if not self._exhausted:
+                self._carry = [p for row in rest for p in row]
+            elif rest:  # the last, smaller step
                 k_last = -(-len(rest) // self.dp_size)
                 rest += [[] for _ in range(k_last * self.dp_size - len(rest))]
                 last = self._balance(rest, 1, k_last)[0]
@@ -241,8 +234,29 @@ class DocumentPacker:
                     steps.append(last)
             for step in steps:
                 yield self._emit(step)
-            if self._exhausted and not self._carry:
+            if self._exhausted:
                 return
+
+    def _steps_of(self, pieces, rows, n_full):
+        """``n_full`` steps from a round's pieces, and the rows left over (best-fit rows of the rest).
+
+        Balanced packing (``balanced_pack``) when it is as full as best fit (the pieces it leaves need no more
+        rows, or, mid-stream, no more tokens, than the best-fit rows left over); else the fullest best-fit rows
+        dealt to replicas (``form_steps``). Either way each step is polished (``polish_step``).
+        """
+        step_rows = self.rows * self.dp_size
+        rest = rows[n_full * step_rows:]
+        if n_full and self.dp_size > 1:
+            packed, left = balanced_pack(pieces, n_steps=n_full, dp_size=self.dp_size, per_replica=self.rows,
+                                         seq_len=self.seq_len)
+            left_rows = [[left[i] for i in row] for row in best_fit_decreasing([p[0] for p in left], self.seq_len)]
+            if self._exhausted:
+                as_full = len(left_rows) <= len(rest)
+            else:
+                as_full = sum(p[0] for p in left) <= sum(p[0] for row in rest for p in row)
+            if as_full:
+                return self._polished(packed), left_rows
+        return self._balance(rows[:n_full * step_rows], n_full, self.rows), rest
 
     def _warn_small_buffer(self, n_rows: int, step_rows: int) -> None:
         if not self._warned_small_buffer:
@@ -260,17 +274,23 @@ class DocumentPacker:
         return self.attention_weight * costs + self.token_weight * self.seq_len
 
     def _balance(self, rows: list[list[tuple[int, int]]], n_steps: int, k: int) -> list[list[list[list[tuple[int, int]]]]]:
-        """Deal ``n_steps * dp_size * k`` rows into ``n_steps`` steps of ``dp_size`` replicas of ``k`` rows."""
+        """Deal ``n_steps * dp_size * k`` rows into ``n_steps`` steps of ``dp_size`` replicas of ``k`` rows, then
+        move documents between the replicas of each step while that lowers its busiest replica."""
         costs = self._row_costs(rows)
-        bins = assign_rows(costs, n_bins=n_steps * self.dp_size, per_bin=k)
-        bin_cost = np.array([costs[b].sum() for b in bins])
-        by_cost = np.argsort(-bin_cost, kind="stable")
         steps = []
-        for s in range(n_steps):
-            group = [list(bins[i]) for i in by_cost[s * self.dp_size:(s + 1) * self.dp_size]]
-            refine_step(costs, group)
-            steps.append([[rows[i] for i in self._rng.permutation(b)] for b in group])
+        for group in form_steps(costs, n_steps=n_steps, dp_size=self.dp_size, per_replica=k):
+            step = [[list(rows[i]) for i in b] for b in group]
+            polish_step(step, self.seq_len)
+            steps.append([[step_rows[i] for i in self._rng.permutation(len(step_rows))] for step_rows in step])
         return steps
+
+    def _polished(self, steps: list[list[list[list[tuple[int, int]]]]]) -> list[list[list[list[tuple[int, int]]]]]:
+        """Each step polished (``polish_step``), its rows shuffled within each replica."""
+        out = []
+        for step in steps:
+            polish_step(step, self.seq_len)
+            out.append([[rows[i] for i in self._rng.permutation(len(rows))] for rows in step])
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # emitting
@@ -509,3 +529,230 @@ def refine_step(costs: np.ndarray, bins: list[list[int]], max_swaps: int = 64) -
             return
         o, i, j = move
         bins[a][i], bins[o][j] = bins[o][j], bins[a][i]
+
+
+def form_steps(costs: np.ndarray, *, n_steps: int, dp_size: int, per_replica: int) -> list[list[list[int]]]:
+    """Group rows into ``n_steps`` steps of ``dp_size`` replicas of ``per_replica`` rows, so that the replicas of a
+    step cost about the same.
+
+    Steps are formed heaviest first: the ``dp_size`` costliest rows left anchor the replicas; then, slot by slot, the
+    costliest replica takes the cheapest row left and every other replica (neediest first) the row whose cost is
+    closest to its share of the gap to the costliest one. Returns row indices per replica per step.
+
+    >>> form_steps(np.array([9., 1., 5., 4., 2., 2.]), n_steps=1, dp_size=2, per_replica=3)
+    [[[0, 1, 4], [2, 3, 5]]]
+    """
+    if costs.size != n_steps * dp_size * per_replica:
+        raise ValueError(f"form_steps needs n_steps * dp_size * per_replica = {n_steps * dp_size * per_replica} "
+                         f"rows, got {costs.size}")
+    order = np.argsort(costs, kind="stable")
+    pool_cost = costs[order].tolist()  # ascending
+    pool_row = order.tolist()
+    steps = []
+    for _ in range(n_steps):
+        bins = [[pool_row.pop()] for _ in range(dp_size)]
+        totals = [pool_cost.pop() for _ in range(dp_size)]
+        for slot in range(1, per_replica):
+            top = max(range(dp_size), key=totals.__getitem__)
+            bins[top].append(pool_row.pop(0))
+            totals[top] += pool_cost.pop(0)
+            left = per_replica - slot
+            for b in sorted((b for b in range(dp_size) if b != top), key=totals.__getitem__):
+                want = (totals[top] - totals[b]) / left
+                j = bisect.bisect_left(pool_cost, want)
+                if j == len(pool_cost) or (j > 0 and want - pool_cost[j - 1] <= pool_cost[j] - want):
+                    j -= 1
+                bins[b].append(pool_row.pop(j))
+                totals[b] += pool_cost.pop(j)
+        steps.append(bins)
+    return steps
+
+
+_GROUP = 16  # polish_step also exchanges the m smallest pieces of a row together, m = 2 .. _GROUP
+
+
+def _f(x):
+    """``x (x + 1) / 2``: the causal cost of a segment of ``x`` tokens (ints or int64 arrays)."""
+    return x * (x + 1) // 2
+
+
+def _candidates(rows: list[list[tuple[int, int]]], seq_len: int):
+    """What a replica's rows can give away: every piece, the ``m`` smallest pieces of a row together, or nothing
+    (a move rather than a swap). Returns ``(row, m or -index, length, cost, padding)`` lists; ``m > 0`` means the
+    ``m`` smallest pieces of the row, ``-1 - i`` the single piece ``i``, ``0`` nothing."""
+    out = []
+    for q, pieces in enumerate(rows):
+        pieces.sort()
+        pad = seq_len - sum(p[0] for p in pieces)
+        out.append((q, 0, 0, 0, pad))
+        length = cost = 0
+        for i, (x, _) in enumerate(pieces):
+            out.append((q, -1 - i, x, _f(x), pad))
+            length, cost = length + x, cost + _f(x)
+            if 1 <= i < _GROUP:
+                out.append((q, i + 1, length, cost, pad))
+    return out
+
+
+def _give(rows: list[list[tuple[int, int]]], q: int, which: int) -> list[tuple[int, int]]:
+    """Remove and return the pieces a candidate names (see ``_candidates``)."""
+    pieces = rows[q]
+    if which > 0:
+        taken, rows[q] = pieces[:which], pieces[which:]
+        return taken
+    return [pieces.pop(-1 - which)] if which < 0 else []
+
+
+def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves: int = 256) -> None:
+    """In place: exchange pieces between a row of the busiest replica and a row of another replica while that lowers
+    the busiest replica's cost; every row keeps ``<= seq_len`` tokens, so the step's fill is unchanged.
+
+    ``step[replica][row]`` is a list of ``(length, source)`` pieces. What is exchanged on each side: one piece, the
+    ``m`` smallest pieces of the row together (one long document against several short ones moves the most work),
+    or nothing (a move). The cost of a row is ``sum f(L)`` over its pieces plus ``f(padding)``, ``f(L) = L(L+1)/2``,
+    so a piece moved into a padded row also shortens its padding run. Stops at a local optimum.
+    """
+    dp = len(step)
+    if dp < 2:
+        return
+    for _ in range(max_moves):
+        cands = [_candidates(rows, seq_len) for rows in step]
+        totals = np.array([sum(c[3] for c in cs if c[1] < 0) + sum(_f(c[4]) for c in cs if c[1] == 0) for cs in cands],
+                          dtype=np.float64)
+        busiest = int(np.argmax(totals))
+        mine = np.array(cands[busiest], dtype=np.int64)  # [na, 5]
+        others = [(r, c) for r in range(dp) if r != busiest for c in cands[r]]
+        theirs = np.array([c for _, c in others], dtype=np.int64)  # [nb, 5]
+        owner = np.array([r for r, _ in others])
+        la, ca, pa = (mine[:, i, None] for i in (2, 3, 4))
+        lb, cb, pb = (theirs[None, :, i] for i in (2, 3, 4))
+        fits = (pa + la - lb >= 0) & (pb + lb - la >= 0) & ((la > 0) | (lb > 0))
+        new_a = totals[busiest] + (cb - ca + _f(pa + la - lb) - _f(pa))
+        new_b = totals[owner][None, :] + (ca - cb + _f(pb + lb - la) - _f(pb))
+        worst = np.where(fits, np.maximum(new_a, new_b), np.inf)
+        i, j = np.unravel_index(np.argmin(worst), worst.shape)
+        if not worst[i, j] < totals[busiest] * (1 - 1e-9):
+            return
+        other = int(owner[j])
+        x = _give(step[busiest], int(mine[i, 0]), int(mine[i, 1]))
+        y = _give(step[other], int(theirs[j, 0]), int(theirs[j, 1]))
+        step[busiest][int(mine[i, 0])] += y
+        step[other][int(theirs[j, 0])] += x
+
+
+def step_costs(step: list[list[list[tuple[int, int]]]], seq_len: int) -> list[int]:
+    """Attention cost of every replica of a step: ``sum L(L+1)/2`` over its pieces and every row's padding run."""
+    out = []
+    for rows in step:
+        total = 0
+        for pieces in rows:
+            pad = seq_len - sum(p[0] for p in pieces)
+            total += sum(p[0] * (p[0] + 1) // 2 for p in pieces) + pad * (pad + 1) // 2
+        out.append(total)
+    return out
+
+
+def _spread(costs: list[int]) -> float:
+    """busiest / mean (1.0 with no work)."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0
+
+
+
+def _heavy_targets(costs: list[int], n_steps: int, dp_size: int) -> tuple[int, list[float]]:
+    """How many steps the costliest pieces anchor, and every bin's target cost.
+
+    A piece that costs more than a bin's fair share ``T`` cannot be balanced against the mean, so its step must hold
+    ``dp_size`` such pieces: the ``h`` costliest pieces anchor the first ``ceil(h / dp_size)`` steps, ``dp_size``
+    consecutive ones per step; every bin of such a step targets its step's costliest anchor, the other bins share
+    the rest (``T``, recomputed until no more pieces exceed it). ``costs`` is sorted in decreasing order.
+    """
+    total, n_bins = sum(costs), n_steps * dp_size
+    heavy_steps = 0
+    while heavy_steps < n_steps:
+        anchored = heavy_steps * dp_size
+        reserved = sum(costs[j * dp_size] * dp_size for j in range(heavy_steps))
+        share = (total - reserved) / max(n_bins - anchored, 1)
+        if anchored >= len(costs) or costs[anchored] <= share:
+            break
+        heavy_steps += 1
+    targets = [float(costs[(b // dp_size) * dp_size]) if b < heavy_steps * dp_size else share for b in range(n_bins)]
+    return heavy_steps, targets
+
+
+def balanced_pack(pieces: list[tuple[int, int]], *, n_steps: int, dp_size: int, per_replica: int, seq_len: int,
+                  tail_share: float = 0.02) -> tuple[list[list[list[list[tuple[int, int]]]]], list[tuple[int, int]]]:
+    """Pack pieces into ``n_steps`` steps of ``dp_size`` replicas of ``per_replica`` rows, the replicas of a step
+    costing about the same (cost ``sum L(L+1)/2``).
+
+    The costliest pieces anchor steps ``dp_size`` at a time (see ``_heavy_targets``); then, longest first, each
+    piece goes to the replica furthest below its target that has a row where it fits (the row with the least room
+    that fits). Once the pieces left hold less than ``tail_share`` of the total cost, each goes to the row with the
+    least room that fits it anywhere (best fit: short pieces close the gaps). The non-anchored replicas are grouped
+    into steps by cost. Returns the steps and the pieces that fit nowhere.
+
+    >>> steps, left = balanced_pack([(4, 0), (4, 1), (2, 2), (2, 3), (3, 4)], n_steps=1, dp_size=2, per_replica=1,
+    ...                             seq_len=6)
+    >>> steps, left
+    ([[[[(4, 0), (2, 2)]], [[(4, 1), (2, 3)]]]], [(3, 4)])
+    """
+    order = sorted(pieces, key=lambda p: -p[0])
+    n_bins = n_steps * dp_size
+    costs = [_f(p[0]) for p in order]
+    heavy_steps, target = _heavy_targets(costs, n_steps, dp_size)
+    bins: list[list[list[tuple[int, int]]]] = [[[] for _ in range(per_replica)] for _ in range(n_bins)]
+    room = [[seq_len] * per_replica for _ in range(n_bins)]
+    cost = [0.0] * n_bins
+    left: list[tuple[int, int]] = []
+
+    def put(piece, b, q):
+        bins[b][q].append(piece)
+        room[b][q] -= piece[0]
+        cost[b] += _f(piece[0])
+
+    n_anchors = min(heavy_steps * dp_size, len(order))
+    for j in range(n_anchors):
+        put(order[j], j, 0)
+    cost_left = sum(costs[n_anchors:])
+    tail = tail_share * sum(costs)
+    heap = [(cost[b] - target[b], b) for b in range(n_bins)]  # most below target first
+    heapq.heapify(heap)
+    n = n_anchors
+    while n < len(order) and cost_left >= tail:
+        piece = order[n]
+        skipped, placed = [], False
+        while heap:
+            key, b = heapq.heappop(heap)
+            rb = room[b]
+            q = min((q for q in range(per_replica) if rb[q] >= piece[0]), key=rb.__getitem__, default=None)
+            if q is None:
+                if max(rb) > 0:
+                    skipped.append((key, b))
+                continue
+            put(piece, b, q)
+            heapq.heappush(heap, (cost[b] - target[b], b))
+            placed = True
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        if not placed:
+            left.append(piece)
+        cost_left -= costs[n]
+        n += 1
+    # the tail: best fit over every row
+    keys = sorted(room[b][q] * _KEY + b * per_replica + q
+                  for b in range(n_bins) for q in range(per_replica) if room[b][q] > 0)
+    for piece in order[n:]:
+        j = bisect.bisect_left(keys, piece[0] * _KEY)
+        if j == len(keys):
+            left.append(piece)
+            continue
+        b, q = divmod(keys.pop(j) % _KEY, per_replica)
+        put(piece, b, q)
+        if room[b][q] > 0:
+            bisect.insort(keys, room[b][q] * _KEY + b * per_replica + q)
+    anchored = heavy_steps * dp_size
+    rest = sorted(range(anchored, n_bins), key=lambda b: -cost[b])
+    groups = [list(range(s * dp_size, (s + 1) * dp_size)) for s in range(heavy_steps)]
+    groups += [rest[i:i + dp_size] for i in range(0, len(rest), dp_size)]
+    return [[bins[b] for b in g] for g in groups], left
