@@ -423,7 +423,8 @@ def _as_tokens(x: Any, what: str) -> np.ndarray:
     else:
         arr = np.asarray(x)
         if arr.dtype.kind not in "iu" and arr.size:
-            bad = next((v for v in np.ravel(arr) if not isinstance(v, (int, np.integer)) or isinstance(v, bool)), None)
+            flat = x if arr.ndim == 1 else np.ravel(arr)
+            bad = next((v for v in flat if not isinstance(v, (int, np.integer)) or isinstance(v, bool)), arr.dtype)
             raise TypeError(f"{what} must hold int token ids, got {bad!r} ({type(bad).__name__}) in it")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D (one document), got shape {tuple(arr.shape)}")
