@@ -10,23 +10,24 @@ How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` d
 1. **fill**: read documents until ``buffer_size`` are held (documents carried over from the last round count). A
    document longer than ``seq_len`` is split into pieces of ``seq_len`` tokens (and one shorter tail), truncated to
    ``seq_len``, or refused, as ``long_documents`` says.
-2. **pack**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into the open
-   row with the least room that still fits it; a new row when none does).
-3. **select**: the ``n * rows * dp_size`` fullest rows are emitted as ``n`` steps (``n`` as large as the rows
-   allow); the documents of the other rows are carried to the next round, where new documents can fill the room
-   they left (so a round loses no fill to its own tail). When the source is exhausted every row is emitted; the
-   last step may then be smaller (``ceil(remaining / dp_size)`` rows per replica, the same on every replica) or,
-   with ``drop_last=True``, dropped, counted in :attr:`PackingStats.dropped_documents` and logged.
-4. **balance**: the cost of a row is the causal attention work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over
-   its segments (its documents and its trailing padding run, which the varlen kernel attends like a document),
-   times ``attention_weight``, plus ``token_weight * seq_len`` (the linear part: projections and MLP run on every
-   token, padding included). The rows are dealt to ``n * dp_size`` replica slots of ``rows`` rows each by
-   longest-processing-time (the costliest row to the cheapest slot that has room), the slots are sorted by cost and
-   grouped ``dp_size`` at a time into steps (similar slots wait for each other), and each step is refined by
-   swapping rows between its busiest replica and the others while that lowers the busiest.
-5. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last). A split
-   document's pieces are cut at emit time in stream order, so they are consecutive slices of the document in the
-   order they are yielded (step, then replica, then row).
+2. **how many steps**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into
+   the open row with the least room that still fits it) gives ``R`` rows; the round yields ``n = R // (rows *
+   dp_size)`` steps (when the source is exhausted, also a last, smaller step: ``ceil(left rows / dp_size)`` rows per
+   replica, the same on every replica, or, with ``drop_last=True``, nothing, counted in
+   :attr:`PackingStats.dropped_tokens` and logged).
+3. **balanced packing** into those ``n`` steps (``balanced_pack``): the cost of a replica is the causal attention
+   work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over the segments of its rows (documents and padding runs,
+   which the varlen kernel attends like documents). A piece that costs more than a replica's fair share cannot be
+   balanced against the mean, so such pieces anchor steps ``dp_size`` at a time (similar pieces wait for each
+   other); then, longest first, every piece goes to the replica furthest below its target that has a row where it
+   fits, and the short pieces that hold the last 2% of the work close the gaps by best fit. It is used when it is as
+   full as best fit (it leaves no more tokens over); else the fullest best-fit rows are dealt to replicas
+   (``form_steps``). Then ``polish_step`` exchanges pieces (one, or a row's shortest few together) between the
+   busiest replica and the others while that lowers the busiest. Pieces left over are carried to the next round,
+   where new documents can fill the room they left.
+4. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last), the rows of a
+   replica shuffled too. A split document's pieces are cut at emit time in stream order, so they are consecutive
+   slices of the document in the order they are yielded (step, then replica, then row).
 
 Every token of every document is yielded exactly once (``truncate`` drops what is past ``seq_len``, counted;
 ``drop_last`` drops the last step, counted). Labels: ``labels[t] = input_ids[t + 1]`` inside a document segment,
@@ -121,7 +122,7 @@ class DocumentPacker:
 
     >>> packer = DocumentPacker([[5, 6, 7], [8, 9], [3, 4, 5, 6]], seq_len=5, rows=1, dp_size=2)
     >>> [[d["doc_ids"].tolist() for d in step] for step in packer]
-    [[[[1, 1, 1, 1, 0]], [[1, 1, 1, 2, 2]]]]
+    [[[[1, 1, 1, 1, 0]], [[1, 1, 2, 2, 2]]]]
     >>> packer.stats.fill, packer.stats.steps
     (0.9, 1)
     """
@@ -492,46 +493,6 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def assign_rows(costs: np.ndarray, *, n_bins: int, per_bin: int) -> list[list[int]]:
-    """Deal ``n_bins * per_bin`` rows into ``n_bins`` bins of exactly ``per_bin`` rows, costliest row first into the
-    cheapest bin with room (longest-processing-time with a cardinality limit).
-
-    >>> assign_rows(np.array([9., 1., 5., 5.]), n_bins=2, per_bin=2)
-    [[0, 1], [2, 3]]
-    """
-    assert costs.size == n_bins * per_bin
-    bins: list[list[int]] = [[] for _ in range(n_bins)]
-    heap = [(0.0, b) for b in range(n_bins)]
-    for i in np.argsort(-costs, kind="stable").tolist():
-        total, b = heapq.heappop(heap)
-        bins[b].append(i)
-        if len(bins[b]) < per_bin:
-            heapq.heappush(heap, (total + float(costs[i]), b))
-    return bins
-
-
-def refine_step(costs: np.ndarray, bins: list[list[int]], max_swaps: int = 64) -> None:
-    """In place: swap one row of the busiest bin with one of another bin while that lowers the busiest bin's cost
-    (and the other bin stays below it); stops at a local optimum or after ``max_swaps`` swaps."""
-    for _ in range(max_swaps):
-        totals = np.array([costs[b].sum() for b in bins])
-        a = int(np.argmax(totals))
-        ca = costs[bins[a]]  # [k]
-        best, move = totals[a], None
-        for o in range(len(bins)):
-            if o == a or not bins[o]:
-                continue
-            delta = ca[:, None] - costs[bins[o]][None, :]  # [k, k]: moving a's row i, o's row j
-            worst = np.maximum(totals[a] - delta, totals[o] + delta)
-            i, j = np.unravel_index(np.argmin(worst), worst.shape)
-            if worst[i, j] < best - 1e-9 * max(best, 1.0):
-                best, move = worst[i, j], (o, int(i), int(j))
-        if move is None:
-            return
-        o, i, j = move
-        bins[a][i], bins[o][j] = bins[o][j], bins[a][i]
-
-
 def form_steps(costs: np.ndarray, *, n_steps: int, dp_size: int, per_replica: int) -> list[list[list[int]]]:
     """Group rows into ``n_steps`` steps of ``dp_size`` replicas of ``per_replica`` rows, so that the replicas of a
     step cost about the same.
@@ -541,7 +502,7 @@ def form_steps(costs: np.ndarray, *, n_steps: int, dp_size: int, per_replica: in
     closest to its share of the gap to the costliest one. Returns row indices per replica per step.
 
     >>> form_steps(np.array([9., 1., 5., 4., 2., 2.]), n_steps=1, dp_size=2, per_replica=3)
-    [[[0, 1, 4], [2, 3, 5]]]
+    [[[0, 1, 4], [2, 5, 3]]]
     """
     if costs.size != n_steps * dp_size * per_replica:
         raise ValueError(f"form_steps needs n_steps * dp_size * per_replica = {n_steps * dp_size * per_replica} "
