@@ -238,7 +238,7 @@ class DocumentPacker:
             if self._exhausted:
                 return
 
-    def _steps_of(self, pieces, rows, n_full):
+    def _steps_of(self, pieces: list[tuple[int, int]], rows: list[list[tuple[int, int]]], n_full: int):
         """``n_full`` steps from a round's pieces, and the rows left over (best-fit rows of the rest).
 
         Balanced packing (``balanced_pack``) when it is as full as best fit (the pieces it leaves need no more
@@ -565,14 +565,15 @@ def _give(rows: list[list[tuple[int, int]]], q: int, which: int) -> list[tuple[i
     return [pieces.pop(-1 - which)] if which < 0 else []
 
 
-def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves: int = 256) -> None:
+def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves: int = 256, tol: float = 2e-3) -> None:
     """In place: exchange pieces between a row of the busiest replica and a row of another replica while that lowers
     the busiest replica's cost; every row keeps ``<= seq_len`` tokens, so the step's fill is unchanged.
 
     ``step[replica][row]`` is a list of ``(length, source)`` pieces. What is exchanged on each side: one piece, the
     ``m`` smallest pieces of the row together (one long document against several short ones moves the most work),
     or nothing (a move). The cost of a row is ``sum f(L)`` over its pieces plus ``f(padding)``, ``f(L) = L(L+1)/2``,
-    so a piece moved into a padded row also shortens its padding run. Stops at a local optimum.
+    so a piece moved into a padded row also shortens its padding run. Stops at a local optimum, after ``max_moves``
+    exchanges, or once the busiest replica is within ``tol`` of the mean.
     """
     dp = len(step)
     if dp < 2:
@@ -582,15 +583,19 @@ def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves
         totals = np.array([sum(c[3] for c in cs if c[1] < 0) + sum(_f(c[4]) for c in cs if c[1] == 0) for cs in cands],
                           dtype=np.float64)
         busiest = int(np.argmax(totals))
+        if totals[busiest] <= (1 + tol) * totals.mean():
+            return
         mine = np.array(cands[busiest], dtype=np.int64)  # [na, 5]
         others = [(r, c) for r in range(dp) if r != busiest for c in cands[r]]
         theirs = np.array([c for _, c in others], dtype=np.int64)  # [nb, 5]
         owner = np.array([r for r, _ in others])
         la, ca, pa = (mine[:, i, None] for i in (2, 3, 4))
         lb, cb, pb = (theirs[None, :, i] for i in (2, 3, 4))
-        fits = (pa + la - lb >= 0) & (pb + lb - la >= 0) & ((la > 0) | (lb > 0))
-        new_a = totals[busiest] + (cb - ca + _f(pa + la - lb) - _f(pa))
-        new_b = totals[owner][None, :] + (ca - cb + _f(pb + lb - la) - _f(pb))
+        diff = la - lb  # [na, nb] tokens the busiest row gives away
+        fits = (pa + diff >= 0) & (pb - diff >= 0) & ((la > 0) | (lb > 0))
+        work = cb - ca  # [na, nb] piece cost the busiest replica gains
+        new_a = totals[busiest] + (work + _f(pa + diff) - _f(pa))
+        new_b = totals[owner][None, :] + (_f(pb - diff) - _f(pb) - work)
         worst = np.where(fits, np.maximum(new_a, new_b), np.inf)
         i, j = np.unravel_index(np.argmin(worst), worst.shape)
         if not worst[i, j] < totals[busiest] * (1 - 1e-9):
