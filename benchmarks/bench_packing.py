@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = {k: (getattr(args, k) if getattr(args, k) is not None else (quick if args.quick else full)[k])
            for k in full}
     print(f"seq_len={cfg['seq_len']} rows={cfg['rows']} dp={cfg['dp']} docs={cfg['docs']} "
-          f"buffer_size={cfg['buffer']}; fill and DP figures per step of dp x [rows, seq_len]")
+          f"buffer_size={cfg['buffer']}; fill and DP figures per step of dp x [rows, seq_len]\n")
     print("| distribution | packer | fill | kept | DP busiest/mean (mean) | (worst step) | docs split | docs/s |")
     print("|---|---|---|---|---|---|---|---|")
     results = []
