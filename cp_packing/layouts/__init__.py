@@ -77,8 +77,8 @@ def layout_runs(
         ``run_len.sum() == T // cp_size``.
 
     Raises:
-        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank``, ``layout`` or ``window``; ``T`` not divisible
-        by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
+        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank``, ``layout`` or ``window``; ``T`` not
+        divisible by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
 
     >>> layout_runs(torch.tensor([0, 4, 8]), cp_size=2, cp_rank=0, layout="contiguous")
     (tensor([0]), tensor([4]))

@@ -9,9 +9,14 @@ With ``C`` the total cost, ``C / cp`` is the ideal per rank. The plan (every ran
     1. long    a segment costing > HEAVY * C/cp with >= 2*cp*MIN_CHUNK tokens: cut zigzag-style in 2cp chunks,
                rank r takes chunks r and 2cp-1-r (an early and a late one: the same cost on every rank)
                    [ 0 | 1 | 2 | 3 | 3 | 2 | 1 | 0 ]      cp = 4, one long document
+               Under a window the pairs are equal only where the cost per token is linear in p, so the segment is
+               first cut at the window(s) (sections of >= 2*cp*MIN_CHUNK tokens) and each section is zigzagged:
+                   [0 1 2 3 3 2 1 0|0  1  2  3  3  2  1  0]   ramp [0, w): p + 1 | flat [w, L): w
+               and the pairs rotate over the ranks from one segment to the next (a ramp too short to be a section
+               of its own is not always rank 0's)
     2. items   every other segment, whole; a heavy one shorter than that in a few pieces of >= MIN_CHUNK tokens
     3. LPT     rho = cost per token of the cheap items (cost <= LPT_FRACTION * C/cp); an item's excess is
-               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (at most LPT_ROUNDS * cp of them),
+               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (<= LPT_ROUNDS * cp, 2x under a window),
                largest first, on a heap: each goes whole to the rank with the least excess that has room for it
     4. fill    the other items, sorted by cost per token, in golden-ratio order (j -> j*a mod m, a ~ m/1.618),
                so that every stretch of the stream costs about rho per token; rank r takes the next
@@ -28,8 +33,8 @@ tokens; only the ``cp - 1`` fill cuts of step 4 can leave a shorter piece (and s
 The plan is a function of the ``cu_seqlens`` values, ``cp`` and the window only (integer math, stable sorts, float64
 steps that are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp, window weights)`` with
 ``functools.lru_cache`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a window at least as long
-as every segment plans exactly as no window, and ``[w] * 32`` as ``w``);
-it runs in NumPy on the host (a CUDA ``cu_seqlens`` is copied: one host sync per call).
+as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on the host (a CUDA
+``cu_seqlens`` is copied: one host sync per call).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ HEAVY = 0.01
 #: one (LPT); the rest pour.
 LPT_FRACTION = 0.0005
 #: At most this many rounds of ``cp`` items go through LPT (the largest excess first; Python time); the rest pour.
+#: Twice as many under a window: there, every document longer than the window costs about ``w`` per token, far above
+#: the short ones, so more items carry an excess the fill would pour unevenly.
 LPT_ROUNDS = 64
 
 _CACHE_SIZE = 16
@@ -238,8 +245,9 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights = _FULL):
     weight = cost[coarse] - rho * length[coarse]  # the excess of an item over rho: what the fill cannot even out
     big = coarse[weight > LPT_FRACTION * ideal]
     weight = weight[weight > LPT_FRACTION * ideal]
-    if big.size > LPT_ROUNDS * cp:
-        keep = np.argpartition(-weight, LPT_ROUNDS * cp)[: LPT_ROUNDS * cp]
+    rounds = LPT_ROUNDS if weights == _FULL else 2 * LPT_ROUNDS
+    if big.size > rounds * cp:
+        keep = np.argpartition(-weight, rounds * cp)[: rounds * cp]
         big, weight = big[keep], weight[keep]
     o = np.lexsort((big, -weight))  # largest excess first, ties by position
     big, weight = big[o], weight[o]

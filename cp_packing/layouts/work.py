@@ -86,7 +86,8 @@ def head_cost(p: np.ndarray, weights: WindowWeights) -> np.ndarray:
 def range_cost(a: np.ndarray, b: np.ndarray, weights: WindowWeights) -> np.ndarray:
     """int64 cost of positions ``a .. b-1`` of a segment: ``head_cost(b) - head_cost(a)``.
 
-    >>> range_cost(np.array([2]), np.array([5]), ((None, 1),)).tolist(), range_cost(np.array([2]), np.array([5]), ((2, 1),)).tolist()
+    >>> a, b = np.array([2]), np.array([5])
+    >>> range_cost(a, b, ((None, 1),)).tolist(), range_cost(a, b, ((2, 1),)).tolist()
     ([12], [6])
     """
     return head_cost(b, weights) - head_cost(a, weights)
