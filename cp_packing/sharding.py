@@ -16,7 +16,7 @@ from typing import Callable, Hashable, Sequence, TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cp_packing._checks import check_bool, check_cp, check_tensor
+from cp_packing._checks import check_bool, check_cp, check_tensor, check_windows
 from cp_packing.cost import choose_layout
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams, check_params
@@ -67,6 +67,9 @@ class ShardedPackedSeqParams:
             consecutive global tokens of one segment.
         max_seqlen: int, the longest local run.
         key_start: int64 ``[R]``, the global position where run ``i``'s causal keys start (its segment's start).
+        plan_window: the sliding window(s) the layout was planned for (``None``, an int, or a per-layer tuple of
+            ``int | None``; only ``balanced`` depends on it). Not the window the attention runs with: HF passes that
+            per layer.
     """
 
     cp_size: int
@@ -79,6 +82,7 @@ class ShardedPackedSeqParams:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     key_start: torch.Tensor
+    plan_window: int | tuple[int | None, ...] | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -94,7 +98,7 @@ class ShardedPackedSeqParams:
         """``compute()``, once per ``key`` for this shard's metadata (shared by copies that hold the same tensors)."""
         sources = (self.global_params.cu_seqlens, self.cu_seqlens, self.key_start)
         entries = _STEP_CACHE.setdefault(self.token_index, {})
-        full_key = (key, self.layout, self.cp_size, self.cp_rank)
+        full_key = (key, self.layout, self.cp_size, self.cp_rank, self.plan_window)
         entry = entries.get(full_key)
         if entry is not None and all(a is b for a, b in zip(entry[0], sources)):
             return entry[1]
@@ -106,9 +110,9 @@ class ShardedPackedSeqParams:
         """int64 ``[cp_size, T_local]``: every rank's ``token_index`` (cached; the order of an all-gather)."""
         return self.cached(
             "global_token_order",
-            lambda: global_token_order(self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout).to(
-                self.token_index.device
-            ),
+            lambda: global_token_order(
+                self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout, window=self.plan_window
+            ).to(self.token_index.device),
         )
 
     def _flat(self, x: torch.Tensor, name: str, flat: bool | None = None) -> torch.Tensor:
@@ -154,7 +158,8 @@ class ShardedPackedSeqParams:
 
 
 def shard_packed_seq_params(
-    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str = "auto"
+    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str = "auto",
+    window: int | Sequence[int | None] | None = None,
 ) -> ShardedPackedSeqParams:
     """This rank's share of a packed batch: local tokens, positions, doc ids and runs.
 
@@ -168,6 +173,10 @@ def shard_packed_seq_params(
         layout: ``"auto"`` (default: per batch, the valid layout with the lowest busiest-rank cost; the chosen name
             is in the result's ``layout``), ``"contiguous"``, ``"zigzag"`` (every segment a multiple of
             ``2*cp_size``, see ``pad_segments``) or ``"balanced"``. See docs/layouts.md.
+        window: the model's sliding window, so that the work is balanced as the model does it: ``None`` (full
+            causal), an int, or a per-layer list of ``int | None`` (``None`` = a global layer; the cost is the sum
+            over the layers). A token at position ``p`` costs ``min(p + 1, window)``: ``balanced`` is planned for
+            that cost and ``auto`` picks by it. Every rank must pass the same (kept as ``plan_window``).
 
     Returns:
         ``ShardedPackedSeqParams``.
@@ -176,14 +185,17 @@ def shard_packed_seq_params(
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
     >>> shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="contiguous").token_index.tolist()
     [3, 4, 5]
+    >>> shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="balanced", window=[2, None]).plan_window
+    (2, None)
     """
     check_params(params)
     check_cp(cp_size, cp_rank)
+    window = check_windows(window)
     if layout == "auto":
-        layout = choose_layout(params, cp_size=cp_size)
+        layout = choose_layout(params, cp_size=cp_size, window=window)
     check_layout(layout)
     cu = params.cu_seqlens.to(torch.int64)
-    run_start, run_len = layout_runs(cu, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    run_start, run_len = layout_runs(cu, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
     T_local = params.total_tokens // cp_size
 
     seg = torch.searchsorted(cu, run_start, right=True) - 1
@@ -205,4 +217,5 @@ def shard_packed_seq_params(
         cu_seqlens=run_cu,
         max_seqlen=int(run_len.max()) if run_len.numel() else 0,
         key_start=key_start,
+        plan_window=window,
     )
