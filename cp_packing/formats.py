@@ -455,12 +455,15 @@ def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2) -> bool:
     B, S = doc_ids.shape
     if B == 0 or S == 0:
         return False
+    padded = doc_ids[:, 0] == 0  # [B]: only a row that starts with padding can look 0-based
+    if not bool(padded.any()):  # the common case costs O(B)
+        return False
     one = doc_ids == 1
     # the first non-zero token of the row is a 1 (argmax of a bool mask: its first True; no gather, which some
     # unsigned dtypes lack)
     first_nonzero = torch.argmax((doc_ids != 0).to(torch.uint8), dim=1)
     first_one = torch.argmax(one.to(torch.uint8), dim=1)
-    looks = (doc_ids[:, 0] == 0) & one.any(dim=1) & (first_one == first_nonzero)
+    looks = padded & one.any(dim=1) & (first_one == first_nonzero)
     if not bool(looks.any()):
         return False
     if not _zero_based_warned:

@@ -136,7 +136,7 @@ def test_num_items_in_batch_single_process():
     full = packed_cross_entropy(logits, labels)
     for n in (8, torch.tensor(8), torch.tensor([8], dtype=torch.int32)):
         torch.testing.assert_close(packed_cross_entropy(logits, labels, num_items_in_batch=n), full * 4 / 8)
-    assert float(packed_cross_entropy(logits, torch.full((6,), IGNORE), num_items_in_batch=0)) == 0.0
+    assert packed_cross_entropy(logits, torch.full((6,), IGNORE), num_items_in_batch=0).item() == 0.0
     with pytest.raises(TypeError, match="num_items_in_batch must be an int"):
         packed_cross_entropy(logits, labels, num_items_in_batch=8.0)
     with pytest.raises(TypeError, match="integer scalar tensor"):
