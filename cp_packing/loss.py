@@ -668,8 +668,8 @@ def count_valid_labels(
         except Exception as exc:  # noqa: BLE001 - the DP group must learn it
             error = exc
     if dp is not None:
-        dp_fields = {k: fields[k] for k in ("ignore_index", "labels are CP shards", "cp size", "dp size") if k in fields}
-        agree(dp.group, call, dp_fields, error=error, group_name="DP group")
+        shared = ("ignore_index", "labels are CP shards", "cp size", "dp size")  # not the micro-batch count
+        agree(dp.group, call, {k: fields[k] for k in shared if k in fields}, error=error, group_name="DP group")
     if error is not None:
         raise error
     device = cp.device if cp is not None else dp.device if dp is not None else torch.device("cpu")
