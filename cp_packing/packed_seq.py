@@ -100,10 +100,11 @@ def _from_doc_ids_numpy(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         lo = int(flat[cu[:-1]].min())  # the value at every segment start (= every value in the map)
         if lo < 0:
             _raise_negative(lo)
-    if np.count_nonzero(flat[::S]) != B:  # a row starts with padding: the 0-based check runs (else O(B) only)
-        warn_if_zero_based(doc_ids, stacklevel=4)
+    cu_t = torch.from_numpy(cu)
+    if np.count_nonzero(flat[::S]) != B:  # a row starts with padding: the 0-based check reads the rows' segments
+        warn_if_zero_based(doc_ids, stacklevel=4, cu_seqlens=cu_t)
     max_seqlen = int(np.diff(cu).max())
-    return torch.from_numpy(cu), max_seqlen
+    return cu_t, max_seqlen
 
 
 def _from_doc_ids_torch(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -130,12 +131,12 @@ def _from_doc_ids_torch(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         [is_start.sum(), longest, lo, padded_row.to(torch.int64)]).tolist()  # the one host sync
     if min_value < 0:
         _raise_negative(min_value)
-    if padded_row:
-        warn_if_zero_based(doc_ids, stacklevel=4)
     starts = torch.nonzero_static(is_start, size=num_segments).view(-1)
     cu = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
     cu[:-1] = starts
     cu[-1] = T
+    if padded_row:
+        warn_if_zero_based(doc_ids, stacklevel=4, cu_seqlens=cu)
     return cu, int(max_seqlen)
 
 

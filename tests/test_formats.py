@@ -411,6 +411,18 @@ def test_packed_seq_params_from_doc_ids_warns_on_a_zero_based_map(dtype, monkeyp
         packed_seq_params_from_doc_ids(doc_ids_from_seq_idx(seq_idx))
 
 
+@settings(max_examples=60, deadline=None)
+@given(doc_maps(pad_p=0.4), st.booleans())
+def test_zero_based_check_from_segments_equals_the_full_check(doc_ids, zero_based):
+    """The seed's hook reads only the rows' first segments (cu_seqlens); it must agree with the full-map check."""
+    if zero_based:  # turn some rows into a 0-based index: padding, then 1
+        doc_ids = torch.where(doc_ids > 0, doc_ids - 1, doc_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ZeroBasedDocIdsWarning)
+        cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+        assert warn_if_zero_based(doc_ids, cu_seqlens=cu) == warn_if_zero_based(doc_ids)
+
+
 @pytest.mark.parametrize(
     "doc_ids",
     [
