@@ -21,7 +21,7 @@ from cp_packing.cost import choose_layout
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
-__all__ = ["ShardedPackedSeqParams", "as_signed", "shard_packed_seq_params", "take_rows"]
+__all__ = ["ShardedPackedSeqParams", "as_signed", "mark_shard", "shard_origin", "shard_packed_seq_params", "take_rows"]
 
 _T = TypeVar("_T")
 
@@ -31,6 +31,24 @@ _T = TypeVar("_T")
 # pass integer tensors through, so every copy holding the same token_index shares the entries. Each entry
 # remembers the tensors it was derived from, so a copy made with other metadata (dataclasses.replace) recomputes.
 _STEP_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# Tensors that are one rank's CP shard: root tensor (views share it) -> (cp_size, cp_rank). ``shard`` marks what it
+# returns (``distribute_batch``'s source path marks what it receives), so the loss can refuse a shard's labels
+# without the group they came from (docs/loss.md). A copy (``.clone()``, ``.to(other device)``) is not marked.
+_SHARD_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_shard(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Record that ``x`` (and every view of it) is rank ``cp_rank``'s shard of a batch split over ``cp_size``
+    ranks; returns ``x``."""
+    _SHARD_OF[x if x._base is None else x._base] = (int(cp_size), int(cp_rank))
+    return x
+
+
+def shard_origin(x: torch.Tensor) -> tuple[int, int] | None:
+    """``(cp_size, cp_rank)`` when ``x`` (or the tensor it is a view of) was marked by :func:`mark_shard`."""
+    return _SHARD_OF.get(x if x._base is None else x._base)
+
 
 _UNSIGNED_AS_SIGNED = {
     getattr(torch, u): getattr(torch, s)
@@ -133,11 +151,12 @@ class ShardedPackedSeqParams:
 
         ``flat=None`` reads ``x`` as ``[B, S, ...]`` when its first two dims are ``(B, S)``, else as flat. With
         ``S == 1`` a flat ``[T, 1, ...]`` tensor (e.g. q with one head) looks like ``[B, S, ...]``: pass ``flat=True``.
-        Differentiable; every dtype (unsigned included).
+        Differentiable; every dtype (unsigned included). The result is marked as this rank's shard
+        (:func:`shard_origin`): the loss refuses a shard's labels without its CP group.
         """
         if flat is not None:
             check_bool(flat, "flat")
-        return take_rows(self._flat(x, "x", flat), self.token_index)
+        return mark_shard(take_rows(self._flat(x, "x", flat), self.token_index), self.cp_size, self.cp_rank)
 
     def unshard(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``shard``: every rank's ``[T_local, ...]`` tensor, in rank order -> ``[B, S, ...]``."""
