@@ -576,6 +576,12 @@ def _dp_cp_worker(rank, world_size):
         with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
             packed_cross_entropy(local_logits[None], local["labels"], reduction=reduction, sharded=None
                                  if reduction == "token" else sharded.global_params)
+        # ... and the same for labels scattered from one source rank (the src= path).
+        scattered, _ = distribute_batch({"input_ids": ids, "labels": labels, "doc_ids": doc}
+                                        if cp_rank == 0 else None, group=cp_group, layout="zigzag", src=0)
+        with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
+            packed_cross_entropy(local_logits[None], scattered["labels"], reduction=reduction, sharded=None
+                                 if reduction == "token" else sharded.global_params)
         # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise the same error, which names it.
         bad_labels = sharded.shard(labels).clone()
         if rank == 3:
