@@ -230,6 +230,24 @@ def check_cost_tokens(total: Any, name: str = "cu_seqlens") -> int:
     )
 
 
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` (logit soft-capping: a scaled score ``s`` becomes ``softcap * tanh(s / softcap)``, Gemma 2's
+    ``attn_logit_softcapping``) as a float > 0, or ``None`` (no capping).
+
+    >>> check_softcap(50), check_softcap(None)
+    (50.0, None)
+    """
+    if softcap is None:
+        return None
+    value = check_number(softcap, "softcap")
+    if not (0.0 < value < float("inf")):
+        raise ValueError(
+            f"softcap must be a finite number > 0 (scores become softcap * tanh(scores / softcap)), got {softcap!r}; "
+            "pass the model's attn_logit_softcapping, or None for no soft-capping (0 does not mean 'off' here)"
+        )
+    return value
+
+
 def check_window(window: Any, causal: Any = True, name: str = "window") -> int | None:
     """``window`` (sliding-window attention: a query at in-document position ``p`` attends keys at positions
     ``p - window < k <= p``, HF's ``sliding_window``) as an int >= 1, or ``None`` (no window). A window needs
