@@ -96,9 +96,9 @@ def _id_list(value: Any, path: str, row: int, column: str, low: int, vocab_size:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"--data {path!r} row {row}: {column!r} must be a list of integers, got "
                          f"{type(value).__name__}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"--data {path!r} row {row}: {column!r} must be a list of integers, got a list with "
-                         f"{sorted({type(v).__name__ for v in value if not isinstance(v, int) or isinstance(v, bool)})}")
+    wrong = sorted({type(v).__name__ for v in value if not isinstance(v, int) or isinstance(v, bool)})
+    if wrong:
+        raise ValueError(f"--data {path!r} row {row}: {column!r} must be a list of integers, got a list with {wrong}")
     for v in value:
         bad = v < 0 and not (low == IGNORE_INDEX and v == IGNORE_INDEX)
         if bad or (vocab_size is not None and v >= vocab_size):
