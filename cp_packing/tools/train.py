@@ -477,115 +477,133 @@ def _describe(setup: Setup, groups: Groups, model, args, device) -> str:
 
 
 def train(setup: Setup, args, rank: int, device: torch.device) -> int:
-    world = setup.world
-    groups = make_groups(world, args.cp, device, need_mesh=args.fsdp)
-    cp = groups.cp_size
-    dtype = DTYPES[args.dtype]
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # plain lines only: HF's loading / saving bars are tqdm
-    model = build_model(setup, register_cp_attention(), dtype).to(device).train()
-    parity_steps = min(args.parity_steps, args.steps) if args.check_parity else 0
-    if parity_steps:
-        ref_model = copy.deepcopy(model)
-        ref_model.set_attn_implementation("sdpa")
-        ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=args.lr, weight_decay=0.01)
-    if args.fsdp:
-        shard_with_fsdp2(model, groups.mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    is_main = rank == 0
-    if is_main:
-        print(_describe(setup, groups, model, args, device), flush=True)
-
-    stop = SigtermStop()
-    log_every = args.log_every or max(1, args.steps // 20)
-    history = []
-    worst_loss, worst_grad, first_failure = 0.0, 0.0, None
-    loss_tol, grad_tol = PARITY_TOL[dtype]
-    stream = batch_stream(args, setup.data, groups.dp_size)
-    stopped_at = None
+    stop = SigtermStop()  # first: a SIGTERM while the model loads stops the run after its first step
     try:
-        for step in range(args.steps):
-            laid = [lay_out(b, args, cp) for b in next(stream)]  # every DP replica's batch, on every rank
-            batch, layout = laid[groups.dp_rank]
-            sync(device)
-            t0 = time.perf_counter()
-            payload = None
-            if args.local_data or groups.cp_rank == 0:
-                payload = {k: v.to(device) for k, v in batch.items() if k != "real"}
-            local, sharded = distribute_batch(payload, None, group=groups.cp, src=None if args.local_data else 0,
-                                              layout=layout)
-
-            # ---- forward / backward with CP
-            inputs = cp_model_inputs(local, sharded, group=groups.cp, backend=args.attn_backend, kernel=args.kernel)
-            logits = model(**inputs).logits[0]  # [T_local, V]
-            share = packed_cross_entropy(logits, local["labels"][0], group=groups.cp, dp_group=groups.dp)
-            opt.zero_grad(set_to_none=True)
-            share.backward()
-            if not args.fsdp and not args.inject_fault:  # (the fault: a trainer that forgets the CP reduction)
-                _all_reduce_grads(model, [groups.cp, groups.dp])  # the loss contract: SUM over CP (and DP)
-            loss = float(reduce_loss_for_logging(share, group=groups.cp, dp_group=groups.dp))
-
-            # ---- parity with a non-CP copy, before either optimizer steps
-            parity_time = 0.0
-            if step < parity_steps:
-                tp = time.perf_counter()
-                ref_opt.zero_grad(set_to_none=True)
-                ref_t = reference_loss(ref_model, [b for b, _ in laid])
-                ref_t.backward()
-                ref = float(ref_t.detach())
-                d_loss = abs(loss - ref)
-                g_cp, g_ref = _flat_grads(model).float(), _flat_grads(ref_model).float()
-                d_grad = float((g_cp - g_ref).abs().max())
-                scale = float(g_ref.abs().max())
-                ok = d_loss <= loss_tol * max(1.0, abs(ref)) and d_grad <= grad_tol * scale + 1e-7
-                worst_loss, worst_grad = max(worst_loss, d_loss), max(worst_grad, d_grad / max(scale, 1e-30))
-                if not ok and first_failure is None:
-                    first_failure = step
-                if is_main:
-                    print(f"parity step {step + 1}: loss cp={loss:.6f} ref={ref:.6f} |diff|={d_loss:.2e}; grads "
-                          f"max|diff|={d_grad:.2e} (max|grad|={scale:.2e}) {'ok' if ok else 'MISMATCH'}", flush=True)
-                ref_opt.step()
-                parity_time = time.perf_counter() - tp
-            opt.step()
-            sync(device)
-            dt = time.perf_counter() - t0 - parity_time
-
-            # ---- one small all-reduce (MAX) over the world: peak memory and whether any rank got SIGTERM
-            flags = torch.tensor([float(peak_memory_bytes(device)), float(stop.requested)], dtype=torch.float64,
-                                 device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            history.append(loss)
-            if is_main and ((step + 1) % log_every == 0 or step == 0 or step + 1 == args.steps or flags[1] > 0):
-                costs = [layout_cost(b["doc_ids"], cp_size=cp, layout=name) for b, name in laid]
-                imbalance = max(c.imbalance for c in costs)
-                real = sum(int(b["real"].sum()) for b, _ in laid)
-                print(f"step {step + 1:>4}/{args.steps}  loss {loss:.4f}  time {dt * 1e3:,.0f} ms  "
-                      f"tok/s {real / dt:,.0f}  imbalance {imbalance:.3f}  peak mem {float(flags[0]) / 2**20:,.0f} MiB"
-                      f"  layout {costs[groups.dp_rank].layout}", flush=True)
-            if flags[1] > 0:
-                stopped_at = step + 1
-                break
+        return _train(setup, args, rank, device, stop)
     finally:
         stop.restore()
 
+
+class Parity:
+    """``--check-parity``: a non-CP copy of the model (HF sdpa, block-diagonal mask) trained on the union of the DP
+    replicas' batches for the first steps; each step compares the loss and every gradient before either optimizer
+    steps (the model's gradients must already be reduced)."""
+
+    def __init__(self, model, args, steps: int):
+        self.steps = steps
+        self.ref_model = copy.deepcopy(model)  # before any FSDP sharding
+        self.ref_model.set_attn_implementation("sdpa")
+        self.ref_opt = torch.optim.AdamW(self.ref_model.parameters(), lr=args.lr, weight_decay=0.01)
+        self.dtype_name = args.dtype
+        self.loss_tol, self.grad_tol = PARITY_TOL[DTYPES[args.dtype]]
+        self.worst_loss, self.worst_grad, self.first_failure = 0.0, 0.0, None
+
+    def check(self, step: int, loss: float, model, batches: list[dict], is_main: bool) -> None:
+        self.ref_opt.zero_grad(set_to_none=True)
+        ref_t = reference_loss(self.ref_model, batches)
+        ref_t.backward()
+        ref = float(ref_t.detach())
+        d_loss = abs(loss - ref)
+        g_cp, g_ref = _flat_grads(model).float(), _flat_grads(self.ref_model).float()
+        d_grad = float((g_cp - g_ref).abs().max())
+        scale = float(g_ref.abs().max())
+        ok = d_loss <= self.loss_tol * max(1.0, abs(ref)) and d_grad <= self.grad_tol * scale + 1e-7
+        self.worst_loss = max(self.worst_loss, d_loss)
+        self.worst_grad = max(self.worst_grad, d_grad / max(scale, 1e-30))
+        if not ok and self.first_failure is None:
+            self.first_failure = step
+        if is_main:
+            print(f"parity step {step + 1}: loss cp={loss:.6f} ref={ref:.6f} |diff|={d_loss:.2e}; grads "
+                  f"max|diff|={d_grad:.2e} (max|grad|={scale:.2e}) {'ok' if ok else 'MISMATCH'}", flush=True)
+        self.ref_opt.step()
+
+    def verdict(self, cp: int, is_main: bool) -> int:
+        """Print the summary on rank 0; the exit status (0 PASS, 1 FAIL)."""
+        if is_main:
+            print(f"parity ({self.steps} steps, cp={cp} vs cp=1, {self.dtype_name}): max |loss diff| = "
+                  f"{self.worst_loss:.3e} (tol {self.loss_tol:g} x max(1, |loss|)), max grad diff / max|grad| = "
+                  f"{self.worst_grad:.3e} (tol {self.grad_tol:g}): {'PASS' if self.first_failure is None else 'FAIL'}",
+                  flush=True)
+        return 0 if self.first_failure is None else 1
+
+
+def progress_line(step: int, args, loss: float, dt: float, laid: list, cp: int, peak: float, dp_rank: int) -> str:
+    """One plain progress line (see docs/launcher.md): imbalance = busiest / mean causal cost over the CP ranks of
+    the layout each replica used (``cp_packing.cost.layout_cost``), the worst replica; tok/s counts real tokens."""
+    costs = [layout_cost(b["doc_ids"], cp_size=cp, layout=name) for b, name in laid]
+    imbalance = max(c.imbalance for c in costs)
+    real = sum(int(b["real"].sum()) for b, _ in laid)
+    return (f"step {step + 1:>4}/{args.steps}  loss {loss:.4f}  time {dt * 1e3:,.0f} ms  tok/s {real / dt:,.0f}  "
+            f"imbalance {imbalance:.3f}  peak mem {peak / 2**20:,.0f} MiB  layout {costs[dp_rank].layout}")
+
+
+def _cp_step(model, opt, batch: dict, layout: str, args, groups: Groups, device: torch.device) -> float:
+    """Ship this replica's batch to its CP ranks, forward and backward with CP attention, reduce the gradients
+    (SUM over CP and DP; FSDP2 does it in backward); returns the global loss. The optimizer does not step here."""
+    payload = None
+    if args.local_data or groups.cp_rank == 0:
+        payload = {k: v.to(device) for k, v in batch.items() if k != "real"}
+    local, sharded = distribute_batch(payload, None, group=groups.cp, src=None if args.local_data else 0,
+                                      layout=layout)
+    inputs = cp_model_inputs(local, sharded, group=groups.cp, backend=args.attn_backend, kernel=args.kernel)
+    logits = model(**inputs).logits[0]  # [T_local, V]
+    share = packed_cross_entropy(logits, local["labels"][0], group=groups.cp, dp_group=groups.dp)
+    opt.zero_grad(set_to_none=True)
+    share.backward()
+    if not args.fsdp and not args.inject_fault:  # (the fault: a trainer that forgets the CP gradient reduction)
+        _all_reduce_grads(model, [groups.cp, groups.dp])  # the loss contract: SUM over CP (and DP)
+    return float(reduce_loss_for_logging(share, group=groups.cp, dp_group=groups.dp))
+
+
+def _train(setup: Setup, args, rank: int, device: torch.device, stop: SigtermStop) -> int:
+    groups = make_groups(setup.world, args.cp, device, need_mesh=args.fsdp)
+    cp, is_main = groups.cp_size, rank == 0
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # plain lines only: HF's loading / saving bars are tqdm
+    model = build_model(setup, register_cp_attention(), DTYPES[args.dtype]).to(device).train()
+    parity = Parity(model, args, min(args.parity_steps, args.steps)) if args.check_parity else None
+    if args.fsdp:
+        shard_with_fsdp2(model, groups.mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if is_main:
-        print(f"done: {len(history)} steps, loss {history[0]:.4f} -> {history[-1]:.4f}" if history else "done: 0 steps",
-              flush=True)
+        print(_describe(setup, groups, model, args, device), flush=True)
+    log_every = args.log_every or max(1, args.steps // 20)
+    stream = batch_stream(args, setup.data, groups.dp_size)
+    history, stopped_at = [], None
+    for step in range(args.steps):
+        laid = [lay_out(b, args, cp) for b in next(stream)]  # every DP replica's batch, on every rank
+        sync(device)
+        t0 = time.perf_counter()
+        loss = _cp_step(model, opt, *laid[groups.dp_rank], args, groups, device)
+        parity_time = 0.0
+        if parity is not None and step < parity.steps:  # before either optimizer steps
+            tp = time.perf_counter()
+            parity.check(step, loss, model, [b for b, _ in laid], is_main)
+            parity_time = time.perf_counter() - tp
+        opt.step()
+        sync(device)
+        dt = time.perf_counter() - t0 - parity_time
+        # one small all-reduce (MAX) over the world: peak memory, and whether any rank got SIGTERM
+        flags = torch.tensor([float(peak_memory_bytes(device)), float(stop.requested)], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        history.append(loss)
+        if is_main and ((step + 1) % log_every == 0 or step == 0 or step + 1 == args.steps or flags[1] > 0):
+            print(progress_line(step, args, loss, dt, laid, cp, float(flags[0]), groups.dp_rank), flush=True)
+        if flags[1] > 0:
+            stopped_at = step + 1
+            break
+
+    if is_main:
+        print(f"done: {len(history)} steps, loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
         if stopped_at is not None:
             print(f"SIGTERM: stopped after step {stopped_at} of {args.steps}", flush=True)
     if args.output_dir is not None:
         save_model(model, setup, args.fsdp, rank)
     if stopped_at is not None:
         return EXIT_SIGTERM
-    if parity_steps:
-        verdict = "PASS" if first_failure is None else "FAIL"
-        if is_main:
-            print(f"parity ({parity_steps} steps, cp={cp} vs cp=1, {args.dtype}): max |loss diff| = {worst_loss:.3e} "
-                  f"(tol {loss_tol:g} x max(1, |loss|)), max grad diff / max|grad| = {worst_grad:.3e} "
-                  f"(tol {grad_tol:g}): {verdict}", flush=True)
-        return 0 if first_failure is None else 1
-    return 0
+    return parity.verdict(cp, is_main) if parity is not None else 0
 
 
 def sync(device: torch.device) -> None:
