@@ -301,6 +301,10 @@ def test_every_usage_error_exits_2_before_training_printed_once_under_torchrun(l
         ([*m, "--data", _jsonl(tmp_path / "cols.jsonl", [{"body": "w1"}])], "rows need a 'text' column"),
         ([*m, "--data", _jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 64]}])], "outside the model's vocabulary"),
         ([*m, "--data", _jsonl(tmp_path / "lab.jsonl", [{"input_ids": [1, 2], "labels": [2]}])], "must match"),
+        ([*m, "--data", _jsonl(tmp_path / "lab2.jsonl", [{"input_ids": [1, 2], "labels": [1, 5]}])],
+         "labels[1] = 5 is neither -100 nor input_ids[1] = 2"),
+        ([*m, "--data", _jsonl(tmp_path / "few.jsonl", [{"input_ids": [1, 2]}]), "--batch", "4"],
+         "does not fill one step"),
         (["--data", local["text"]], "there is no tokenizer"),  # a preset has none
         (["--seq-len", "33", "--batch", "1"], "not a multiple of cp=2"),
         (["--cp", "3"], "--cp 3 does not divide the world size 2"),

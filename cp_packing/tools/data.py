@@ -5,7 +5,7 @@ A row holds either
 - ``text``: a string, tokenized with the tokenizer of the model directory (``add_special_tokens=True``, then the
   tokenizer's end-of-sequence token appended when it has one and the text does not already end with it), or
 - ``input_ids``: a list of token ids, with an optional ``labels`` list of the same length (unshifted, HF style:
-  ``labels[t]`` is the target of position ``t``'s token, ``-100`` where it is masked, e.g. a prompt); the packer
+  each entry the input id itself, or ``-100`` where that token is not a target, e.g. a prompt); the packer
   shifts them on the global stream.
 
 Every problem (a missing file, another suffix, a row that is not an object, a missing or mistyped column, an id
@@ -124,6 +124,11 @@ def _token_documents(rows: list[dict], path: str, vocab_size: int | None) -> Doc
             if len(labels) != len(ids):
                 raise ValueError(f"--data {path!r} row {i}: 'labels' has {len(labels)} entries, 'input_ids' "
                                  f"{len(ids)}; they must match one to one (unshifted, -100 where masked)")
+            wrong = next((t for t, (a, b) in enumerate(zip(ids, labels)) if b not in (a, IGNORE_INDEX)), None)
+            if wrong is not None:
+                raise ValueError(f"--data {path!r} row {i}: labels[{wrong}] = {labels[wrong]} is neither -100 nor "
+                                 f"input_ids[{wrong}] = {ids[wrong]}; 'labels' are the unshifted input ids with -100 "
+                                 "where a token is not a target (the launcher shifts them)")
             out.documents.append({"input_ids": ids, "labels": labels})
         else:
             out.documents.append(ids)

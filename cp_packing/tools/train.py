@@ -166,7 +166,11 @@ def prepare(args, world: int) -> Setup:
             data = load_documents(args.data, tokenizer=tokenizer, vocab_size=config.vocab_size)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        if next(iter(batch_stream(args, data, world // cp)), None) is None:
+        try:
+            first = next(iter(batch_stream(args, data, world // cp)), None)
+        except (ValueError, TypeError) as exc:  # the packer's own checks
+            raise UsageError(f"--data {args.data!r}: {exc}") from None
+        if first is None:
             raise UsageError(f"--data {args.data!r} ({len(data.documents)} documents, {data.tokens:,} tokens) does "
                              f"not fill one step of {world // cp} DP replica(s) x --batch {args.batch} rows x "
                              f"--seq-len {args.seq_len}; lower --batch or --seq-len, or give more data")
@@ -281,7 +285,7 @@ def batch_stream(args, data, dp_size: int) -> Iterator[list[dict[str, torch.Tens
     while True:
         empty = True
         for step in pack_documents(data.documents, seq_len=args.seq_len, rows=args.batch, dp_size=dp_size,
-                                   seed=args.seed + epoch):
+                                   seed=args.seed + epoch, drop_last=True):  # every step [batch, seq_len]
             empty = False
             yield step
         if empty:
