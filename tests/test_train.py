@@ -239,11 +239,12 @@ def test_trains_on_parquet_token_ids_with_fsdp2(local, tmp_path, capfd):
 @pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_finishes_the_step_saves_and_exits_143(local, tmp_path):
-    """A scheduler's SIGTERM to the ranks mid-run: they stop after the same step, the model is saved and loads."""
+    """A scheduler's SIGTERM to the ranks mid-run (FSDP2): they stop after the same step, the full state dict is
+    gathered and saved, and it loads."""
     out = tmp_path / "trained"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cp_packing", "train", "--nproc", "2", "--model", local["model"], "--data",
-         local["text"], "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--output-dir", str(out)],
+         local["text"], "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--fsdp", "--output-dir", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True,
     )
     lines: list[str] = []

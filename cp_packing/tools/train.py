@@ -321,13 +321,16 @@ def lay_out(batch: dict, args, cp: int) -> tuple[dict[str, torch.Tensor], str]:
 # ---------------------------------------------------------------------------------------------------- model
 
 
-def build_model(setup: Setup, attn: str, dtype: torch.dtype):
+def build_model(args, attn: str, dtype: torch.dtype = torch.float32, config: Any = None):
+    """The model of ``--model`` with attention ``attn``: a preset from ``config`` (default: ``preset_config(args)``),
+    the same random init on every rank (``--seed``), or the local directory's weights (never downloaded)."""
     from transformers import AutoModelForCausalLM
 
-    if setup.args.model in PRESETS:
-        torch.manual_seed(setup.args.seed)  # the same weights on every rank
-        return AutoModelForCausalLM.from_config(copy.deepcopy(setup.config), attn_implementation=attn).to(dtype)
-    return AutoModelForCausalLM.from_pretrained(setup.args.model, attn_implementation=attn, local_files_only=True,
+    if args.model in PRESETS:
+        config = preset_config(args) if config is None else copy.deepcopy(config)  # never share a config object
+        torch.manual_seed(args.seed)  # the same weights on every rank
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(dtype)
+    return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn, local_files_only=True,
                                                 dtype=dtype)
 
 
@@ -565,7 +568,7 @@ def _train(setup: Setup, args, rank: int, device: torch.device, stop: SigtermSto
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # plain lines only: HF's loading / saving bars are tqdm
-    model = build_model(setup, register_cp_attention(), DTYPES[args.dtype]).to(device).train()
+    model = build_model(args, register_cp_attention(), DTYPES[args.dtype], setup.config).to(device).train()
     parity = Parity(model, args, min(args.parity_steps, args.steps)) if args.check_parity else None
     if args.fsdp:
         shard_with_fsdp2(model, groups.mesh)
