@@ -95,7 +95,6 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     args = cfg["args"]
-    device = torch.device("cpu")
     model = build_model(args, register_cp_attention()).train()
     rec = _Recorder()
     for layer in model.model.layers:
