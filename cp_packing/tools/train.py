@@ -137,53 +137,66 @@ def prepare(args, world: int) -> Setup:
             f"--batch {args.batch} x --seq-len {args.seq_len} = {args.batch * args.seq_len} tokens is not a multiple "
             f"of cp={cp}; every CP rank must hold the same number of tokens: pick --seq-len a multiple of {cp} "
             "(or --layout zigzag, which pads every document to a multiple of 2*cp)")
-    preset = args.model in PRESETS
+    config, tokenizer = _model_config(args)
+    data = _documents(args, config, tokenizer, world // cp) if args.data is not None else None
+    if args.output_dir is not None:
+        _check_output_dir(args.output_dir)
+    return Setup(args=args, world=world, config=config, tokenizer=tokenizer, data=data)
+
+
+def _model_config(args) -> tuple[Any, Any]:
+    """``(config, tokenizer or None)`` of ``--model``: a preset sized by the options (defaults filled in here), or
+    a local directory (the preset sizes refused)."""
     given = [f"--{k.replace('_', '-')}" for k in PRESET_SIZES if getattr(args, k) is not None]
-    if preset:
+    if args.model in PRESETS:
         for k, v in PRESET_SIZES.items():
             setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
         if args.heads % args.kv_heads:
             raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
         if args.hidden % args.heads:
             raise UsageError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-        config, tokenizer = preset_config(args), None
-    elif os.path.isdir(args.model):
-        if given:
-            raise UsageError(f"{', '.join(given)} size a preset model; --model {args.model!r} is a directory with its "
-                             "own config: drop them")
-        config, tokenizer = model_dir_config(args.model)
-        args.vocab = config.vocab_size  # synthetic documents (no --data) draw ids below it
-        max_pos = getattr(config, "max_position_embeddings", None)
-        if max_pos is not None and args.seq_len > max_pos:
-            raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    else:
+        return preset_config(args), None
+    if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
-    data = None
-    if args.data is not None:
-        from cp_packing.tools.data import load_documents
+    if given:
+        raise UsageError(f"{', '.join(given)} size a preset model; --model {args.model!r} is a directory with its "
+                         "own config: drop them")
+    config, tokenizer = model_dir_config(args.model)
+    args.vocab = config.vocab_size  # synthetic documents (no --data) draw ids below it
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and args.seq_len > max_pos:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    return config, tokenizer
 
-        try:
-            data = load_documents(args.data, tokenizer=tokenizer, vocab_size=config.vocab_size)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        try:
-            first = next(iter(batch_stream(args, data, world // cp)), None)
-        except (ValueError, TypeError) as exc:  # the packer's own checks
-            raise UsageError(f"--data {args.data!r}: {exc}") from None
-        if first is None:
-            raise UsageError(f"--data {args.data!r} ({len(data.documents)} documents, {data.tokens:,} tokens) does "
-                             f"not fill one step of {world // cp} DP replica(s) x --batch {args.batch} rows x "
-                             f"--seq-len {args.seq_len}; lower --batch or --seq-len, or give more data")
-    if args.output_dir is not None:
-        out = os.path.abspath(args.output_dir)
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise UsageError(f"--output-dir {args.output_dir!r} is a file; give a directory")
-        parent = out if os.path.isdir(out) else os.path.dirname(out)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            raise UsageError(f"--output-dir {args.output_dir!r} is not writable")
-    return Setup(args=args, world=world, config=config, tokenizer=tokenizer, data=data)
+
+def _documents(args, config, tokenizer, dp_size: int):
+    """The documents of ``--data`` (``cp_packing.tools.data``), checked to fill at least one step."""
+    from cp_packing.tools.data import load_documents
+
+    try:
+        data = load_documents(args.data, tokenizer=tokenizer, vocab_size=config.vocab_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        first = next(iter(batch_stream(args, data, dp_size)), None)
+    except (ValueError, TypeError) as exc:  # the packer's own checks
+        raise UsageError(f"--data {args.data!r}: {exc}") from None
+    if first is None:
+        raise UsageError(f"--data {args.data!r} ({len(data.documents)} documents, {data.tokens:,} tokens) does not "
+                         f"fill one step of {dp_size} DP replica(s) x --batch {args.batch} rows x --seq-len "
+                         f"{args.seq_len}; lower --batch or --seq-len, or give more data")
+    return data
+
+
+def _check_output_dir(path: str) -> None:
+    out = os.path.abspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output-dir {path!r} is a file; give a directory")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--output-dir {path!r} is not writable (nor is {parent!r}, where it would be created)")
 
 
 def heads_of(config) -> tuple[int, int, int]:
