@@ -226,21 +226,34 @@ def _as_batch(batch: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _pad_rows(batch: dict[str, torch.Tensor], multiple: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Every row padded at its end to a multiple of ``multiple`` tokens (doc id 0, label -100)."""
+    extra = -batch["doc_ids"].shape[1] % multiple
+    if extra == 0:
+        return batch
+    fill = {"input_ids": pad_token_id, "labels": _IGNORE}
+    return {key: torch.nn.functional.pad(x, (0, extra), value=fill.get(key, 0)) for key, x in batch.items()}
+
+
 def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: int, layout: str = "balanced",
-                  step: int | None = None) -> CPBatch:
+                  step: int | None = None, pad_token_id: int = 0) -> CPBatch:
     """Everything one rank needs for a step, from one replica's packed batch (pure, no communication).
 
-    What the DataLoader workers run; call it yourself on batches from your own pipeline.
+    What the DataLoader workers run; call it yourself on batches from your own pipeline (a collator's flattened
+    ``[1, T]`` batch and a doc map from ``cp_packing.formats``: docs/data.md).
 
     Args:
         batch: ``{"input_ids", "doc_ids"}`` (and ``"labels"``, SHIFTED on the global stream as ``pack_documents``
             yields them; built with ``next_token_labels`` when absent), integer ``[rows, seq_len]`` tensors.
-        cp_size, cp_rank: the CP group size and this rank (``rows * seq_len`` divisible by ``cp_size``).
+        cp_size, cp_rank: the CP group size and this rank.
         layout: the sharding layout (``"balanced"`` by default; see ``shard_packed_seq_params``).
         step: the step index to record.
+        pad_token_id: the input id of the padding added when ``seq_len`` is not a multiple of ``cp_size``.
 
     Returns:
-        :class:`CPBatch`.
+        :class:`CPBatch`. When ``seq_len`` is not a multiple of ``cp_size`` every row is first padded at its end to
+        the next multiple (input id ``pad_token_id``, doc id 0, label -100; other keys 0): padding is a segment of
+        its own, so no real token attends to it and no label counts it; ``CPBatch.batch`` holds the padded rows.
 
     Raises:
         TypeError / ValueError: not a dict of integer tensors of one ``[rows, seq_len]`` shape, a missing key, or
@@ -252,9 +265,11 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
     ([[4, 5, 6, 7]], 6)
     """
     batch = _as_batch(batch)
-    params = packed_seq_params_from_doc_ids(batch["doc_ids"])
+    check_int(cp_size, "cp_size", min=1)
     if "labels" not in batch:
-        batch["labels"] = next_token_labels(batch["input_ids"], params)
+        batch["labels"] = next_token_labels(batch["input_ids"], batch["doc_ids"])
+    batch = _pad_rows(batch, cp_size, check_int(pad_token_id, "pad_token_id", min=0))
+    params = packed_seq_params_from_doc_ids(batch["doc_ids"])
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local]
     local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
