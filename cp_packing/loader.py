@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 _IGNORE = -100
+_CHUNK = 256  # documents read at a time
 
 
 # ------------------------------------------------------------------------------------------------ where this rank is
@@ -290,15 +291,17 @@ def _documents(source: Any, *, shuffle: bool, seed: int, epoch: int) -> Iterator
         # ``iter(batch_size=...)``, not ``iter(source)``: inside a DataLoader worker HF's ``__iter__`` hands each
         # worker only some of the shards, and here every worker must see every document.
         source.set_epoch(epoch)
-        for chunk in source.iter(batch_size=256):
+        for chunk in source.iter(batch_size=_CHUNK):
             columns = list(chunk.values())
             for i in range(len(columns[0]) if columns else 0):
                 yield {key: column[i] for key, column in zip(chunk, columns)}
     elif hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, Mapping):
         n = len(source)
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else range(n)
-        for i in order:
-            yield source[int(i)]
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        many = getattr(source, "__getitems__", None)  # torch's batched-read convention (HF datasets: ~3x faster)
+        for start in range(0, n, _CHUNK):
+            indices = order[start:start + _CHUNK].tolist()
+            yield from (many(indices) if many is not None else (source[i] for i in indices))
     else:
         yield from source
 

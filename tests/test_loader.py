@@ -11,6 +11,7 @@ called at step time, the model against HF eager attention with a block-diagonal 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 from collections import Counter
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cp_packing
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.loader import (
     CPBatch,
@@ -76,16 +78,19 @@ def _fallback_packer(documents, *, seq_len, rows, dp_size):
         row.append((ids, keep))
     if row:
         close()
-    if step_rows:
-        while len(step_rows) < rows * dp_size:
+    while step_rows:
+        while len(step_rows) % (rows * dp_size):
             step_rows.append(([0] * seq_len, [-100] * seq_len, [0] * seq_len))
         yield step()
+        step_rows = step_rows[rows * dp_size:]
 
 
 try:
-    from cp_packing.packing import pack_documents as PACKER
+    import cp_packing.packing as _packing
 except ImportError:  # the packer lands on main separately
-    PACKER = _fallback_packer
+    _packing = None
+_HERE = os.path.dirname(os.path.abspath(cp_packing.__file__))
+PACKER = _packing.pack_documents if _packing and os.path.dirname(_packing.__file__) == _HERE else _fallback_packer
 
 
 def make_documents(n: int = 60, seed: int = 0) -> dict[str, list]:
