@@ -187,14 +187,15 @@ class CPBatch:
                 memo[id(t)] = fn(t)
             return memo[id(t)]
 
-        params = PackedSeqParams(f(self.params.cu_seqlens), self.params.max_seqlen, f(self.params.doc_ids))
-        s = self.sharded
-        sharded = dataclasses.replace(
-            s, global_params=params, token_index=f(s.token_index), doc_ids=f(s.doc_ids),
-            position_ids=f(s.position_ids), cu_seqlens=f(s.cu_seqlens), key_start=f(s.key_start),
-        )
-        return CPBatch(self.step, {k: f(v) for k, v in self.batch.items()}, params, sharded,
-                       {k: f(v) for k, v in self.local.items()}, self.num_valid_labels)
+        def tensors_of(obj: Any, **extra: Any) -> Any:  # a dataclass with every tensor field mapped
+            moved = {fl.name: f(getattr(obj, fl.name)) for fl in dataclasses.fields(obj)
+                     if isinstance(getattr(obj, fl.name), torch.Tensor)}
+            return dataclasses.replace(obj, **moved, **extra)
+
+        params = tensors_of(self.params)
+        return CPBatch(self.step, {k: f(v) for k, v in self.batch.items()}, params,
+                       tensors_of(self.sharded, global_params=params), {k: f(v) for k, v in self.local.items()},
+                       self.num_valid_labels)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CPBatch:
         """A copy with every tensor on ``device`` (one copy per tensor; a tensor shared by two fields stays
@@ -563,7 +564,8 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
     Every CP rank of a replica holds the replica's whole batch, so the count is taken there (``num_valid_labels``,
     computed in the workers) and all-reduced over ``dp_group`` only: never over the CP group, which would count
     each label ``cp_size`` times. Every rank of ``dp_group`` must call it (CP peers may too: each reduces over its
-    own DP group). Starts with one ``agree`` over ``dp_group`` (the same number of micro-batches everywhere).
+    own DP group). Starts with one ``agree`` over ``dp_group``: every replica must be at the same steps (a
+    ``DataLoader(in_order=False)`` would mix them up) with the same number of micro-batches.
 
     Args:
         batches: this rank's :class:`CPBatch` of every micro-batch of the step.
@@ -585,12 +587,13 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
         local = sum(b.num_valid_labels for b in batches)
     except TypeError as exc:
         error = exc
-    n = len(batches) if isinstance(batches, (list, tuple)) else None
+    steps = [b.step for b in batches] if error is None else None
     if dp is None:
         if error is not None:
             raise error
         return local
-    agree(dp.group, "num_items_in_batch", {"micro-batches": n}, error=error, group_name="DP group")
+    # the same steps on every replica: a DataLoader with in_order=False would mix them up
+    agree(dp.group, "num_items_in_batch", {"steps of the micro-batches": steps}, error=error, group_name="DP group")
     total = torch.tensor([local], dtype=torch.int64, device=dp.device)
     if dp.size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp.group)

@@ -211,6 +211,12 @@ def test_shuffle_is_deterministic_per_epoch_and_loses_nothing():
         ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7, packer=PACKER)
         ds.set_epoch(epoch)
         assert documents_of([item.batch for item in ds]) == want
+    # persistent workers see set_epoch too (the epoch lives in shared memory)
+    loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7, packer=PACKER,
+                           num_workers=1, persistent_workers=True)
+    for epoch, expected in ((0, e0), (1, e1)):
+        loader.dataset.set_epoch(epoch)
+        assert [tuple(x.tolist()) for item in loader for x in item.batch["input_ids"]] == expected
 
 
 def test_prepacked_rows_sampler_and_collator_in_workers():
