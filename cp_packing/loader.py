@@ -216,6 +216,10 @@ def _as_batch(batch: Any) -> dict[str, torch.Tensor]:
         if key not in batch:
             raise ValueError(f"the packed batch has no {key!r} (keys: {sorted(batch)}); pass the dict "
                              "pack_documents yields per replica: input_ids, labels, doc_ids")
+    doc_ids = check_tensor(batch["doc_ids"], "batch['doc_ids']", "[rows, seq_len]")
+    if doc_ids.dim() != 2:
+        raise ValueError(f"batch['doc_ids'] has shape {tuple(doc_ids.shape)}; a packed batch is [rows, seq_len] (one "
+                         "flattened row: x.view(1, -1))")
     out = {}
     for key, value in batch.items():
         check_tensor(value, f"batch[{key!r}]", "[rows, seq_len]")

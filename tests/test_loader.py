@@ -152,6 +152,12 @@ def test_make_cp_batch_equals_the_step_computation_and_survives_pickling():
         check_item_against_step(copy, 2, cp_rank)
         # the batch's doc map, params.doc_ids and the shard's global params stay one object after pickling
         assert copy.batch["doc_ids"] is copy.params.doc_ids and copy.sharded.global_params is copy.params
+        with pytest.raises(ValueError, match=r"\[rows, seq_len\]"):
+            make_cp_batch({"input_ids": ids.view(-1), "doc_ids": doc.view(-1)}, cp_size=2, cp_rank=0)
+        with pytest.raises(ValueError, match="has no 'doc_ids'"):
+            make_cp_batch({"input_ids": ids}, cp_size=2, cp_rank=0)
+        with pytest.raises(ValueError, match="batch\\['labels'\\] has shape"):
+            make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": ids[:, :3]}, cp_size=2, cp_rank=0)
         moved = copy.to("cpu")
         assert moved.sharded.global_params is moved.params
         assert moved.local["input_ids"].shape == (1, doc.numel() // 2)
