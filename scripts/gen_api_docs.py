@@ -27,6 +27,7 @@ SECTIONS = [
     ("cp_packing.padding", "Per-document padding"),
     ("cp_packing.sharding", "One rank's shard"),
     ("cp_packing.adapters", "Kernel conventions (ring-flash-attn, TransformerEngine)"),
+    ("cp_packing.packing", "Packer: documents -> DP-balanced steps"),
     ("cp_packing.cost", "Cost model and auto"),
     ("cp_packing.agreement", "Fail together: one agreement per call"),
     ("cp_packing.distributed", "Over torch.distributed"),
