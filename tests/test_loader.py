@@ -11,7 +11,6 @@ called at step time, the model against HF eager attention with a block-diagonal 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 from collections import Counter
 
@@ -20,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cp_packing
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.loader import (
     CPBatch,
@@ -41,56 +39,6 @@ datasets = pytest.importorskip("datasets")
 
 SEQ, ROWS, DP, CP = 32, 2, 2, 2
 VOCAB = 128
-
-
-def _fallback_packer(documents, *, seq_len, rows, dp_size):
-    """In-order packing with the ``pack_documents`` contract (documents <= seq_len only), used until
-    ``cp_packing.packing`` is on this branch: each row filled in stream order, steps of ``rows * dp_size`` rows, the
-    last step padded with all-padding rows."""
-    step_rows, row = [], []
-
-    def close():
-        ids = [t for d in row for t in d[0]]
-        doc = [i + 1 for i, d in enumerate(row) for _ in d[0]]
-        lab = [(-100 if t + 1 == len(ids_) or not keep[t + 1] else ids_[t + 1]) for ids_, keep in row
-               for t in range(len(ids_))]
-        pad = seq_len - len(ids)
-        step_rows.append((ids + [0] * pad, lab + [-100] * pad, doc + [0] * pad))
-
-    def step():
-        out = []
-        for r in range(dp_size):
-            part = step_rows[r * rows:(r + 1) * rows]
-            out.append({k: torch.tensor([p[i] for p in part], dtype=dt)
-                        for i, (k, dt) in enumerate((("input_ids", torch.int64), ("labels", torch.int64),
-                                                     ("doc_ids", torch.int32)))})
-        return out
-
-    for d in documents:
-        ids = [int(t) for t in (d["input_ids"] if isinstance(d, dict) else d)]
-        keep = [int(x) != -100 for x in d["labels"]] if isinstance(d, dict) and "labels" in d else [True] * len(ids)
-        if sum(len(x[0]) for x in row) + len(ids) > seq_len:
-            close()
-            row = []
-            if len(step_rows) == rows * dp_size:
-                yield step()
-                step_rows = []
-        row.append((ids, keep))
-    if row:
-        close()
-    while step_rows:
-        while len(step_rows) % (rows * dp_size):
-            step_rows.append(([0] * seq_len, [-100] * seq_len, [0] * seq_len))
-        yield step()
-        step_rows = step_rows[rows * dp_size:]
-
-
-try:
-    import cp_packing.packing as _packing
-except ImportError:  # the packer lands on main separately
-    _packing = None
-_HERE = os.path.dirname(os.path.abspath(cp_packing.__file__))
-PACKER = _packing.pack_documents if _packing and os.path.dirname(_packing.__file__) == _HERE else _fallback_packer
 
 
 def make_documents(n: int = 60, seed: int = 0) -> dict[str, list]:
@@ -180,19 +128,19 @@ def test_replica_rank_ways_and_errors():
 def test_dataset_refuses_what_would_lose_or_duplicate_documents():
     place = ReplicaRank(0, 1, 0, 2)
     with pytest.raises(TypeError, match="one-shot iterator"):
-        CPPackedDataset((d for d in [[1, 2]]), seq_len=4, rows=1, placement=place, packer=PACKER)
+        CPPackedDataset((d for d in [[1, 2]]), seq_len=4, rows=1, placement=place)
     ds = datasets.Dataset.from_dict(make_documents(8)).to_iterable_dataset(num_shards=2)
     from datasets.distributed import split_dataset_by_node
 
     split = split_dataset_by_node(ds, rank=0, world_size=2)
     with pytest.raises(ValueError, match="split_dataset_by_node"):
-        CPPackedDataset(split, seq_len=4, rows=1, placement=place, packer=PACKER)
+        CPPackedDataset(split, seq_len=4, rows=1, placement=place)
     with pytest.raises(ValueError, match="not divisible by cp_size=2"):
-        CPPackedDataset([[1, 2]], seq_len=5, rows=2, placement=place, packer=PACKER)
+        CPPackedDataset([[1, 2]], seq_len=5, rows=2, placement=place)
     with pytest.raises(ValueError, match="needs 'input_ids'"):
-        list(CPPackedDataset([{"ids": [1, 2]}], seq_len=4, rows=1, placement=place, packer=PACKER))
+        list(CPPackedDataset([{"ids": [1, 2]}], seq_len=4, rows=1, placement=place))
     with pytest.raises(TypeError, match="ReplicaRank"):
-        CPPackedDataset([[1, 2]], seq_len=4, rows=1, placement=(0, 1, 0, 2), packer=PACKER)
+        CPPackedDataset([[1, 2]], seq_len=4, rows=1, placement=(0, 1, 0, 2))
 
     def bad_packer(documents, **kwargs):
         yield [{}]  # one replica batch for dp_size 2
@@ -206,7 +154,7 @@ def test_shuffle_is_deterministic_per_epoch_and_loses_nothing():
     place = ReplicaRank(0, 1, 0, 1)
 
     def epoch_docs(epoch: int) -> list:
-        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7, packer=PACKER)
+        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7)
         ds.set_epoch(epoch)
         return [tuple(x.tolist()) for item in ds for x in item.batch["input_ids"]]
 
@@ -214,11 +162,11 @@ def test_shuffle_is_deterministic_per_epoch_and_loses_nothing():
     assert e0 == e0_again and e0 != e1
     want = Counter(tuple(d) for d in docs["input_ids"])
     for epoch in (0, 1):
-        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7, packer=PACKER)
+        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7)
         ds.set_epoch(epoch)
         assert documents_of([item.batch for item in ds]) == want
     # persistent workers see set_epoch too (the epoch lives in shared memory)
-    loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7, packer=PACKER,
+    loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7,
                            num_workers=1, persistent_workers=True)
     for epoch, expected in ((0, e0), (1, e1)):
         loader.dataset.set_epoch(epoch)
@@ -285,8 +233,7 @@ def _loader_worker(rank: int, world: int, columns: dict, model) -> dict:
     out: dict = {"runs": {}}
     for kind, source in sources.items():
         for workers in (0, 2):
-            items = list(cp_dataloader(source, seq_len=SEQ, rows=ROWS, mesh=mesh, num_workers=workers,
-                                       packer=PACKER))
+            items = list(cp_dataloader(source, seq_len=SEQ, rows=ROWS, mesh=mesh, num_workers=workers))
             for item in items:
                 check_item_against_step(item, CP, place.cp_rank)
             out["runs"][(kind, workers)] = {
