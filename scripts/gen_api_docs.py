@@ -24,6 +24,7 @@ SECTIONS = [
     ("cp_packing.layouts.contiguous", "Layout: contiguous"),
     ("cp_packing.layouts.zigzag", "Layout: zigzag"),
     ("cp_packing.layouts.balanced", "Layout: balanced"),
+    ("cp_packing.layouts.work", "Attention work per token (window-aware closed forms)"),
     ("cp_packing.padding", "Per-document padding"),
     ("cp_packing.sharding", "One rank's shard"),
     ("cp_packing.adapters", "Kernel conventions (ring-flash-attn, TransformerEngine)"),
