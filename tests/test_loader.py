@@ -1,7 +1,8 @@
 """The DP x CP loader: every CP rank of a replica gets the same packed batch, the replicas get different ones, every
 document of the epoch lands in exactly one replica's batch once, whatever ``num_workers`` is, and the metadata the
-DataLoader workers computed is what the step would compute; a tiny HF Llama fed from loader items gives the loss and
-gradients of the model on the whole (unsharded, all replicas) batch.
+DataLoader workers computed is what the step would compute; a tiny HF Llama fed from loader items, two micro-batches
+of gradient accumulation normalised by ``num_items_in_batch``, gives the loss and gradients of the model on the whole
+optimizer step (unsharded, all replicas, all micro-batches) in one process.
 
 References are independent of the loader: the documents are compared as token sequences recovered from the doc maps
 (``tests.maps.runs_of_row``), the metadata against ``packed_seq_params_from_doc_ids`` / ``shard_packed_seq_params``
@@ -219,8 +220,9 @@ def test_prepacked_rows_sampler_and_collator_in_workers():
 def _loader_worker(rank: int, world: int, columns: dict, model) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_packing import packed_cross_entropy
     from cp_packing.hf import cp_model_inputs
+    from cp_packing.loss import count_valid_labels, packed_cross_entropy
+    from cp_packing.sharding import shard_origin
 
     # run_ranks forks daemonic ranks, and a daemonic process may not start DataLoader workers; torchrun's ranks
     # are not daemonic.
@@ -242,29 +244,40 @@ def _loader_worker(rank: int, world: int, columns: dict, model) -> dict:
                 "hf_labels_ok": all(hf_labels_respected(item.batch) for item in items),
             }
             if kind == "map" and workers == 2:
-                crossed = items[0]
+                crossed = items[:2]
     # The per-step cache works on an item that crossed the worker boundary: computed once, then reused.
     calls = []
-    assert crossed.sharded.cached("probe", lambda: calls.append(1) or "x") == "x"
-    assert crossed.sharded.cached("probe", lambda: calls.append(1) or "y") == "x" and len(calls) == 1
-    assert crossed.sharded.global_token_order() is crossed.sharded.global_token_order()
+    sharded = crossed[0].sharded
+    assert sharded.cached("probe", lambda: calls.append(1) or "x") == "x"
+    assert sharded.cached("probe", lambda: calls.append(1) or "y") == "x" and len(calls) == 1
+    assert sharded.global_token_order() is sharded.global_token_order()
+    # ... and its local labels still count as this rank's shard: the loss refuses them without the CP group
+    assert shard_origin(crossed[0].local["labels"][0]) == (CP, place.cp_rank)
+    with pytest.raises(ValueError, match="shard"):
+        packed_cross_entropy(torch.zeros(sharded.num_local_tokens, VOCAB), crossed[0].local["labels"][0])
 
-    # One forward/backward from a loader item: loss shares normalised over dp x cp, gradients SUM-reduced over all.
-    item = crossed.to("cpu")
-    model.zero_grad(set_to_none=True)
+    # Two micro-batches of gradient accumulation from loader items: each share over the step's count of labels
+    # (num_items_in_batch: both micro-batches, both replicas), gradients accumulated, then SUM-reduced over all.
     cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
-    logits = model(**cp_model_inputs(item.local, item.sharded, group=cp_group)).logits[0]  # [T_local, V]
-    share = packed_cross_entropy(logits, item.local["labels"][0], group=cp_group, dp_group=dp_group)
-    share.backward()
+    n = num_items_in_batch(crossed, dp_group=mesh["dp"])
+    assert n == count_valid_labels([item.batch["labels"] for item in crossed], dp_group=dp_group)
+    model.zero_grad(set_to_none=True)
+    shares = []
+    for item in crossed:
+        item = item.to("cpu")
+        logits = model(**cp_model_inputs(item.local, item.sharded, group=cp_group)).logits[0]  # [T_local, V]
+        share = packed_cross_entropy(logits, item.local["labels"][0], group=cp_group, dp_group=dp_group,
+                                     num_items_in_batch=n)
+        share.backward()
+        shares.append(float(share.detach()))
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g)
         grads[name] = g.numpy()
-    shares = [None] * world
-    dist.all_gather_object(shares, float(share.detach()))
-    num_items = num_items_in_batch([item, item], dp_group=mesh["dp"])  # two micro-batches
-    out["parity"] = {"shares": shares, "grads": grads, "num_items": num_items}
+    every = [None] * world
+    dist.all_gather_object(every, shares)
+    out["parity"] = {"shares": every, "grads": grads, "num_items": n}
     return out
 
 
@@ -295,15 +308,15 @@ def test_dp2_cp2_loader_gives_replicas_their_share_and_the_model_its_loss():
                          for r in (0, CP) for b in results[r]["runs"][key]["batches"]]
                 assert documents_of(union) == want, key
 
-    # The model on the whole step (both replicas' batches, no CP, no DP): the same loss and gradients.
-    batches = [results[r]["runs"][("map", 2)]["batches"][0] for r in (0, CP)]
+    # The model on the whole optimizer step (2 micro-batches x 2 replicas, one process): the same loss and gradients.
+    batches = [results[r]["runs"][("map", 2)]["batches"][i] for r in (0, CP) for i in (0, 1)]
     doc = torch.cat([torch.from_numpy(b["doc_ids"]).long() for b in batches])
     ids = torch.cat([torch.from_numpy(b["input_ids"]) for b in batches])
     labels = torch.cat([torch.from_numpy(b["labels"]) for b in batches])
     _, ref_loss, ref_grads = reference(make_model("llama", "eager"), doc, ids, labels)
     parity = results[0]["parity"]
-    total = torch.tensor(sum(parity["shares"]), dtype=torch.float32)
+    total = torch.tensor(sum(sum(s) for s in parity["shares"]), dtype=torch.float32)
     torch.testing.assert_close(total, ref_loss, rtol=1e-4, atol=1e-5)
-    assert sum(abs(s) > 0 for s in parity["shares"]) == DP * CP  # genuine shares on every rank
+    assert all(abs(x) > 0 for s in parity["shares"] for x in s)  # genuine shares on every rank and micro-batch
     assert_grads_close({n: torch.from_numpy(g) for n, g in parity["grads"].items()}, ref_grads)
-    assert all(r["parity"]["num_items"] == 2 * int((labels != -100).sum()) for r in results)
+    assert all(r["parity"]["num_items"] == int((labels != -100).sum()) for r in results)
