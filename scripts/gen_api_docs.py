@@ -42,6 +42,7 @@ SECTIONS = [
     ("cp_packing.attention.dispatch", "Entry point"),
     ("cp_packing.report", "Load-balance report"),
     ("cp_packing.testing", "Test and benchmark scaffolding"),
+    ("cp_packing.loader", "DP x CP data loader"),
     ("cp_packing.hf", "HuggingFace integration"),
 ]
 

@@ -3,6 +3,7 @@ runs and prints what it claims, and every relative link in README.md and docs/ p
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -108,6 +109,7 @@ def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
 @pytest.mark.parametrize("module", ["cp_packing.packed_seq", "cp_packing.sharding", "cp_packing.adapters",
                                     "cp_packing.agreement", "cp_packing.groups", "cp_packing._checks",
                                     "cp_packing.attention.dispatch", "cp_packing.attention.ulysses",
+                                    "cp_packing.loader",
                                     "cp_packing.attention.hybrid", "cp_packing.layouts.work",
                                     "cp_packing.report", "cp_packing.packing"])
 def test_docstring_examples_run(module):
@@ -118,3 +120,46 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, extraglobs={"torch": torch})
     assert result.attempted > 0 and result.failed == 0, result
+
+
+# ------------------------------------------------------------------------------------------------ docs/data.md
+
+
+def _data_md_blocks() -> tuple[list[str], str]:
+    """docs/data.md's python blocks: the in-process ones, in order, and the torchrun script."""
+    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "docs", "data.md")).read(), re.S)
+    scripts = [b for b in blocks if "init_device_mesh" in b]
+    assert len(scripts) == 1 and len(blocks) >= 8
+    return [b for b in blocks if b is not scripts[0]], scripts[0]
+
+
+def test_data_md_examples_run():
+    """Every format example and the single-process loader examples of docs/data.md, as written, in one namespace
+    (their asserts are the claims)."""
+    namespace: dict = {}
+    for block in _data_md_blocks()[0]:
+        exec(block, namespace)  # noqa: S102 - our own docs
+
+
+def _data_md_script(rank: int, world: int) -> dict:
+    import multiprocessing
+
+    from cp_packing.agreement import digest
+
+    # run_ranks forks daemonic ranks, which may not start the script's DataLoader workers (torchrun's may)
+    multiprocessing.current_process().daemon = False
+    namespace: dict = {"__name__": "train_cp"}
+    exec(_data_md_blocks()[1], namespace)  # noqa: S102 - our own docs
+    return {"losses": namespace["losses"], "weights": digest(*namespace["model"].parameters())}
+
+
+@pytest.mark.distributed
+def test_data_md_torchrun_script_trains():
+    """The torchrun script of docs/data.md on 2 gloo ranks (DP 1 x CP 2): two epochs of steps, the same logged loss
+    and the same weights on every rank."""
+    from cp_packing.testing import run_distributed
+
+    results = run_distributed(_data_md_script, 2)
+    losses = results[0]["losses"]
+    assert len(losses) >= 4 and all(math.isfinite(x) for x in losses)
+    assert all(r["losses"] == losses and r["weights"] == results[0]["weights"] for r in results)

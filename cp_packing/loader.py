@@ -1,0 +1,617 @@
+"""A DP x CP data loader: every CP rank of a data-parallel replica gets the same packed batch, with no scatter.
+
+The rule (docs/data.md): every rank runs the SAME deterministic packer over the SAME document stream and keeps its
+replica's share of each step; each DataLoader worker does the same and keeps the steps ``k`` with
+``k % num_workers == worker_id``, so the steps are a function of (documents, packer arguments, seed, epoch) only,
+whatever ``num_workers`` is. The DataLoader returns the workers' items round-robin in step order, so every rank sees
+step 0, 1, 2, ... and every document of the epoch lands in exactly one replica's batch, once.
+
+The metadata is computed in the workers, off the training step: each item is a :class:`CPBatch` holding the
+replica's whole packed batch, its ``PackedSeqParams``, this rank's ``ShardedPackedSeqParams`` (the ``balanced``
+plan by default) and this rank's local ``[1, T_local]`` tensors; the step only moves them to the device
+(:meth:`CPBatch.to`). For rows that are already packed, :class:`ReplicaBatchSampler` gives each replica its rows
+and :class:`CPCollator` builds the same :class:`CPBatch` in the workers.
+
+::
+
+    loader = cp_dataloader(dataset, seq_len=4096, rows=2, mesh=mesh, num_workers=2)   # mesh: ("dp", "cp")
+    for item in loader:
+        item = item.to(device)
+        logits = model(**cp_model_inputs(item.local, item.sharded, group=mesh["cp"])).logits[0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
+
+from cp_packing._checks import INTEGER_DTYPES, check_bool, check_int, check_tensor
+from cp_packing.agreement import agree
+from cp_packing.formats import doc_ids_from_position_ids
+from cp_packing.groups import GroupLike, as_process_group, resolve_group
+from cp_packing.loss import next_token_labels
+from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+from cp_packing.sharding import ShardedPackedSeqParams, mark_shard, shard_packed_seq_params
+
+__all__ = [
+    "CPBatch",
+    "CPCollator",
+    "CPPackedDataset",
+    "ReplicaBatchSampler",
+    "ReplicaRank",
+    "cp_dataloader",
+    "make_cp_batch",
+    "num_items_in_batch",
+    "replica_rank",
+]
+
+_IGNORE = -100
+_CHUNK = 256  # documents read at a time
+
+
+# ------------------------------------------------------------------------------------------------ where this rank is
+
+
+@dataclass(frozen=True)
+class ReplicaRank:
+    """Where this process sits in a DP x CP grid (plain ints: it travels to DataLoader workers).
+
+    Attributes:
+        dp_rank, dp_size: this process's data-parallel replica and the number of replicas.
+        cp_rank, cp_size: this process's rank in its replica's CP group, and the CP group size.
+    """
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "cp_size"):
+            check_int(getattr(self, name), name, min=1)
+        check_int(self.dp_rank, "dp_rank", min=0, max=self.dp_size - 1, hint=f"a replica in [0, {self.dp_size})")
+        check_int(self.cp_rank, "cp_rank", min=0, max=self.cp_size - 1, hint=f"a CP rank in [0, {self.cp_size})")
+
+
+def _group_rank_size(group: GroupLike, name: str) -> tuple[int, int]:
+    g = resolve_group(as_process_group(group, name=name), name=name)
+    return g.rank, g.size
+
+
+def _from_mesh(mesh: Any, dim_names: tuple[str, str]) -> ReplicaRank:
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    dp_name, cp_name = dim_names
+    if mesh.ndim == 1 and names == (cp_name,):
+        return ReplicaRank(0, 1, mesh.get_local_rank(), mesh.size())
+    if mesh.ndim != 2 or dp_name not in names or cp_name not in names:
+        raise ValueError(
+            f"mesh has dims {names or None} (shape {tuple(mesh.mesh.shape)}); pass a 2-D DeviceMesh with dims "
+            f"{dim_names}, e.g. init_device_mesh('cuda', (dp, cp), mesh_dim_names={dim_names}), or dim_names= "
+            "the names of yours"
+        )
+    return ReplicaRank(mesh.get_local_rank(dp_name), mesh.size(names.index(dp_name)),
+                       mesh.get_local_rank(cp_name), mesh.size(names.index(cp_name)))
+
+
+def replica_rank(
+    mesh: Any = None,
+    *,
+    dp_group: GroupLike = None,
+    cp_group: GroupLike = None,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    cp_rank: int | None = None,
+    cp_size: int | None = None,
+    dim_names: tuple[str, str] = ("dp", "cp"),
+) -> ReplicaRank:
+    """This process's place in the DP x CP grid, from ONE of: a DeviceMesh, process groups, or explicit ints.
+
+    Args:
+        mesh: a 2-D ``DeviceMesh`` with dims ``dim_names`` (``("dp", "cp")``), or a 1-D mesh named ``"cp"`` (one
+            replica).
+        dp_group, cp_group: the data-parallel and context-parallel process groups (or 1-D meshes); ``dp_group=None``
+            with a ``cp_group`` means one replica.
+        dp_rank, dp_size, cp_rank, cp_size: explicit ints (no torch.distributed needed); ``dp_rank``/``dp_size``
+            default to 0/1.
+        dim_names: the names of the mesh's data-parallel and context-parallel dims.
+
+    Returns:
+        :class:`ReplicaRank`.
+
+    Raises:
+        TypeError: more than one way given, or none. ValueError: a mesh without those dims, ranks out of range.
+
+    >>> replica_rank(dp_rank=1, dp_size=2, cp_rank=0, cp_size=2)
+    ReplicaRank(dp_rank=1, dp_size=2, cp_rank=0, cp_size=2)
+    """
+    ints = (dp_rank, dp_size, cp_rank, cp_size)
+    ways = [mesh is not None, dp_group is not None or cp_group is not None, any(x is not None for x in ints)]
+    if sum(ways) != 1:
+        raise TypeError(
+            "replica_rank needs exactly one of: mesh= (a 2-D DeviceMesh ('dp', 'cp')), cp_group= (and dp_group=), "
+            f"or cp_rank=/cp_size= (and dp_rank=/dp_size=); got {'none' if not any(ways) else 'several'}"
+        )
+    if mesh is not None:
+        return _from_mesh(mesh, dim_names)
+    if ways[1]:
+        if cp_group is None:
+            raise TypeError("dp_group= needs cp_group= too (the CP group of this replica)")
+        c_rank, c_size = _group_rank_size(cp_group, "cp_group")
+        d_rank, d_size = (0, 1) if dp_group is None else _group_rank_size(dp_group, "dp_group")
+        return ReplicaRank(d_rank, d_size, c_rank, c_size)
+    if cp_rank is None or cp_size is None:
+        raise TypeError("explicit ranks need cp_rank= and cp_size= (dp_rank=/dp_size= default to 0/1)")
+    return ReplicaRank(0 if dp_rank is None else dp_rank, 1 if dp_size is None else dp_size, cp_rank, cp_size)
+
+
+# ------------------------------------------------------------------------------------------------ one item
+
+
+@dataclass(frozen=True, eq=False)
+class CPBatch:
+    """One step's packed batch for one rank: the replica's whole batch and this rank's shard, metadata included.
+
+    Every CP rank of a replica holds the same ``batch`` (so counts over it are per replica, never per rank).
+
+    Attributes:
+        step: the step index in the epoch (the same on every rank), or ``None`` from :class:`CPCollator`.
+        batch: the replica's ``{"input_ids", "labels", "doc_ids"}``, each ``[rows, seq_len]``; ``labels`` are
+            shifted on the global stream (``next_token_labels``), ``doc_ids`` 1-based per row, 0 = padding.
+        params: ``packed_seq_params_from_doc_ids(batch["doc_ids"])``.
+        sharded: this rank's ``shard_packed_seq_params(params, cp_size=, cp_rank=, layout=)``.
+        local: this rank's ``[1, T_local]`` tensors, ``sharded.shard(batch[k])[None]`` for every key, plus
+            ``"position_ids"`` (as ``distribute_batch`` returns): ready for ``cp_model_inputs`` and the loss.
+        num_valid_labels: the valid (``!= -100``) labels of the replica's batch.
+    """
+
+    step: int | None
+    batch: dict[str, torch.Tensor]
+    params: PackedSeqParams
+    sharded: ShardedPackedSeqParams
+    local: dict[str, torch.Tensor]
+    num_valid_labels: int
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CPBatch:
+        memo: dict[int, torch.Tensor] = {}  # a tensor shared by two fields stays shared
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in memo:
+                memo[id(t)] = fn(t)
+            return memo[id(t)]
+
+        def tensors_of(obj: Any, **extra: Any) -> Any:  # a dataclass with every tensor field mapped
+            moved = {fl.name: f(getattr(obj, fl.name)) for fl in dataclasses.fields(obj)
+                     if isinstance(getattr(obj, fl.name), torch.Tensor)}
+            return dataclasses.replace(obj, **moved, **extra)
+
+        params = tensors_of(self.params)
+        return CPBatch(self.step, {k: f(v) for k, v in self.batch.items()}, params,
+                       tensors_of(self.sharded, global_params=params), {k: f(v) for k, v in self.local.items()},
+                       self.num_valid_labels)
+
+    def __post_init__(self) -> None:
+        self._mark_local()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # frozen: no __setattr__
+        self._mark_local()
+
+    def _mark_local(self) -> None:
+        """Mark the local tensors as this rank's shard (``sharding.mark_shard``) again after a copy (a worker's
+        item arrives unpickled, ``to`` copies): the loss then refuses their labels without the CP group."""
+        for x in self.local.values():
+            mark_shard(x, self.sharded.cp_size, self.sharded.cp_rank)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CPBatch:
+        """A copy with every tensor on ``device`` (one copy per tensor; a tensor shared by two fields stays
+        shared). Use the returned object for the whole step: the per-step cache of the attention is keyed on its
+        ``sharded.token_index``."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> CPBatch:
+        """A copy in pinned memory (``DataLoader(pin_memory=True)`` calls it in its pinning thread)."""
+        return self._map(lambda t: t.pin_memory())
+
+
+def _as_batch(batch: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"a packed batch must be a dict with 'input_ids' and 'doc_ids' [rows, seq_len] tensors "
+                        f"(what pack_documents yields per replica), got {type(batch).__name__}")
+    for key in ("input_ids", "doc_ids"):
+        if key not in batch:
+            raise ValueError(f"the packed batch has no {key!r} (keys: {sorted(batch)}); pass the dict "
+                             "pack_documents yields per replica: input_ids, labels, doc_ids")
+    doc_ids = check_tensor(batch["doc_ids"], "batch['doc_ids']", "[rows, seq_len]")
+    if doc_ids.dim() != 2:
+        raise ValueError(f"batch['doc_ids'] has shape {tuple(doc_ids.shape)}; a packed batch is [rows, seq_len] (one "
+                         "flattened row: x.view(1, -1))")
+    out = {}
+    for key, value in batch.items():
+        check_tensor(value, f"batch[{key!r}]", "[rows, seq_len]")
+        if value.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"batch[{key!r}] must have an integer dtype, got {value.dtype}")
+        if tuple(value.shape) != tuple(batch["doc_ids"].shape):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)} but batch['doc_ids'] has "
+                             f"{tuple(batch['doc_ids'].shape)}; every tensor of a packed batch is [rows, seq_len]")
+        out[key] = value
+    return out
+
+
+def _pad_rows(batch: dict[str, torch.Tensor], multiple: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Every row padded at its end to a multiple of ``multiple`` tokens (doc id 0, label -100)."""
+    extra = -batch["doc_ids"].shape[1] % multiple
+    if extra == 0:
+        return batch
+    fill = {"input_ids": pad_token_id, "labels": _IGNORE}
+    return {key: torch.nn.functional.pad(x, (0, extra), value=fill.get(key, 0)) for key, x in batch.items()}
+
+
+def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: int, layout: str = "balanced",
+                  step: int | None = None, pad_token_id: int = 0) -> CPBatch:
+    """Everything one rank needs for a step, from one replica's packed batch (pure, no communication).
+
+    What the DataLoader workers run; call it yourself on batches from your own pipeline (a collator's flattened
+    ``[1, T]`` batch and a doc map from ``cp_packing.formats``: docs/data.md).
+
+    Args:
+        batch: ``{"input_ids", "doc_ids"}`` (and ``"labels"``, SHIFTED on the global stream as ``pack_documents``
+            yields them; built with ``next_token_labels`` when absent), integer ``[rows, seq_len]`` tensors.
+        cp_size, cp_rank: the CP group size and this rank.
+        layout: the sharding layout (``"balanced"`` by default; see ``shard_packed_seq_params``).
+        step: the step index to record.
+        pad_token_id: the input id of the padding added when ``seq_len`` is not a multiple of ``cp_size``.
+
+    Returns:
+        :class:`CPBatch`. When ``seq_len`` is not a multiple of ``cp_size`` every row is first padded at its end to
+        the next multiple (input id ``pad_token_id``, doc id 0, label -100; other keys 0): padding is a segment of
+        its own, so no real token attends to it and no label counts it; ``CPBatch.batch`` holds the padded rows.
+
+    Raises:
+        TypeError / ValueError: not a dict of integer tensors of one ``[rows, seq_len]`` shape, a missing key, or
+        what ``packed_seq_params_from_doc_ids`` / ``shard_packed_seq_params`` raise.
+
+    >>> item = make_cp_batch({"input_ids": torch.arange(8).view(1, 8), "doc_ids": torch.tensor([[1] * 5 + [2] * 3])},
+    ...                      cp_size=2, cp_rank=1, layout="contiguous")
+    >>> item.local["input_ids"].tolist(), item.num_valid_labels
+    ([[4, 5, 6, 7]], 6)
+    """
+    batch = _as_batch(batch)
+    check_int(cp_size, "cp_size", min=1)
+    if "labels" not in batch:
+        batch["labels"] = next_token_labels(batch["input_ids"], batch["doc_ids"])
+    batch = _pad_rows(batch, cp_size, check_int(pad_token_id, "pad_token_id", min=0))
+    params = packed_seq_params_from_doc_ids(batch["doc_ids"])
+    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local]
+    local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
+    num_valid = int((batch["labels"] != _IGNORE).sum())
+    return CPBatch(step, batch, params, sharded, local, num_valid)
+
+
+# ------------------------------------------------------------------------------------------------ documents -> steps
+
+
+def _is_hf_iterable(source: Any) -> bool:
+    return type(source).__module__.startswith("datasets") and hasattr(source, "iter") and hasattr(source, "set_epoch")
+
+
+def _documents(source: Any, *, shuffle: bool, seed: int, epoch: int) -> Iterator[Any]:
+    """The whole document stream of one epoch, the same in every process and worker."""
+    if _is_hf_iterable(source):
+        # ``iter(batch_size=...)``, not ``iter(source)``: inside a DataLoader worker HF's ``__iter__`` hands each
+        # worker only some of the shards, and here every worker must see every document.
+        source.set_epoch(epoch)
+        for chunk in source.iter(batch_size=_CHUNK):
+            columns = list(chunk.values())
+            for i in range(len(columns[0]) if columns else 0):
+                yield {key: column[i] for key, column in zip(chunk, columns)}
+    elif hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(source, Mapping):
+        n = len(source)
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        many = getattr(source, "__getitems__", None)  # torch's batched-read convention (HF datasets: ~3x faster)
+        for start in range(0, n, _CHUNK):
+            indices = order[start:start + _CHUNK].tolist()
+            yield from (many(indices) if many is not None else (source[i] for i in indices))
+    else:
+        yield from source
+
+
+def _document(doc: Any) -> Any:
+    """A dict document keeps only what the packer reads (``input_ids`` and, when present, unshifted ``labels``)."""
+    if not isinstance(doc, Mapping):
+        return doc
+    if "input_ids" not in doc:
+        raise ValueError(f"a document dict needs 'input_ids' (keys: {sorted(doc)}); tokenize first: the loader "
+                         "takes token ids, not text")
+    return {key: doc[key] for key in ("input_ids", "labels") if key in doc}
+
+
+def _default_packer() -> Callable[..., Iterable[Sequence[Mapping[str, torch.Tensor]]]]:
+    from cp_packing.packing import pack_documents
+
+    return pack_documents
+
+
+class CPPackedDataset(IterableDataset):
+    """An iterable of :class:`CPBatch`: the documents packed into steps, this replica's batch of each step.
+
+    Every process (and every DataLoader worker) runs the same deterministic packer over the whole document
+    stream; replica ``dp_rank`` keeps ``step[dp_rank]``, and worker ``w`` of ``W`` builds the items of the steps
+    ``k % W == w`` (the DataLoader interleaves them back in step order: keep ``in_order=True``, its default).
+
+    Args:
+        documents: a map-style dataset (HF ``datasets.Dataset``, a list, any ``__len__`` + ``__getitem__``), an HF
+            ``datasets.IterableDataset``, or any re-iterable; items are token-id sequences or dicts with
+            ``input_ids`` (and optional unshifted, prompt-masked HF ``labels``). Every rank passes the WHOLE
+            dataset: not ``split_dataset_by_node``, not a per-worker shard.
+        seq_len, rows: each replica's batch is ``[rows, seq_len]`` (the last step may have fewer rows: see the
+            packer); ``seq_len`` must be divisible by ``cp_size``.
+        placement: this process's :class:`ReplicaRank` (``replica_rank(mesh)``).
+        layout: the CP layout (``"balanced"`` default).
+        shuffle, seed: a map-style dataset is read in a permutation seeded by ``(seed, epoch)`` (else in order);
+            an HF ``IterableDataset`` gets ``set_epoch(epoch)`` (its own ``.shuffle(seed=...)`` then reshuffles).
+        packer: ``pack_documents``-like callable (default ``cp_packing.packing.pack_documents``), called as
+            ``packer(documents, seq_len=, rows=, dp_size=, **pack_kwargs)``; must be deterministic.
+        **pack_kwargs: passed to the packer (``long_documents=``, ``buffer_size=``, ``seed=``, ...).
+    """
+
+    def __init__(self, documents: Any, *, seq_len: int, rows: int, placement: ReplicaRank,
+                 layout: str = "balanced", shuffle: bool = False, seed: int = 0,
+                 packer: Callable[..., Iterable[Sequence[Mapping[str, torch.Tensor]]]] | None = None,
+                 **pack_kwargs: Any) -> None:
+        if not isinstance(placement, ReplicaRank):
+            raise TypeError(f"placement must be a ReplicaRank (cp_packing.loader.replica_rank(mesh)), got "
+                            f"{type(placement).__name__}")
+        if isinstance(documents, Iterator):
+            raise TypeError("documents is a one-shot iterator (a generator?): every rank and worker must read the "
+                            "whole stream, every epoch; pass a list, a datasets.Dataset / IterableDataset, or an "
+                            "object whose __iter__ starts over")
+        if getattr(documents, "_distributed", None) is not None:  # datasets.distributed.split_dataset_by_node
+            raise ValueError("documents was split by node (datasets.distributed.split_dataset_by_node): the loader "
+                             "gives each DP replica its share itself, so every rank must read the whole dataset; "
+                             "pass the dataset before splitting")
+        self.documents = documents
+        self.seq_len = check_int(seq_len, "seq_len", min=1)
+        self.rows = check_int(rows, "rows", min=1)
+        if self.seq_len % placement.cp_size:  # the last step may have fewer rows: every row must divide
+            raise ValueError(f"seq_len={self.seq_len} is not divisible by cp_size={placement.cp_size}: each CP rank "
+                             "holds 1/cp_size of every step's tokens; pick a seq_len that is a multiple of cp_size")
+        self.placement = placement
+        self.layout = layout
+        self.shuffle = check_bool(shuffle, "shuffle")
+        self.seed = check_int(seed, "seed")
+        self.packer = packer
+        self.pack_kwargs = pack_kwargs
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers too
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (a new document order where ``shuffle`` or the dataset shuffles); call it on every rank."""
+        self._epoch.fill_(check_int(epoch, "epoch", min=0))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def steps(self) -> Iterator[Sequence[Mapping[str, torch.Tensor]]]:
+        """The packer's steps of this epoch (every replica's batch), identical in every process."""
+        packer = self.packer or _default_packer()
+        documents = map(_document, _documents(self.documents, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch))
+        return iter(packer(documents, seq_len=self.seq_len, rows=self.rows, dp_size=self.placement.dp_size,
+                           **self.pack_kwargs))
+
+    def __iter__(self) -> Iterator[CPBatch]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        p = self.placement
+        for step, replicas in enumerate(self.steps()):
+            if len(replicas) != p.dp_size:
+                raise ValueError(f"the packer gave step {step} {len(replicas)} replica batches; expected dp_size="
+                                 f"{p.dp_size}")
+            if step % workers == worker:
+                yield make_cp_batch(replicas[p.dp_rank], cp_size=p.cp_size, cp_rank=p.cp_rank, layout=self.layout,
+                                    step=step)
+
+
+def cp_dataloader(
+    documents: Any,
+    *,
+    seq_len: int,
+    rows: int,
+    mesh: Any = None,
+    dp_group: GroupLike = None,
+    cp_group: GroupLike = None,
+    placement: ReplicaRank | None = None,
+    layout: str = "balanced",
+    shuffle: bool = False,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+    packer: Callable[..., Iterable[Sequence[Mapping[str, torch.Tensor]]]] | None = None,
+    **pack_kwargs: Any,
+) -> DataLoader:
+    """A ``DataLoader`` of :class:`CPBatch` for this rank of a DP x CP grid (see :class:`CPPackedDataset`).
+
+    Args:
+        documents, seq_len, rows, layout, shuffle, seed, packer, pack_kwargs: as :class:`CPPackedDataset`.
+        mesh, dp_group, cp_group, placement: where this rank is (one of them; see :func:`replica_rank`).
+        num_workers, pin_memory, prefetch_factor, persistent_workers: as ``torch.utils.data.DataLoader``; the
+            metadata is computed in the workers when ``num_workers > 0``.
+
+    Returns:
+        ``DataLoader`` (``batch_size=None``: each item is one step's :class:`CPBatch`); ``loader.dataset.set_epoch(e)``
+        before each epoch.
+    """
+    if placement is None:
+        placement = replica_rank(mesh, dp_group=dp_group, cp_group=cp_group)
+    elif mesh is not None or dp_group is not None or cp_group is not None:
+        raise TypeError("pass placement= or mesh= / groups, not both")
+    dataset = CPPackedDataset(documents, seq_len=seq_len, rows=rows, placement=placement, layout=layout,
+                              shuffle=shuffle, seed=seed, packer=packer, **pack_kwargs)
+    num_workers = check_int(num_workers, "num_workers", min=0)
+    extra = {} if num_workers == 0 else {"prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers}
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, in_order=True,
+                      **extra)
+
+
+# ------------------------------------------------------------------------------------------------ pre-packed rows
+
+
+class ReplicaBatchSampler(Sampler):
+    """The row indices of this replica's batch at every step, for a map-style dataset of already-packed rows.
+
+    Step ``k`` takes rows ``k * rows * dp_size ...`` of the order (a ``(seed, epoch)`` permutation with
+    ``shuffle``) and splits them among the replicas in rank order; the last step's remainder is split as evenly as
+    possible, so a replica may get fewer rows, or none (then :class:`CPCollator` gives it one all-padding row):
+    every row is used exactly once per epoch and every replica runs the same number of steps. The CP ranks of a
+    replica get the same indices (they depend on ``dp_rank``, ``seed`` and the epoch only).
+
+    Args:
+        num_rows: the dataset's length (or the dataset itself).
+        rows: rows per replica per step.
+        placement: this process's :class:`ReplicaRank`.
+        shuffle, seed: a seeded permutation per epoch (``set_epoch``) instead of the dataset's order.
+    """
+
+    def __init__(self, num_rows: Any, *, rows: int, placement: ReplicaRank, shuffle: bool = False,
+                 seed: int = 0) -> None:
+        self.num_rows = check_int(num_rows if isinstance(num_rows, int) else len(num_rows), "num_rows", min=0)
+        self.rows = check_int(rows, "rows", min=1)
+        if not isinstance(placement, ReplicaRank):
+            raise TypeError(f"placement must be a ReplicaRank, got {type(placement).__name__}")
+        self.placement = placement
+        self.shuffle = check_bool(shuffle, "shuffle")
+        self.seed = check_int(seed, "seed")
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_int(epoch, "epoch", min=0)
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_rows / (self.rows * self.placement.dp_size))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n, per_step = self.num_rows, self.rows * self.placement.dp_size
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        for start in range(0, n, per_step):
+            share = np.array_split(order[start:start + per_step], self.placement.dp_size)[self.placement.dp_rank]
+            yield share.tolist()
+
+
+def _row_tensor(row: Mapping[str, Any], key: str) -> torch.Tensor:
+    x = torch.as_tensor(row[key])
+    if x.dim() != 1 or (x.numel() and x.dtype not in INTEGER_DTYPES and x.dtype != torch.bool):
+        raise ValueError(f"row[{key!r}] must be a 1-D integer sequence [seq_len], got {x.dtype} {tuple(x.shape)}")
+    return x.to(torch.int64)
+
+
+class CPCollator:
+    """``collate_fn`` for already-packed rows: a list of rows -> this rank's :class:`CPBatch` (in the workers).
+
+    A row is a dict with ``input_ids`` ``[seq_len]`` and the document structure as ``doc_ids`` (1-based per row,
+    0 = padding) or ``position_ids`` restarting at 0 per document (with an optional 0/1 ``attention_mask``; see
+    ``doc_ids_from_position_ids``); optional ``labels`` are cp-packing's SHIFTED labels (built with
+    ``next_token_labels`` when absent). An empty list (a replica with no row left at the end of an epoch, see
+    :class:`ReplicaBatchSampler`) gives one all-padding row, so every replica still runs the step.
+
+    Args:
+        placement: this process's :class:`ReplicaRank`.
+        seq_len: the row length (checked; needed for the all-padding row).
+        layout: the CP layout.
+        pad_token_id: the input id of the all-padding row.
+    """
+
+    def __init__(self, placement: ReplicaRank, *, seq_len: int, layout: str = "balanced", pad_token_id: int = 0):
+        if not isinstance(placement, ReplicaRank):
+            raise TypeError(f"placement must be a ReplicaRank, got {type(placement).__name__}")
+        self.placement = placement
+        self.seq_len = check_int(seq_len, "seq_len", min=1)
+        self.layout = layout
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0)
+
+    def _rows(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if len(rows) == 0:
+            shape = (1, self.seq_len)
+            return {"input_ids": torch.full(shape, self.pad_token_id, dtype=torch.int64),
+                    "doc_ids": torch.zeros(shape, dtype=torch.int64),
+                    "labels": torch.full(shape, _IGNORE, dtype=torch.int64)}
+        for i, row in enumerate(rows):
+            has_map = isinstance(row, Mapping) and ("doc_ids" in row or "position_ids" in row)
+            if not has_map or "input_ids" not in row:
+                keys = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+                raise ValueError(f"row {i} must be a dict with 'input_ids' and 'doc_ids' (or 'position_ids'), got "
+                                 f"{keys}")
+        keys = ["input_ids", "doc_ids" if "doc_ids" in rows[0] else "position_ids"]
+        keys += [k for k in ("labels", "attention_mask") if k in rows[0]]
+        out = {}
+        for key in keys:
+            parts = [_row_tensor(row, key) for row in rows]
+            for i, x in enumerate(parts):
+                if x.numel() != self.seq_len:
+                    raise ValueError(f"row {i}[{key!r}] has {x.numel()} tokens; every packed row must have seq_len="
+                                     f"{self.seq_len}")
+            out[key] = torch.stack(parts)
+        if "doc_ids" not in out:
+            positions = out.pop("position_ids")
+            out["doc_ids"] = doc_ids_from_position_ids(positions, attention_mask=out.get("attention_mask"))
+        out.pop("attention_mask", None)
+        return out
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> CPBatch:
+        p = self.placement
+        return make_cp_batch(self._rows(rows), cp_size=p.cp_size, cp_rank=p.cp_rank, layout=self.layout)
+
+
+# ------------------------------------------------------------------------------------------------ gradient accumulation
+
+
+def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None) -> int:
+    """The valid labels of one optimizer step: over its micro-batches and every DP replica (HF's
+    ``num_items_in_batch``), for ``packed_cross_entropy(..., num_items_in_batch=N)``.
+
+    Every CP rank of a replica holds the replica's whole batch, so the count is taken there (``num_valid_labels``,
+    computed in the workers) and all-reduced over ``dp_group`` only: never over the CP group, which would count
+    each label ``cp_size`` times. Every rank of ``dp_group`` must call it (CP peers may too: each reduces over its
+    own DP group). Starts with one ``agree`` over ``dp_group``: every replica must be at the same steps (a
+    ``DataLoader(in_order=False)`` would mix them up) with the same number of micro-batches.
+
+    Args:
+        batches: this rank's :class:`CPBatch` of every micro-batch of the step.
+        dp_group: the data-parallel group (``mesh["dp"]``); ``None``: one replica, no communication.
+
+    Returns:
+        int, the same on every rank.
+
+    >>> item = make_cp_batch({"input_ids": torch.arange(6).view(1, 6), "doc_ids": torch.tensor([[1, 1, 1, 2, 2, 0]])},
+    ...                      cp_size=1, cp_rank=0)
+    >>> num_items_in_batch([item, item])
+    6
+    """
+    dp = resolve_group(dp_group, name="dp_group", optional=True)
+    error, local = None, 0
+    try:
+        if not isinstance(batches, (list, tuple)) or not all(isinstance(b, CPBatch) for b in batches):
+            raise TypeError("batches must be a list of CPBatch (the loader's items of the step's micro-batches)")
+        local = sum(b.num_valid_labels for b in batches)
+    except TypeError as exc:
+        error = exc
+    steps = [b.step for b in batches] if error is None else None
+    if dp is None:
+        if error is not None:
+            raise error
+        return local
+    # the same steps on every replica: a DataLoader with in_order=False would mix them up
+    agree(dp.group, "num_items_in_batch", {"steps of the micro-batches": steps}, error=error, group_name="DP group")
+    total = torch.tensor([local], dtype=torch.int64, device=dp.device)
+    if dp.size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp.group)
+    return int(total[0])

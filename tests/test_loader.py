@@ -1,0 +1,322 @@
+"""The DP x CP loader: every CP rank of a replica gets the same packed batch, the replicas get different ones, every
+document of the epoch lands in exactly one replica's batch once, whatever ``num_workers`` is, and the metadata the
+DataLoader workers computed is what the step would compute; a tiny HF Llama fed from loader items, two micro-batches
+of gradient accumulation normalised by ``num_items_in_batch``, gives the loss and gradients of the model on the whole
+optimizer step (unsharded, all replicas, all micro-batches) in one process.
+
+References are independent of the loader: the documents are compared as token sequences recovered from the doc maps
+(``tests.maps.runs_of_row``), the metadata against ``packed_seq_params_from_doc_ids`` / ``shard_packed_seq_params``
+called at step time, the model against HF eager attention with a block-diagonal causal mask (``tests.test_hf``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+from cp_packing.loader import (
+    CPBatch,
+    CPCollator,
+    CPPackedDataset,
+    ReplicaBatchSampler,
+    ReplicaRank,
+    cp_dataloader,
+    make_cp_batch,
+    num_items_in_batch,
+    replica_rank,
+)
+from cp_packing.loss import next_token_labels
+from cp_packing.testing import run_distributed
+from tests.maps import runs_of_row
+
+datasets = pytest.importorskip("datasets")
+
+SEQ, ROWS, DP, CP = 32, 2, 2, 2
+VOCAB = 128
+
+
+def make_documents(n: int = 60, seed: int = 0) -> dict[str, list]:
+    """Columns of a tokenized dataset: ``input_ids`` (3 to 20 tokens), HF ``labels`` with a masked prompt on every
+    third document, and a ``text`` column the loader must ignore."""
+    rng = np.random.default_rng(seed)
+    ids, labels = [], []
+    for i in range(n):
+        doc = rng.integers(1, VOCAB, size=int(rng.integers(3, 21))).tolist()
+        ids.append(doc)
+        labels.append([-100] * 2 + doc[2:] if i % 3 == 0 else list(doc))
+    return {"input_ids": ids, "labels": labels, "text": [f"doc {i}" for i in range(n)]}
+
+
+def documents_of(batches: list[dict]) -> Counter:
+    """Every document (a run of one doc id inside a row) of the given replica batches, as a token tuple."""
+    out = Counter()
+    for batch in batches:
+        for ids, doc in zip(batch["input_ids"].tolist(), batch["doc_ids"].tolist()):
+            out.update(tuple(ids[a:b]) for value, a, b in runs_of_row(doc) if value != 0)
+    return out
+
+
+def check_item_against_step(item: CPBatch, cp_size: int, cp_rank: int, layout: str = "balanced") -> None:
+    """What the worker computed equals what the step would compute from the replica batch."""
+    batch = item.batch
+    params = packed_seq_params_from_doc_ids(batch["doc_ids"])
+    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    assert torch.equal(item.params.cu_seqlens, params.cu_seqlens) and item.params.max_seqlen == params.max_seqlen
+    assert item.sharded.global_params is item.params and item.sharded.layout == sharded.layout
+    for name in ("token_index", "doc_ids", "position_ids", "cu_seqlens", "key_start"):
+        assert torch.equal(getattr(item.sharded, name), getattr(sharded, name)), name
+    assert (item.sharded.cp_size, item.sharded.cp_rank, item.sharded.max_seqlen) == (cp_size, cp_rank,
+                                                                                         sharded.max_seqlen)
+    for key in ("input_ids", "labels", "doc_ids"):
+        assert torch.equal(item.local[key][0], sharded.shard(batch[key])), key
+    assert torch.equal(item.local["position_ids"][0], sharded.position_ids)
+    assert item.num_valid_labels == int((batch["labels"] != -100).sum())
+
+
+def hf_labels_respected(batch: dict) -> bool:
+    """Shifted labels on the global stream, as next_token_labels gives them, with HF prompt masks only removing."""
+    plain = next_token_labels(batch["input_ids"], batch["doc_ids"])
+    got = batch["labels"]
+    return bool(((got == plain) | (got == -100)).all())
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_make_cp_batch_equals_the_step_computation_and_survives_pickling():
+    doc = torch.tensor([[1] * 5 + [2] * 9 + [0] * 2, [1] * 12 + [2] * 4])
+    ids = torch.randint(1, VOCAB, doc.shape, generator=torch.Generator().manual_seed(0))
+    for cp_rank in range(2):
+        item = make_cp_batch({"input_ids": ids, "doc_ids": doc}, cp_size=2, cp_rank=cp_rank)
+        assert torch.equal(item.batch["labels"], next_token_labels(ids, doc))  # built when absent
+        check_item_against_step(item, 2, cp_rank)
+        copy = pickle.loads(pickle.dumps(item))
+        check_item_against_step(copy, 2, cp_rank)
+        # the batch's doc map, params.doc_ids and the shard's global params stay one object after pickling
+        assert copy.batch["doc_ids"] is copy.params.doc_ids and copy.sharded.global_params is copy.params
+        with pytest.raises(ValueError, match=r"\[rows, seq_len\]"):
+            make_cp_batch({"input_ids": ids.view(-1), "doc_ids": doc.view(-1)}, cp_size=2, cp_rank=0)
+        with pytest.raises(ValueError, match="has no 'doc_ids'"):
+            make_cp_batch({"input_ids": ids}, cp_size=2, cp_rank=0)
+        with pytest.raises(ValueError, match="batch\\['labels'\\] has shape"):
+            make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": ids[:, :3]}, cp_size=2, cp_rank=0)
+        moved = copy.to("cpu")
+        assert moved.sharded.global_params is moved.params
+        assert moved.local["input_ids"].shape == (1, doc.numel() // 2)
+
+
+def test_replica_rank_ways_and_errors():
+    assert replica_rank(cp_rank=1, cp_size=2) == ReplicaRank(0, 1, 1, 2)
+    with pytest.raises(TypeError, match="exactly one"):
+        replica_rank()
+    with pytest.raises(TypeError, match="exactly one"):
+        replica_rank(cp_rank=0, cp_size=2, cp_group=object())
+    with pytest.raises(TypeError, match="cp_rank= and cp_size="):
+        replica_rank(dp_rank=0, dp_size=2)
+    with pytest.raises(ValueError, match="dp_rank must be <= 1"):
+        replica_rank(dp_rank=2, dp_size=2, cp_rank=0, cp_size=1)
+    with pytest.raises(ValueError, match=r"cp_rank must be <= 1"):
+        ReplicaRank(0, 1, 2, 2)
+
+
+def test_dataset_refuses_what_would_lose_or_duplicate_documents():
+    place = ReplicaRank(0, 1, 0, 2)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        CPPackedDataset((d for d in [[1, 2]]), seq_len=4, rows=1, placement=place)
+    ds = datasets.Dataset.from_dict(make_documents(8)).to_iterable_dataset(num_shards=2)
+    from datasets.distributed import split_dataset_by_node
+
+    split = split_dataset_by_node(ds, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="split_dataset_by_node"):
+        CPPackedDataset(split, seq_len=4, rows=1, placement=place)
+    with pytest.raises(ValueError, match="not divisible by cp_size=2"):
+        CPPackedDataset([[1, 2]], seq_len=5, rows=2, placement=place)
+    with pytest.raises(ValueError, match="needs 'input_ids'"):
+        list(CPPackedDataset([{"ids": [1, 2]}], seq_len=4, rows=1, placement=place))
+    with pytest.raises(TypeError, match="ReplicaRank"):
+        CPPackedDataset([[1, 2]], seq_len=4, rows=1, placement=(0, 1, 0, 2))
+
+    def bad_packer(documents, **kwargs):
+        yield [{}]  # one replica batch for dp_size 2
+
+    with pytest.raises(ValueError, match="expected dp_size=2"):
+        list(CPPackedDataset([[1, 2]], seq_len=4, rows=1, placement=ReplicaRank(0, 2, 0, 1), packer=bad_packer))
+
+
+def test_shuffle_is_deterministic_per_epoch_and_loses_nothing():
+    docs = datasets.Dataset.from_dict(make_documents(40, seed=3))
+    place = ReplicaRank(0, 1, 0, 1)
+
+    def epoch_docs(epoch: int) -> list:
+        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7)
+        ds.set_epoch(epoch)
+        return [tuple(x.tolist()) for item in ds for x in item.batch["input_ids"]]
+
+    e0, e0_again, e1 = epoch_docs(0), epoch_docs(0), epoch_docs(1)
+    assert e0 == e0_again and e0 != e1
+    want = Counter(tuple(d) for d in docs["input_ids"])
+    for epoch in (0, 1):
+        ds = CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7)
+        ds.set_epoch(epoch)
+        assert documents_of([item.batch for item in ds]) == want
+    # persistent workers see set_epoch too (the epoch lives in shared memory)
+    loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=7,
+                           num_workers=1, persistent_workers=True)
+    for epoch, expected in ((0, e0), (1, e1)):
+        loader.dataset.set_epoch(epoch)
+        assert [tuple(x.tolist()) for item in loader for x in item.batch["input_ids"]] == expected
+
+
+def test_prepacked_rows_sampler_and_collator_in_workers():
+    """Already-packed rows: every row used once per epoch over the replicas, CP peers identical, the replica left
+    without rows at the end gets one all-padding row; the position_ids route gives the doc_ids route's batch."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(9):  # 9 rows, 2 per replica per step, dp 2: steps of 4, 4, then 1 row (replica 1: none)
+        lengths = [int(x) for x in rng.integers(2, 9, size=3)]
+        doc = [i + 1 for i, n in enumerate(lengths) for _ in range(n)][:SEQ]
+        doc += [0] * (SEQ - len(doc))
+        pos, prev = [], None
+        for d in doc:
+            pos.append(0 if d != prev else pos[-1] + 1)
+            prev = d
+        rows.append({"input_ids": rng.integers(1, VOCAB, size=SEQ).tolist(), "doc_ids": doc, "position_ids": pos,
+                     "attention_mask": [int(d != 0) for d in doc]})
+    by_pos = [{k: r[k] for k in ("input_ids", "position_ids", "attention_mask")} for r in rows]
+    got = {}
+    for dp_rank in range(DP):
+        for cp_rank in range(CP):
+            place = ReplicaRank(dp_rank, DP, cp_rank, CP)
+            for source, workers in ((rows, 2), (by_pos, 0)):
+                loader = torch.utils.data.DataLoader(
+                    source, batch_sampler=ReplicaBatchSampler(len(source), rows=ROWS, placement=place),
+                    collate_fn=CPCollator(place, seq_len=SEQ), num_workers=workers)
+                items = list(loader)
+                for item in items:
+                    check_item_against_step(item, CP, cp_rank)
+                got.setdefault(dp_rank, []).append([{k: v for k, v in it.batch.items()} for it in items])
+    for dp_rank, runs in got.items():
+        first = runs[0]
+        assert len(first) == 3  # every replica runs the same number of steps
+        for other in runs[1:]:  # CP peers and the position_ids route: identical batches
+            assert all(torch.equal(a[k].long(), b[k].long()) for a, b in zip(first, other) for k in a)
+    last = got[1][0][-1]
+    assert last["doc_ids"].shape == (1, SEQ) and not last["doc_ids"].any() and (last["labels"] == -100).all()
+    seen = Counter(tuple(x.tolist()) for r in (0, 1) for b in got[r][0] for x, d in zip(b["input_ids"], b["doc_ids"])
+                   if d.any())
+    assert seen == Counter(tuple(r["input_ids"]) for r in rows)
+
+
+# ------------------------------------------------------------------------------------------------ 4 ranks, dp 2 x cp 2
+
+
+def _loader_worker(rank: int, world: int, columns: dict, model) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_packing.hf import cp_model_inputs
+    from cp_packing.loss import count_valid_labels, packed_cross_entropy
+    from cp_packing.sharding import shard_origin
+
+    # run_ranks forks daemonic ranks, and a daemonic process may not start DataLoader workers; torchrun's ranks
+    # are not daemonic.
+    multiprocessing.current_process().daemon = False
+    mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
+    place = replica_rank(mesh)
+    assert place == ReplicaRank(rank // CP, DP, rank % CP, CP)
+    ds = datasets.Dataset.from_dict(columns)
+    sources = {"map": ds, "iterable": ds.to_iterable_dataset(num_shards=2)}
+    out: dict = {"runs": {}}
+    for kind, source in sources.items():
+        for workers in (0, 2):
+            items = list(cp_dataloader(source, seq_len=SEQ, rows=ROWS, mesh=mesh, num_workers=workers))
+            for item in items:
+                check_item_against_step(item, CP, place.cp_rank)
+            out["runs"][(kind, workers)] = {
+                "steps": [item.step for item in items],
+                "batches": [{k: v.numpy().copy() for k, v in item.batch.items()} for item in items],
+                "hf_labels_ok": all(hf_labels_respected(item.batch) for item in items),
+            }
+            if kind == "map" and workers == 2:
+                crossed = items[:2]
+    # The per-step cache works on an item that crossed the worker boundary: computed once, then reused.
+    calls = []
+    sharded = crossed[0].sharded
+    assert sharded.cached("probe", lambda: calls.append(1) or "x") == "x"
+    assert sharded.cached("probe", lambda: calls.append(1) or "y") == "x" and len(calls) == 1
+    assert sharded.global_token_order() is sharded.global_token_order()
+    # ... and its local labels still count as this rank's shard: the loss refuses them without the CP group
+    assert shard_origin(crossed[0].local["labels"][0]) == (CP, place.cp_rank)
+    with pytest.raises(ValueError, match="shard"):
+        packed_cross_entropy(torch.zeros(sharded.num_local_tokens, VOCAB), crossed[0].local["labels"][0])
+
+    # Two micro-batches of gradient accumulation from loader items: each share over the step's count of labels
+    # (num_items_in_batch: both micro-batches, both replicas), gradients accumulated, then SUM-reduced over all.
+    cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
+    n = num_items_in_batch(crossed, dp_group=mesh["dp"])
+    assert n == count_valid_labels([item.batch["labels"] for item in crossed], dp_group=dp_group)
+    model.zero_grad(set_to_none=True)
+    shares = []
+    for item in crossed:
+        item = item.to("cpu")
+        logits = model(**cp_model_inputs(item.local, item.sharded, group=cp_group)).logits[0]  # [T_local, V]
+        share = packed_cross_entropy(logits, item.local["labels"][0], group=cp_group, dp_group=dp_group,
+                                     num_items_in_batch=n)
+        share.backward()
+        shares.append(float(share.detach()))
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        grads[name] = g.numpy()
+    every = [None] * world
+    dist.all_gather_object(every, shares)
+    out["parity"] = {"shares": every, "grads": grads, "num_items": n}
+    return out
+
+
+@pytest.mark.distributed
+def test_dp2_cp2_loader_gives_replicas_their_share_and_the_model_its_loss():
+    from tests.test_hf import NAME, assert_grads_close, make_model, reference
+
+    columns = make_documents(60)
+    results = run_distributed(_loader_worker, DP * CP, columns, make_model("llama", NAME))
+    want = Counter(tuple(d) for d in columns["input_ids"])
+    n_steps = len(results[0]["runs"][("map", 0)]["steps"])
+    assert n_steps >= 3
+    for rank, result in enumerate(results):
+        first = result["runs"][("map", 0)]
+        for key, run in result["runs"].items():
+            assert run["steps"] == list(range(n_steps)), (rank, key)  # in step order, none lost or repeated
+            assert run["hf_labels_ok"], (rank, key)
+            peer = results[rank ^ 1]["runs"][key]  # the other CP rank of this replica: the same batches
+            other = results[rank ^ 2]["runs"][key]  # the other replica's rank with this CP rank: other batches
+            for mine, theirs, elsewhere in zip(run["batches"], peer["batches"], other["batches"]):
+                assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+                assert not np.array_equal(mine["input_ids"], elsewhere["input_ids"])
+            # the same steps whatever the source kind and num_workers: the packer over the same stream
+            assert all(np.array_equal(a[k], b[k]) for a, b in zip(run["batches"], first["batches"]) for k in a)
+        if rank % CP == 0:
+            for key in result["runs"]:  # the union over the two replicas: every document exactly once
+                union = [{k: torch.from_numpy(v) for k, v in b.items()}
+                         for r in (0, CP) for b in results[r]["runs"][key]["batches"]]
+                assert documents_of(union) == want, key
+
+    # The model on the whole optimizer step (2 micro-batches x 2 replicas, one process): the same loss and gradients.
+    batches = [results[r]["runs"][("map", 2)]["batches"][i] for r in (0, CP) for i in (0, 1)]
+    doc = torch.cat([torch.from_numpy(b["doc_ids"]).long() for b in batches])
+    ids = torch.cat([torch.from_numpy(b["input_ids"]) for b in batches])
+    labels = torch.cat([torch.from_numpy(b["labels"]) for b in batches])
+    _, ref_loss, ref_grads = reference(make_model("llama", "eager"), doc, ids, labels)
+    parity = results[0]["parity"]
+    total = torch.tensor(sum(sum(s) for s in parity["shares"]), dtype=torch.float32)
+    torch.testing.assert_close(total, ref_loss, rtol=1e-4, atol=1e-5)
+    assert all(abs(x) > 0 for s in parity["shares"] for x in s)  # genuine shares on every rank and micro-batch
+    assert_grads_close({n: torch.from_numpy(g) for n, g in parity["grads"].items()}, ref_grads)
+    assert all(r["parity"]["num_items"] == int((labels != -100).sum()) for r in results)
