@@ -17,6 +17,7 @@ from cp_packing.formats import (
     doc_ids_from_seq_lens,
 )
 from cp_packing.layouts import LAYOUTS
+from cp_packing.loader import cp_dataloader
 from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packing import pack_documents
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
@@ -36,6 +37,7 @@ __all__ = [
     "doc_ids_from_seq_idx",
     "doc_ids_from_seq_lens",
     "pack_documents",
+    "cp_dataloader",
     # one rank's shard
     "LAYOUTS",
     "ShardedPackedSeqParams",
