@@ -27,6 +27,7 @@ docs/compile.md for what recompiles between steps.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +174,7 @@ def _extras(softcap: float | None, sinks: torch.Tensor | None, backward: bool = 
     extra = {"softcap": softcap} if softcap is not None else {}
     if sinks is not None and not backward:
         extra["sinks"] = sinks
-    if extra and not hasattr(kernels, "check_softcap" if softcap is not None else "check_sinks"):
+    if extra and not set(extra) <= set(inspect.signature(kernels.varlen_attention_forward).parameters):
         raise NotImplementedError(
             f"this cp_packing's kernels take no {'/'.join(extra)} (logit soft-capping / attention sinks); run a "
             "version whose kernels.varlen_attention_forward has softcap= and sinks="
