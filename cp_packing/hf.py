@@ -352,7 +352,8 @@ def cp_model_inputs(
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given. No
+        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given and ``"cp_plan"`` with
+        ``compiled=True``. No
         ``attention_mask`` (never pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard,
         which is wrong under CP; compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
         from ``cp_packing.next_token_labels`` (shifted on the global stream).

@@ -156,7 +156,8 @@ def _group(group_name: str):
     return None if not group_name else dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def _keys(key_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, sizes: torch.Tensor, Tq: int) -> AllGatherKeys:
+def _keys(key_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, sizes: torch.Tensor,
+          Tq: int) -> AllGatherKeys:
     T_local, max_q, max_k, first = sizes.tolist()  # a CPU tensor: no device sync
     if Tq != T_local:
         raise ValueError(
@@ -302,7 +303,8 @@ def compiled_allgather_attention(
     >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)
     >>> plan = prepare_compiled_attention(sharded)
     >>> q = k = v = torch.randn(6, 2, 8)
-    >>> torch.allclose(compiled_allgather_attention(q, k, v, plan), cp_packing.context_parallel_attention(q, k, v, sharded))
+    >>> out = compiled_allgather_attention(q, k, v, plan)
+    >>> torch.allclose(out, cp_packing.context_parallel_attention(q, k, v, sharded))
     True
     """
     if not isinstance(plan, CompiledAttentionPlan):
