@@ -172,6 +172,7 @@ def cp_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    cp_plan: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered with HF: context-parallel varlen attention over this rank's tokens.
@@ -193,6 +194,9 @@ def cp_attention_forward(
             forwarded as ``softcap``: scaled scores ``s`` become ``softcap * tanh(s / softcap)``.
         s_aux: the layer's attention sinks (gpt-oss passes ``module.sinks``, ``[H]``; ``None`` = none), forwarded
             as ``sinks``; its gradient on each rank is this rank's tokens' share.
+        cp_plan: the step's ``CompiledAttentionPlan`` (``cp_model_inputs(..., compiled=True)``). Used only while
+            ``torch.compile`` traces the model (``torch.compiler.is_compiling()``): the layer then calls the
+            all-gather custom ops (``cp_packing.attention.ops``) and breaks no graph; see docs/compile.md.
         **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
@@ -207,6 +211,9 @@ def cp_attention_forward(
 
     Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (see the module docstring).
     """
+    if cp_plan is not None and torch.compiler.is_compiling() and _is_causal(module, kwargs):
+        return _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, cp_plan,
+                                           sliding_window, softcap, s_aux)
     if cp_sharded is None:
         raise ValueError(
             "cp_packing attention needs the batch's varlen metadata: call the model with cp_sharded=<this rank's "
@@ -287,6 +294,39 @@ def cp_attention_forward(
     return out.unsqueeze(0), None  # [1, T_local, H, D]
 
 
+def _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, plan, window, softcap, sinks):
+    """``cp_attention_forward`` while ``torch.compile`` traces: the checks that need no per-step Python object, then
+    the all-gather custom ops on the prepared ``plan`` (no host sync, no collective outside an op: no graph break).
+    The step's agreement ran in ``cp_model_inputs``; the op checks ``T_local`` against the plan when it runs."""
+    from cp_packing.attention.ops import CompiledAttentionPlan, compiled_allgather_attention
+
+    if not isinstance(plan, CompiledAttentionPlan):
+        raise TypeError(
+            f"cp_plan must be a cp_packing.attention.ops.CompiledAttentionPlan, got {type(plan).__name__}; build the "
+            "call with cp_packing.hf.cp_model_inputs(..., compiled=True)"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"expected HF attention inputs query [1, H, T_local, D], key/value [1, H_kv, T_local, D]; got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} (pass input_ids [1, T_local])"
+        )
+    if attention_mask is not None:
+        _refuse("attention_mask", f"<{type(attention_mask).__name__}>",
+                "document boundaries come from cp_sharded; call the model without attention_mask")
+    if dropout:
+        _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
+    q = query[0].transpose(0, 1).contiguous()  # [T_local, H, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
+    v = value[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):  # as the eager path: one dtype for q/k/v; the op runs autocast off
+        amp_dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (x.to(amp_dtype) if x.dtype in _AUTOCAST_ELIGIBLE else x for x in (q, k, v))
+    out = compiled_allgather_attention(q, k, v, plan, softmax_scale=scaling, window=window, softcap=softcap,
+                                       sinks=sinks)  # [T_local, H, D]
+    return out.unsqueeze(0), None  # [1, T_local, H, D]
+
+
 def cp_model_inputs(
     local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
     sharded: ShardedPackedSeqParams | PackedSeqParams,
@@ -296,6 +336,7 @@ def cp_model_inputs(
     kernel: str = "auto",
     ulysses_size: int | None = None,
     input_key: str = "input_ids",
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """The keyword arguments of ``model(**kwargs)`` for one CP rank's step.
 
@@ -309,18 +350,49 @@ def cp_model_inputs(
         backend, kernel, ulysses_size: passed to ``context_parallel_attention`` through the model
             (``ulysses_size`` with ``backend="hybrid"`` only).
         input_key: ``"input_ids"`` (default) or ``"inputs_embeds"`` (``[..., T_local, hidden]``).
+        compiled: ``True`` for a model under ``torch.compile``: the step's metadata is prepared here, before the
+            call (one agreement over the CP group, the key index as tensors: ``"cp_plan"``, a
+            ``cp_packing.attention.ops.CompiledAttentionPlan``), so that the compiled model's attention layers
+            call custom ops and break no graph. All-gather backend only (``backend`` ``"auto"`` or
+            ``"allgather"``; the returned ``cp_backend`` is ``"allgather"``, so an eager call gives the same
+            result). See docs/compile.md.
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given. No
+        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given and ``"cp_plan"`` with
+        ``compiled=True``. No
         ``attention_mask`` (never pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard,
         which is wrong under CP; compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
         from ``cp_packing.next_token_labels`` (shifted on the global stream).
 
     Raises:
         TypeError: wrong types. ValueError: a missing key, a token count that does not match ``sharded``, a missing
-        group with ``cp_size > 1``.
+        group with ``cp_size > 1``; with ``compiled=True`` also another backend, or ranks that disagree (raised
+        on every rank).
     """
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be a bool, got {type(compiled).__name__}")
+    call = lambda: _model_inputs(local_batch, sharded, group=group, backend=backend, kernel=kernel,  # noqa: E731
+                                 ulysses_size=ulysses_size, input_key=input_key)
+    if not compiled:
+        return call()
+    from cp_packing.attention.ops import prepare_compiled_attention
+
+    try:
+        inputs = call()
+    except (TypeError, ValueError) as exc:
+        if not isinstance(sharded, ShardedPackedSeqParams):
+            raise
+        prepare_compiled_attention(sharded, group=group, backend=backend, kernel=kernel, error=exc)  # every rank raises
+        raise  # pragma: no cover - prepare_compiled_attention raised
+    x = inputs[input_key]
+    plan = prepare_compiled_attention(inputs["cp_sharded"], group=inputs["cp_group"], backend=backend, kernel=kernel,
+                                      device=x.device)
+    return inputs | {"cp_backend": "allgather", "cp_plan": plan}
+
+
+def _model_inputs(local_batch, sharded, *, group, backend, kernel, ulysses_size, input_key) -> dict[str, Any]:
+    """``cp_model_inputs`` without the compiled plan (checks, then the kwargs)."""
     if isinstance(sharded, PackedSeqParams):
         sharded = shard_packed_seq_params(sharded, cp_size=1, cp_rank=0, layout="contiguous")
     elif not isinstance(sharded, ShardedPackedSeqParams):

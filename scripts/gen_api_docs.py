@@ -40,6 +40,7 @@ SECTIONS = [
     ("cp_packing.attention.ulysses", "Ulysses backend"),
     ("cp_packing.attention.hybrid", "Hybrid backend (Ulysses x all-gather)"),
     ("cp_packing.attention.dispatch", "Entry point"),
+    ("cp_packing.attention.ops", "Custom ops for torch.compile"),
     ("cp_packing.report", "Load-balance report"),
     ("cp_packing.testing", "Test and benchmark scaffolding"),
     ("cp_packing.loader", "DP x CP data loader"),

@@ -1,0 +1,319 @@
+"""The all-gather CP attention as ``torch.library`` custom ops, so that ``torch.compile`` sees through it.
+
+``torch.compile`` of a model with cp-packing's eager attention breaks the graph in every attention layer: the
+per-step agreement (an object collective), the per-step key-index cache (a ``WeakIdKeyDictionary``), the host syncs
+of the key index and of the reference kernel, the backend choice and its log line. Here all of that moves out of
+the traced path:
+
+1. Before the model call, :func:`prepare_compiled_attention` (called by ``cp_packing.hf.cp_model_inputs(...,
+   compiled=True)``) runs the rank-local checks and ONE agreement over the CP group, and builds this step's
+   :class:`CompiledAttentionPlan`: the key index and the run metadata as tensors, the group by name (a str), the
+   cp size and the kernel name. The step's host-side numbers (``T_local``, the longest runs, the key range) sit in
+   one small CPU tensor, so a new step never changes a Python constant that the compiled graph was specialised on.
+2. In the model, :func:`compiled_allgather_attention` calls two custom ops, ``cp_packing::allgather_attention_fwd``
+   (returns ``out`` and ``lse``) and ``cp_packing::allgather_attention_bwd`` (dq, dk, dv and the sinks' gradient),
+   tied together with ``register_autograd``. Each has a fake implementation (shapes only), so the compiler traces
+   the layer as one graph and calls the ops as opaque kernels. Inside, the ops run the eager backend's steps: the
+   K/V all-gather over the group resolved from its name, the key selection, the varlen kernel
+   (``cp_packing.attention.kernels``), and in backward the re-gather, the kernel's backward and the reduce-scatter
+   of dK/dV.
+
+The result is the all-gather backend's, bit for bit in eager mode: the same kernel on the same keys. What is NOT
+compiled: the Ulysses, hybrid and ring-flash-attn backends (``prepare_compiled_attention`` refuses them with a
+clear error; call ``cp_model_inputs`` without ``compiled=True`` to run them, with graph breaks), and
+``causal=False`` (the plan holds the causal key index; ``cp_packing.hf`` runs such a layer eagerly). See
+docs/compile.md for what recompiles between steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cp_packing.agreement import agree, digest
+from cp_packing.attention import kernels
+from cp_packing.attention.allgather import AllGatherKeys, allgather_keys, resolve_attention_group
+from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
+from cp_packing.groups import GroupLike
+from cp_packing.sharding import ShardedPackedSeqParams
+
+__all__ = ["COMPILED_BACKENDS", "CompiledAttentionPlan", "compiled_allgather_attention", "prepare_compiled_attention"]
+
+COMPILED_BACKENDS = ("auto", "allgather")
+"""The ``backend`` values with a compiled path (``"auto"`` runs the all-gather backend when compiled)."""
+
+_SIZES = ("T_local", "max_seqlen_q", "max_seqlen_k", "key_first")  # the rows of CompiledAttentionPlan.sizes
+
+
+@dataclass(frozen=True)
+class CompiledAttentionPlan:
+    """One step's all-gather attention metadata, prepared before the model call (tensors, ints and strs only).
+
+    Attributes:
+        key_index: int64 ``[N_k]`` on the tensors' device: the gathered-buffer row of every selected key, runs laid
+            end to end (``AllGatherKeys.key_index``; a range written out when the keys are one range).
+        cu_seqlens_q: int32 ``[R + 1]``, the local runs; cu_seqlens_k: int32 ``[R + 1]``, each run's keys.
+        sizes: int64 ``[4]`` on the CPU: ``T_local``, the longest query run, the longest key run, and the first
+            gathered row when the keys are one range (then selected as a view, no copy), else -1. A tensor, not
+            Python ints, so a new step's values do not recompile the model.
+        group_name: the CP process group's ``group_name`` (resolved inside the ops); ``""`` without communication.
+        cp_size: the CP group size.
+        kernel: the varlen kernel name (``"auto"`` is resolved inside the op, per dtype and device).
+    """
+
+    key_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    sizes: torch.Tensor
+    group_name: str
+    cp_size: int
+    kernel: str
+
+
+def prepare_compiled_attention(
+    sharded: ShardedPackedSeqParams,
+    *,
+    group: GroupLike = None,
+    backend: str = "auto",
+    kernel: str = "auto",
+    device: torch.device | str | None = None,
+    error: BaseException | None = None,
+) -> CompiledAttentionPlan:
+    """Check this step on every rank, agree over the CP group once, and build its :class:`CompiledAttentionPlan`.
+
+    Args:
+        sharded: this rank's ``ShardedPackedSeqParams``.
+        group: the CP process group (``None``: the default group; no communication when ``sharded.cp_size == 1``).
+        backend: ``"auto"`` or ``"allgather"`` (:data:`COMPILED_BACKENDS`; both run the all-gather backend).
+        kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"torch_varlen"`` (checked when the op runs).
+        device: where the metadata tensors go (the model's device; default ``sharded.token_index``'s).
+        error: a failure of the caller's own checks on this rank: raised on every rank through the agreement.
+
+    Returns:
+        The plan; costs one ``all_gather_object`` over the group (none with ``cp_size == 1``) and the key index's
+        host syncs (cached on ``sharded``, shared with the eager backend).
+
+    Raises:
+        ValueError: a backend without a compiled path, a group that does not match ``sharded``, or ranks that
+            disagree (same batch plan, ``T_local``, backend and kernel on every rank); any rank's ``error``.
+    """
+    device = torch.device(device) if device is not None else sharded.token_index.device
+    pg = None
+    try:
+        if error is not None:
+            raise error
+        if backend not in COMPILED_BACKENDS:
+            raise ValueError(
+                f"backend={backend!r} has no compiled path: compiled=True runs the all-gather backend as "
+                "torch.library custom ops; use backend='allgather' (or 'auto'), or prepare the inputs without "
+                "compiled=True (then torch.compile breaks the graph in every attention layer)"
+            )
+        if not isinstance(kernel, str):
+            raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
+        pg = resolve_attention_group(group, sharded, device)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if pg is None and error is not None and sharded.cp_size > 1 and dist.is_available() and dist.is_initialized():
+        try:  # the group is still the one to fail together over when only the checks above failed
+            pg = resolve_attention_group(group, sharded, device)
+        except (TypeError, ValueError):
+            pass
+    fields = {
+        "cp_size": sharded.cp_size,
+        "layout": sharded.layout,
+        "plan": sharded.cached("plan_digest", lambda: digest(sharded.global_params.cu_seqlens, sharded.layout,
+                                                            sharded.cp_size)),
+        "T_local": sharded.num_local_tokens,
+        "backend": backend,
+        "kernel": kernel,
+    }
+    agree(pg, "cp_model_inputs(compiled=True)", fields, error=error)  # raises any rank's error on every rank
+    keys = allgather_keys(sharded, causal=True, device=device)
+    first = keys.key_slice.start if keys.key_slice is not None else -1
+    key_index = keys.key_index if keys.key_index is not None else torch.arange(
+        first, first + keys.num_keys, dtype=torch.int64, device=device)
+    sizes = torch.tensor([sharded.num_local_tokens, keys.max_seqlen_q, keys.max_seqlen_k, first], dtype=torch.int64)
+    for x in (key_index, keys.cu_seqlens_q, keys.cu_seqlens_k):  # their lengths change with every batch's documents
+        torch._dynamo.maybe_mark_dynamic(x, 0)  # so a new step does not recompile (a hint, never an error)
+    return CompiledAttentionPlan(
+        key_index=key_index,
+        cu_seqlens_q=keys.cu_seqlens_q,
+        cu_seqlens_k=keys.cu_seqlens_k,
+        sizes=sizes,
+        group_name="" if pg is None else pg.group_name,
+        cp_size=sharded.cp_size,
+        kernel=kernel,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- op bodies
+
+
+def _group(group_name: str):
+    return None if not group_name else dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _keys(key_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, sizes: torch.Tensor,
+          Tq: int) -> AllGatherKeys:
+    T_local, max_q, max_k, first = sizes.tolist()  # a CPU tensor: no device sync
+    if Tq != T_local:
+        raise ValueError(
+            f"q has {Tq} tokens but the compiled attention plan was prepared for T_local={T_local}; pass this "
+            "step's cp_model_inputs(..., compiled=True) with this step's batch"
+        )
+    n = key_index.numel()
+    return AllGatherKeys(key_index=None if first >= 0 else key_index, key_slice=slice(first, first + n) if first >= 0
+                         else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                         num_keys=n)
+
+
+def _extras(softcap: float | None, sinks: torch.Tensor | None, backward: bool = False) -> dict:
+    """``softcap`` / ``sinks`` keyword arguments for the kernels, only when set (and only where they take them)."""
+    extra = {"softcap": softcap} if softcap is not None else {}
+    if sinks is not None and not backward:
+        extra["sinks"] = sinks
+    if extra and not set(extra) <= set(inspect.signature(kernels.varlen_attention_forward).parameters):
+        raise NotImplementedError(
+            f"this cp_packing's kernels take no {'/'.join(extra)} (logit soft-capping / attention sinks); run a "
+            "version whose kernels.varlen_attention_forward has softcap= and sinks="
+        )
+    return extra
+
+
+def _gather(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
+    return x if group is None else all_gather_tokens(x, group, cp_size)  # [cp * T_local, H_kv, D]
+
+
+@torch.library.custom_op("cp_packing::allgather_attention_fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, sizes: torch.Tensor, sinks: torch.Tensor | None, group_name: str, cp_size: int,
+    softmax_scale: float | None, causal: bool, kernel: str, window: int | None, softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather K/V, select each run's keys, varlen forward: ``out [T_local, H, D]``, ``lse [H, T_local]``."""
+    keys = _keys(key_index, cu_seqlens_q, cu_seqlens_k, sizes, q.shape[0])
+    group = _group(group_name)
+    with torch.autocast(q.device.type, enabled=False):  # the caller cast q/k/v; the kernel runs in their dtype
+        k_all, v_all = _gather(k, group, cp_size), _gather(v, group, cp_size)
+        out, lse = kernels.varlen_attention_forward(
+            q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+            keys.max_seqlen_k, softmax_scale=softmax_scale, causal=causal, kernel=kernel, window=window,
+            **_extras(softcap, sinks),
+        )
+    return out, lse.contiguous()
+
+
+@_fwd.register_fake
+def _(q, k, v, key_index, cu_seqlens_q, cu_seqlens_k, sizes, sinks, group_name, cp_size, softmax_scale, causal,
+      kernel, window, softcap):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("cp_packing::allgather_attention_bwd", mutates_args=())
+def _bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    key_index: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sizes: torch.Tensor,
+    sinks: torch.Tensor | None, group_name: str, cp_size: int, softmax_scale: float | None, causal: bool, kernel: str,
+    window: int | None, softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-gather K/V, varlen backward from the saved ``out``/``lse``, reduce-scatter dK/dV: ``dq, dk, dv, dsinks``
+    (``dsinks`` is ``[0]`` without sinks)."""
+    keys = _keys(key_index, cu_seqlens_q, cu_seqlens_k, sizes, q.shape[0])
+    group = _group(group_name)
+    with torch.autocast(q.device.type, enabled=False):
+        k_all, v_all = _gather(k, group, cp_size), _gather(v, group, cp_size)  # only local tensors were saved
+        dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
+            dout.contiguous(), q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q,
+            keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+            kernel=kernel, window=window, **_extras(softcap, sinks, backward=True),
+        )
+        total = k_all.shape[0]
+        dk, dv = keys.scatter_add(dk_keys, total), keys.scatter_add(dv_keys, total)  # [cp * T_local, H_kv, D]
+        if group is not None:
+            dk, dv = reduce_scatter_tokens(dk, group, cp_size), reduce_scatter_tokens(dv, group, cp_size)
+        dsinks = q.new_empty(0) if sinks is None else kernels.sink_grad(dout, out, lse, sinks)
+    return dq, dk, dv, dsinks
+
+
+@_bwd.register_fake
+def _(dout, q, k, v, out, lse, key_index, cu_seqlens_q, cu_seqlens_k, sizes, sinks, group_name, cp_size,
+      softmax_scale, causal, kernel, window, softcap):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+_TENSOR_ARGS = ("q", "k", "v", "key_index", "cu_seqlens_q", "cu_seqlens_k", "sizes", "sinks")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_index, cu_q, cu_k, sizes, sinks, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_index, cu_q, cu_k, sizes, sinks)
+    ctx.options = tuple(options)  # group_name, cp_size, softmax_scale, causal, kernel, window, softcap
+    ctx.has_sinks = sinks is not None
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, key_index, cu_q, cu_k, sizes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.cp_packing.allgather_attention_bwd(
+        dout, q, k, v, out, lse, key_index, cu_q, cu_k, sizes, sinks, *ctx.options
+    )
+    return dq, dk, dv, None, None, None, None, dsinks if ctx.has_sinks else None, *([None] * len(ctx.options))
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: CompiledAttentionPlan,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All-gather CP attention through the custom ops: ``out [T_local, H, D]``. Differentiable; traceable.
+
+    Args:
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` (``H % H_kv == 0``), this rank's tokens, one dtype.
+        plan: this step's :class:`CompiledAttentionPlan` (``prepare_compiled_attention``).
+        causal: must be True (the plan holds the causal key index).
+        softmax_scale: default ``1 / sqrt(D)``.
+        window: sliding window per segment (``None``: none): keys ``p - window < k <= p``. The plan's causal key
+            index covers every window; the kernel masks each query to its own.
+        softcap, sinks: logit soft-capping and attention sinks ``[H]``, passed to the kernels (which must take them).
+
+    Returns:
+        ``[T_local, H, D]`` in q's dtype, equal to ``context_parallel_attention(..., backend="allgather")``.
+
+    Raises:
+        TypeError: ``plan`` is not a ``CompiledAttentionPlan``. ValueError: ``causal=False``; the kernel's own
+            checks (run inside the op).
+
+    >>> import torch, cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
+    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)
+    >>> plan = prepare_compiled_attention(sharded)
+    >>> q = k = v = torch.randn(6, 2, 8)
+    >>> out = compiled_allgather_attention(q, k, v, plan)
+    >>> torch.allclose(out, cp_packing.context_parallel_attention(q, k, v, sharded))
+    True
+    """
+    if not isinstance(plan, CompiledAttentionPlan):
+        raise TypeError(f"plan must be a CompiledAttentionPlan (prepare_compiled_attention), got {type(plan).__name__}")
+    if causal is not True:
+        raise ValueError("compiled_allgather_attention is causal only (the plan holds the causal key index)")
+    out, _ = torch.ops.cp_packing.allgather_attention_fwd(
+        q, k, v, plan.key_index, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.sizes, sinks, plan.group_name,
+        plan.cp_size, None if softmax_scale is None else float(softmax_scale), True, plan.kernel, window,
+        None if softcap is None else float(softcap),
+    )
+    return out
