@@ -41,6 +41,7 @@ SECTIONS = [
     ("cp_packing.report", "Load-balance report"),
     ("cp_packing.testing", "Test and benchmark scaffolding"),
     ("cp_packing.hf", "HuggingFace integration"),
+    ("cp_packing.trainer", "HF Trainer and TRL SFTTrainer with CP"),
 ]
 
 

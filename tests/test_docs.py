@@ -109,7 +109,7 @@ def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
                                     "cp_packing.agreement", "cp_packing.groups", "cp_packing._checks",
                                     "cp_packing.attention.dispatch", "cp_packing.attention.ulysses",
                                     "cp_packing.attention.hybrid",
-                                    "cp_packing.report"])
+                                    "cp_packing.report", "cp_packing.trainer"])
 def test_docstring_examples_run(module):
     """The ``>>>`` examples in the public docstrings are what the code does."""
     import doctest

@@ -14,6 +14,7 @@ replicas in CPTrainer, over one replica in the reference).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import tempfile
 
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArg
 from cp_packing.testing import run_distributed, synthetic_doc_ids  # noqa: E402
 from cp_packing.trainer import cp_batch  # noqa: E402
 
+HAS_TRL = importlib.util.find_spec("trl") is not None
 VOCAB, SEQ, ROWS = 64, 24, 12
 STEPS, ACCUM = 3, 2
 # Plain SGD without clipping: the update is lr * gradient, so the final weights check the gradients' scale too
@@ -78,7 +80,7 @@ def training_args(out: str, batch_size: int) -> TrainingArguments:
 def use_world_env(rank: int, world: int) -> None:
     """What torchrun would set, for accelerate's state in a run_ranks rank (the gloo group already exists)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
     from accelerate.state import AcceleratorState, PartialState
 
     AcceleratorState._reset_state(True)
@@ -127,32 +129,32 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_distributed(_reference, 1, (1, 2))[0]
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, layout", [(2, "balanced"), (4, "zigzag")])
-def test_cp_trainer_equals_one_process_trainer(reference, world, layout):
+def test_cp_trainer_equals_one_process_trainer():
+    """cp 2 (layout balanced) and dp 2 x cp 2 (layout zigzag: documents padded in the collator) against the plain
+    Trainer; one test, so the reference runs once (pytest-xdist would run a shared fixture in every worker)."""
     cp = 2
-    ref_losses, ref_weights = reference[world // cp]
+    reference = run_distributed(_reference, 1, (1, 2))[0]
     init = make_model("sdpa").state_dict()
-    results = run_distributed(_cp_run, world, cp, layout)
-    for rank, (losses, weights) in enumerate(results):
-        assert len(losses) == STEPS == len(ref_losses)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)  # loss, norm
-        for name, w in weights.items():
-            torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}")
-    # the run trained: weights moved by far more than the tolerance
-    assert _max_diff(ref_weights, init) > 100 * ATOL
-    print(f"world {world} ({layout}): max loss diff "
-          f"{max(abs(a[0] - b[0]) for a, b in zip(results[0][0], ref_losses)):.3g}, grad norm diff "
-          f"{max(abs(a[1] - b[1]) for a, b in zip(results[0][0], ref_losses)):.3g}, "
-          f"max weight diff {max(_max_diff(w, ref_weights) for _, w in results):.3g}")
+    for world, layout in ((2, "balanced"), (4, "zigzag")):
+        ref_logged, ref_weights = reference[world // cp]
+        results = run_distributed(_cp_run, world, cp, layout)
+        for rank, (logged, weights) in enumerate(results):
+            assert len(logged) == STEPS == len(ref_logged)
+            torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"world {world} rank {rank}, (loss, grad norm) per step: {m}")
+            for name, w in weights.items():
+                torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"world {world} rank {rank} {name}: {m}")
+        # the run trained: weights moved by far more than the tolerance
+        assert _max_diff(ref_weights, init) > 100 * ATOL
+        print(f"world {world} ({layout}): max loss diff "
+              f"{max(abs(a[0] - b[0]) for a, b in zip(results[0][0], ref_logged)):.3g}, grad norm diff "
+              f"{max(abs(a[1] - b[1]) for a, b in zip(results[0][0], ref_logged)):.3g}, "
+              f"max weight diff {max(_max_diff(w, ref_weights) for _, w in results):.3g}")
 
 
-# ---------------------------------------------------------------------------------------------- cp_batch
+# ------------------------------------------------------------------------------------------------ cp_batch
 
 
 def test_cp_batch_from_position_ids_and_hf_labels():
@@ -184,3 +186,68 @@ def test_cp_batch_zigzag_pads_every_document():
     assert all(int(n) % 4 == 0 for n in runs)
     valid = out["shift_labels"][out["shift_labels"] != -100].tolist()
     assert valid == [1, 2, 4]  # the same targets as without padding
+
+
+# ------------------------------------------------------------------------------------------------- TRL SFTTrainer
+
+TRL_STEPS = 2
+
+
+def _tiny_tokenizer():
+    """A word-level tokenizer over VOCAB tokens, built here (nothing downloaded); TRL needs a pad token."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<eos>")
+
+
+def _documents():
+    """Tokenized documents of 3..15 tokens, for TRL's best-fit-decreasing packer (packing=True, max_length=SEQ)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 16, (20,), generator=g).tolist()
+    return datasets.Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (n,), generator=g).tolist()
+                                                     for n in lengths]})
+
+
+def _sft_args(out: str, batch_size: int):
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                     max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
+                     report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
+                     packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+
+
+def _sft_run(rank: int, world: int, cp: int):
+    from trl import SFTTrainer
+
+    from cp_packing.trainer import CPSFTTrainer
+
+    use_world_env(rank, world)
+    with tempfile.TemporaryDirectory() as out:
+        if cp == 0:  # the reference: TRL's own padding-free path, one process
+            trainer = SFTTrainer(model=make_model("sdpa"), args=_sft_args(out, 1), train_dataset=_documents(),
+                                 processing_class=_tiny_tokenizer())
+        else:
+            trainer = CPSFTTrainer(model=make_model("sdpa"), args=_sft_args(out, 1), train_dataset=_documents(),
+                                   processing_class=_tiny_tokenizer(), cp_size=cp)
+        trainer.train()
+    return losses_and_weights(trainer)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+def test_cp_sft_trainer_equals_trl_sft_trainer():
+    """TRL's packing (best-fit decreasing) and padding-free collator ([1, T] rows, position_ids restarting per
+    document): CPSFTTrainer at cp 2 gives TRL's own one-process SFTTrainer's losses and weights (HF sdpa, which
+    finds the documents from the position ids; TRL's default gradient checkpointing on in both)."""
+    (ref_logged, ref_weights), = run_distributed(_sft_run, 1, 0)
+    for logged, weights in run_distributed(_sft_run, 2, 2):
+        torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0)
+        for name, w in weights.items():
+            torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL, msg=name)
