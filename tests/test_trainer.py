@@ -78,9 +78,13 @@ def training_args(out: str, batch_size: int) -> TrainingArguments:
 
 
 def use_world_env(rank: int, world: int) -> None:
-    """What torchrun would set, for accelerate's state in a run_ranks rank (the gloo group already exists)."""
+    """What torchrun would set, for accelerate's state in a run_ranks rank (the gloo group already exists).
+
+    OMP_NUM_THREADS=1: otherwise accelerate raises the rank's intra-op threads to the physical cores, and an OpenMP
+    parallel region in a process forked from a parent that used OpenMP can hang (seen in TRL's collator)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                      HF_HUB_DISABLE_TELEMETRY="1")
     from accelerate.state import AcceleratorState, PartialState
 
     AcceleratorState._reset_state(True)
