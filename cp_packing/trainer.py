@@ -264,6 +264,14 @@ class CPTrainerMixin:
                 "here); use DDP (the default), or the FSDP2 recipe of docs/integration.md in your own loop"
             )
         self.cp_mesh = cp_mesh_from_world(self.cp_size)
+        world = self.cp_mesh.cp_size * self.cp_mesh.dp_size
+        if self.accelerator.num_processes != world:
+            raise ValueError(
+                f"the process group has {world} ranks but accelerate runs {self.accelerator.num_processes} "
+                f"process(es) ({self.accelerator.distributed_type}), so the Trainer would not wrap the model in DDP "
+                "and nothing would reduce the CP ranks' gradients; on a machine without GPUs pass "
+                "TrainingArguments(use_cpu=True), and launch with torchrun"
+            )
         self._use_cp_attention()
         self.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's count (num_items_in_batch)
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch (our override below)
@@ -393,7 +401,8 @@ class CPTrainer(CPTrainerMixin, Trainer):
     optimizer step equal a one-process ``Trainer`` on the same rows with documents isolated (tests/test_trainer.py).
 
     Raises:
-        ValueError: the world size is not a multiple of ``cp_size``, a bad layout.
+        ValueError: the world size is not a multiple of ``cp_size``, a bad layout, accelerate not running on the
+            whole world (on CPU-only machines pass ``TrainingArguments(use_cpu=True)``).
         NotImplementedError: FSDP through accelerate; ``evaluate`` / ``predict``.
     """
 
