@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # Set up (fresh venv or reuse) and run the main job: a tiny Llama trained with context parallelism on synthetic
 # neat-packed documents, 2 CP ranks (gloo on CPU, NCCL on GPUs). Extra arguments go to launch/train.py
-# (`python -m cp_packing train --help`), e.g. `bash run.sh --layout balanced --steps 20 --check-parity`.
+# (`python -m cp_packing train --help`, docs/launcher.md), e.g. `bash run.sh --layout balanced --steps 20
+# --check-parity`, or your own model and data: `bash run.sh --model ./my-model --data ./train.jsonl --output-dir out`.
 # `bash run.sh --nproc 4` (or NPROC=4 bash run.sh) runs 4 ranks.
+# Exit status: 0 ok, 1 error or parity FAIL, 2 usage error (checked here once, before torchrun starts any rank),
+# 143 stopped by SIGTERM after saving.
 set -euo pipefail
 cd "$(dirname "$0")"
 NPROC=${NPROC:-2}
 ARGS=()
+HELP=0
 while [ $# -gt 0 ]; do  # --nproc sets torchrun's --nproc-per-node here (torchrun itself would call it ambiguous)
     case "$1" in
         --nproc) [ $# -ge 2 ] || { echo "error: --nproc needs a number" >&2; exit 2; }; NPROC=$2; shift 2 ;;
         --nproc=*) NPROC=${1#--nproc=}; shift ;;
+        -h|--help) HELP=1; ARGS+=("$1"); shift ;;
         *) ARGS+=("$1"); shift ;;
     esac
 done
 case "$NPROC" in ''|*[!0-9]*|0) echo "error: --nproc must be a positive integer, got '$NPROC'" >&2; exit 2 ;; esac
 bash scripts/setup_venv.sh
+if [ "$HELP" = 1 ]; then  # the options, printed once, without starting any rank
+    exec .venv/bin/python launch/train.py ${ARGS[@]+"${ARGS[@]}"}
+fi
+# Every option, the model directory and the data checked once, as rank 0 of a world of NPROC would: a usage error
+# is one line and exit 2 here (torchrun reports any failed rank as its own exit 1).
+WORLD_SIZE=$NPROC RANK=0 LOCAL_RANK=0 .venv/bin/python launch/train.py --dry-run ${ARGS[@]+"${ARGS[@]}"} >/dev/null
 exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" launch/train.py ${ARGS[@]+"${ARGS[@]}"}

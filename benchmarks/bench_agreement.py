@@ -95,19 +95,18 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     args = cfg["args"]
-    device = torch.device("cpu")
     model = build_model(args, register_cp_attention()).train()
     rec = _Recorder()
     for layer in model.model.layers:
         layer.self_attn.register_forward_hook(rec.hook)
     rec.install()
     group = dist.group.WORLD
-    keys = ("input_ids", "labels", "doc_ids", "real")
+    keys = ("input_ids", "labels", "doc_ids")
 
     out = {"step": [], "agree_in_step": [], "agree_bare": [], "calls": [], "by_call": [], "exchanges": [],
            "attention": [], "bare_exchanges": [], "T_local": None, "layout": None}
     for step in range(cfg["warmup"] + cfg["steps"]):
-        batch = synthetic_batch(args, step, 0, world, device)
+        batch = synthetic_batch(args, step, 0)
         payload = {k: batch[k] for k in keys}
         rec.reset()
         dist.barrier()

@@ -10,8 +10,15 @@ explicitly), and flash_attn / ring_flash_attn are imported inside the functions 
 from cp_packing.attention import context_parallel_attention
 from cp_packing.cost import choose_layout, layout_cost
 from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
+from cp_packing.formats import (
+    doc_ids_from_cu_seqlens,
+    doc_ids_from_position_ids,
+    doc_ids_from_seq_idx,
+    doc_ids_from_seq_lens,
+)
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.packing import pack_documents
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.padding import pad_segments
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
@@ -23,6 +30,12 @@ __all__ = [
     "PackedSeqParams",
     "packed_seq_params_from_doc_ids",
     "to_flash_attention_kwargs",
+    # data in: other packing formats -> a doc map; documents -> packed, DP-balanced steps
+    "doc_ids_from_position_ids",
+    "doc_ids_from_cu_seqlens",
+    "doc_ids_from_seq_idx",
+    "doc_ids_from_seq_lens",
+    "pack_documents",
     # one rank's shard
     "LAYOUTS",
     "ShardedPackedSeqParams",
@@ -37,5 +50,6 @@ __all__ = [
     "context_parallel_attention",
     "next_token_labels",
     "packed_cross_entropy",
+    "count_valid_labels",
     "reduce_loss_for_logging",
 ]

@@ -2,6 +2,7 @@
 
     python -m cp_packing verify --nproc 2          # CP attention == full attention (cp_packing.tools.verify)
     python -m cp_packing train --nproc 2           # a tiny Llama trained with CP (cp_packing.tools.train)
+    python -m cp_packing train --nproc 2 --model DIR --data FILE.jsonl --output-dir OUT   # your model and data
     python -m cp_packing report --cp 8             # load balance of every layout on a map (cp_packing.tools.report)
     python -m cp_packing show --cp 2               # what a map becomes on every rank (cp_packing.tools.show)
 
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=__doc__.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{verify,train,report,show}")
     sub.add_parser("verify", help="check CP attention against full attention on this cluster (--help: options)")
-    sub.add_parser("train", help="train a tiny causal LM with context parallelism (--help: options)")
+    sub.add_parser("train", help="train a local HF model (or a tiny preset) with context parallelism on local data "
+                   "(--help: options)")
     report.add_parser(sub)
     show.add_parser(sub)
     return parser

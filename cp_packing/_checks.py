@@ -18,6 +18,8 @@ __all__ = [
     "INTEGER_DTYPES",
     "INT32_MAX",
     "check_bool",
+    "check_weighted_cost_tokens",
+    "check_windows",
     "check_choice",
     "check_cp",
     "check_cu_seqlens",
@@ -228,6 +230,24 @@ def check_cost_tokens(total: Any, name: str = "cu_seqlens") -> int:
     )
 
 
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` (logit soft-capping: a scaled score ``s`` becomes ``softcap * tanh(s / softcap)``, Gemma 2's
+    ``attn_logit_softcapping``) as a float > 0, or ``None`` (no capping).
+
+    >>> check_softcap(50), check_softcap(None)
+    (50.0, None)
+    """
+    if softcap is None:
+        return None
+    value = check_number(softcap, "softcap")
+    if not (0.0 < value < float("inf")):
+        raise ValueError(
+            f"softcap must be a finite number > 0 (scores become softcap * tanh(scores / softcap)), got {softcap!r}; "
+            "pass the model's attn_logit_softcapping, or None for no soft-capping (0 does not mean 'off' here)"
+        )
+    return value
+
+
 def check_window(window: Any, causal: Any = True, name: str = "window") -> int | None:
     """``window`` (sliding-window attention: a query at in-document position ``p`` attends keys at positions
     ``p - window < k <= p``, HF's ``sliding_window``) as an int >= 1, or ``None`` (no window). A window needs
@@ -245,3 +265,47 @@ def check_window(window: Any, causal: Any = True, name: str = "window") -> int |
             f"causal=True, or {name}=None for non-causal attention"
         )
     return window
+
+
+def check_windows(window: Any, name: str = "window") -> int | tuple[int | None, ...] | None:
+    """The sliding window(s) a cost model or layout plans for, in a hashable form: ``None`` (full causal attention),
+    an int ``>= 1`` (one window for every layer), or a per-layer list/tuple of ``int | None`` (models that mix
+    sliding and global layers, e.g. Gemma 2 or Qwen2 with ``max_window_layers``), returned as a tuple.
+
+    Raises:
+        TypeError: not ``None``, an int or a list/tuple; a bool, float or string (also as a list entry).
+        ValueError: a window ``< 1`` (also as a list entry), or an empty list.
+
+    >>> check_windows(4), check_windows([4096, None]), check_windows(None)
+    (4, (4096, None), None)
+    """
+    if window is None or is_int(window):
+        return check_window(window, name=name)
+    if not isinstance(window, (list, tuple)):
+        raise TypeError(
+            f"{name} must be an int >= 1, None or a per-layer list of (int | None), got {window!r} "
+            f"({type(window).__name__}); pass the model's sliding_window, or one entry per layer (None = global)"
+        )
+    if not window:
+        raise ValueError(
+            f"{name} is an empty list: a per-layer window needs one entry per layer (an int, or None for a global "
+            "layer); pass None for full attention everywhere"
+        )
+    return tuple(check_window(w, name=f"{name}[{i}]") for i, w in enumerate(window))
+
+
+def check_weighted_cost_tokens(total: Any, weight: int, name: str = "cu_seqlens") -> int:
+    """``total`` (the token count T of ``name``) if ``weight`` times its causal cost ``T (T + 1) / 2`` fits int64
+    (``weight``: how many layers a per-layer window sums); else a ValueError, never a silent overflow.
+
+    >>> check_weighted_cost_tokens(8, 3)
+    8
+    """
+    total = check_cost_tokens(total, name)
+    if weight * (total * (total + 1) // 2) > 2**63 - 1:
+        raise ValueError(
+            f"the token count T={total} of {name} with a per-layer window summed over {weight} layer(s) could "
+            "overflow int64 in the cost sum(min(p + 1, window)); split the batch or pass fewer layers (the cost "
+            "depends only on each distinct window's share of the layers)"
+        )
+    return total

@@ -10,8 +10,10 @@ kernel attends them like documents (padding attends to padding), so they take th
 
 Sliding window (``window=w``, HF's ``sliding_window``): a token at position ``p`` attends ``min(p + 1, w)`` keys, so
 it costs that, and the closed form per segment becomes ``m(m+1)/2 + (p - m) w`` with ``m = min(p, w)`` (a long
-document under a small window is linear, not quadratic). ``causal_cost``, ``layout_cost`` and ``choose_layout``
-take ``window=``.
+document under a small window is linear, not quadratic). ``window`` may also be a per-layer list of ``int | None``
+(models that mix sliding and global layers): the cost is then the SUM over the layers (``[w, None]`` costs
+``min(p + 1, w) + p + 1`` per token). ``causal_cost``, ``layout_cost`` and ``choose_layout`` take ``window=``, and
+the ``balanced`` layout is planned for it (``cp_packing.layouts.work`` has the closed forms).
 
 Figures (``LayoutCost``):
 
@@ -36,8 +38,8 @@ document) in ``2 * cp`` chunks and giving rank r chunks ``r`` and ``2cp-1-r`` (c
 
 ``choose_layout`` (``layout="auto"``) picks, per batch, the valid layout with the lowest busiest-rank cost.
 
-Exact in int64 up to ``MAX_COST_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits; a longer
-stream raises a ValueError instead of overflowing silently.
+Exact in int64 up to ``MAX_COST_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits (divided by
+the number of layers of a per-layer window); a longer stream raises a ValueError instead of overflowing silently.
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ import functools
 import math
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_int, check_number, check_window
+from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
+                                check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS
 from cp_packing.layouts.balanced import balanced_plan
+from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
 __all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS", "BYTES_BACKENDS", "backend_bytes", "choose_backend_by_bytes",
@@ -116,16 +121,21 @@ class LayoutCost:
 
 
 
-def _head_cost(p: np.ndarray, window: int | None) -> np.ndarray:
-    """Cost of positions ``0 .. p-1`` of one segment: ``sum min(i + 1, window)`` = ``p(p+1)/2`` without a window,
-    ``m(m+1)/2 + (p - m) * window`` with ``m = min(p, window)``."""
-    if window is None:
-        return p * (p + 1) // 2
-    m = np.minimum(p, window)
-    return m * (m + 1) // 2 + (p - m) * window
+Window = "int | tuple[int | None, ...] | None"  # as check_windows returns it
 
 
-def _prefix_cost(cu: np.ndarray, t: np.ndarray, window: int | None = None) -> np.ndarray:
+def _head_cost(p: np.ndarray, window: Window) -> np.ndarray:
+    """Cost of positions ``0 .. p-1`` of one segment: ``sum min(i + 1, window)`` summed over the layers
+    (``cp_packing.layouts.work.head_cost``)."""
+    return head_cost(p, window_weights(window))
+
+
+def _check_tokens(total: int, window: Window, name: str = "cu_seqlens") -> int:
+    """``total`` if its cost (summed over the layers of a per-layer ``window``) fits int64; else a ValueError."""
+    return check_weighted_cost_tokens(total, len(window) if isinstance(window, tuple) else 1, name)
+
+
+def _prefix_cost(cu: np.ndarray, t: np.ndarray, window: Window = None) -> np.ndarray:
     """``W(t)``: causal cost of the global stream ``[0, t)`` (``t`` int64, any shape, ``0 <= t <= T``); under a
     sliding ``window`` a token at position ``p`` costs ``min(p + 1, window)``."""
     lengths = cu[1:] - cu[:-1]
@@ -137,7 +147,8 @@ def _prefix_cost(cu: np.ndarray, t: np.ndarray, window: int | None = None) -> np
 
 
 def causal_cost(
-    cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Tensor, *, window: int | None = None
+    cu_seqlens: torch.Tensor, start: torch.Tensor, length: torch.Tensor, *,
+    window: int | Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """Causal cost ``sum(p + 1)`` of each range ``[start, start + length)`` of the global stream.
 
@@ -146,7 +157,7 @@ def causal_cost(
         start, length: int ``[R]``, ranges of global positions (a range may cross segments; each token counts with
             its position inside its own segment).
         window: sliding window (``None``: none): a token at position ``p`` then attends ``min(p + 1, window)``
-            keys and costs that (``sum min(p + 1, window)``).
+            keys and costs that (``sum min(p + 1, window)``); a per-layer list of ``int | None`` sums its layers.
 
     Returns:
         int64 ``[R]`` (CPU). Closed form, vectorised: ``W(start + length) - W(start)``.
@@ -158,10 +169,12 @@ def causal_cost(
     tensor([10,  8])
     >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]), window=2)
     tensor([7, 5])
+    >>> causal_cost(torch.tensor([0, 4, 6]), torch.tensor([0, 2]), torch.tensor([4, 3]), window=[2, None])
+    tensor([17, 13])
     """
-    window = check_window(window)
+    window = check_windows(window)
     cu = check_cu_seqlens(cu_seqlens)
-    check_cost_tokens(int(cu[-1]))
+    _check_tokens(int(cu[-1]), window)
     s = _np64(start, "start")
     n = _np64(length, "length")
     if s.shape != n.shape:
@@ -194,7 +207,7 @@ def _split_at_segments(cu: np.ndarray, rank: np.ndarray, start: np.ndarray, end:
 
 
 def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, length: np.ndarray,
-             window: int | None = None):
+             window: Window = None):
     """Per-rank cost, tokens, runs and K/V tokens needed from other ranks, for ranges owned by ranks."""
     nz = length > 0
     rank, start, length = rank[nz], start[nz], length[nz]
@@ -220,7 +233,7 @@ def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, lengt
     return rank_cost, tokens, runs, needed - tokens
 
 
-def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] | None):
+def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] | None, window: Window = None):
     """``(rank, start, length)`` ranges of every rank (may cross segments for contiguous / rowzigzag)."""
     total = int(cu[-1])
     ranks = np.arange(cp, dtype=np.int64)
@@ -236,13 +249,13 @@ def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] |
         rank = np.broadcast_to(ranks[None, :, None], lo.shape)
         return rank.reshape(-1), lo.reshape(-1), (hi - lo).reshape(-1)
     if layout == "balanced":
-        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu.copy()), cp_size=cp)
+        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu.copy()), cp_size=cp, window=window)
         rank = np.repeat(ranks, np.diff(offsets.numpy()))
         return rank, run_start.numpy(), run_len.numpy()
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
 
 
-def _zigzag_figures(lengths: np.ndarray, cp: int, window: int | None = None):
+def _zigzag_figures(lengths: np.ndarray, cp: int, window: Window = None):
     """Per-rank cost, tokens, runs and K/V tokens needed from other ranks under zigzag, in closed form from the
     segment lengths (every one a multiple of ``2 * cp``): O(segments + cp) memory, no per-rank run list.
 
@@ -257,9 +270,10 @@ def _zigzag_figures(lengths: np.ndarray, cp: int, window: int | None = None):
     if window is None:
         rank_cost = np.full(cp, int((c * (lengths + 1)).sum()), dtype=np.int64)
     else:
+        weights = window_weights(window)
         rank_cost = np.array([
-            int((_head_cost((r + 1) * c, window) - _head_cost(r * c, window)
-                 + _head_cost((2 * cp - r) * c, window) - _head_cost((2 * cp - 1 - r) * c, window)).sum())
+            int((head_cost((r + 1) * c, weights) - head_cost(r * c, weights)
+                 + head_cost((2 * cp - r) * c, weights) - head_cost((2 * cp - 1 - r) * c, weights)).sum())
             for r in range(cp)
         ], dtype=np.int64)
     tokens = np.full(cp, 2 * c_sum, dtype=np.int64)
@@ -303,8 +317,9 @@ def _params(params_or_doc_ids: object) -> PackedSeqParams:
     )
 
 
-def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor, window: int | None = None):
-    """``(rank_cost, tokens, runs, kv_tokens, padding overhead)`` of one layout (zigzag padded where it must be)."""
+def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor, window: Window = None):
+    """``(rank_cost, tokens, runs, kv_tokens, padding overhead)`` of one layout (zigzag padded where it must be;
+    ``balanced`` planned for ``window``)."""
     if layout == "zigzag":
         lengths = np.diff(cu)
         overhead = 0.0
@@ -313,7 +328,7 @@ def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor, w
             overhead = added / real if real else 0.0
         return (*_zigzag_figures(lengths, cp, window), overhead)
     rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
-    rank, start, length = _layout_ranges(cu, cp, layout, rows)
+    rank, start, length = _layout_ranges(cu, cp, layout, rows, window)
     return (*_figures(cu, cp, rank, start, length, window), 0.0)
 
 
@@ -325,7 +340,7 @@ def layout_cost(
     num_kv_heads: int = 8,
     head_dim: int = 128,
     dtype_bytes: int = 2,
-    window: int | None = None,
+    window: int | Sequence[int | None] | None = None,
 ) -> LayoutCost:
     """Cost figures of one layout on one batch (see the module docstring).
 
@@ -338,9 +353,11 @@ def layout_cost(
             ``"balanced"``, ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name)
             or ``"rowzigzag"`` (the whole-row reference; needs nothing).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
-        window: sliding window of the attention (``None``: full causal): every cost (``rank_cost``, ``imbalance``,
-            ``ideal_cost``) counts ``min(p + 1, window)`` per token; ``auto`` compares the candidates under it.
-            ``kv_bytes_allgather`` stays the unwindowed key range (an upper bound under a window).
+        window: sliding window of the attention (``None``: full causal; an int; or a per-layer list of
+            ``int | None``, summed over the layers): every cost (``rank_cost``, ``imbalance``, ``ideal_cost``) counts
+            ``min(p + 1, window)`` per token, ``balanced`` is planned for it (as ``shard_packed_seq_params(...,
+            window=window)`` plans it) and ``auto`` compares the candidates under it. ``kv_bytes_allgather`` stays the
+            unwindowed key range (an upper bound under a window).
 
     Returns:
         ``LayoutCost``.
@@ -353,14 +370,14 @@ def layout_cost(
     tensor([3, 7])
     """
     cp = check_int(cp_size, "cp_size", min=1)
-    window = check_window(window)
+    window = check_windows(window)
     for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
         check_int(value, name, min=1)
     if layout not in COST_LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
     params = _params(params_or_doc_ids)
     cu = _np64(params.cu_seqlens, "cu_seqlens")
-    total = check_cost_tokens(int(cu[-1]))
+    total = _check_tokens(int(cu[-1]), window)
     ideal = float(_prefix_cost(cu, np.array([total]), window)[0]) / cp
     if layout == "auto":
         layout = choose_layout(params, cp_size=cp, window=window)
@@ -394,22 +411,24 @@ def layout_cost(
 # layout="auto"
 
 
-def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, window: int | None = None) -> str:
+def choose_layout(
+    params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, window: int | Sequence[int | None] | None = None
+) -> str:
     """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch.
 
     Candidates: ``contiguous`` and ``balanced`` (need ``T % cp_size == 0``), ``zigzag`` (needs every segment
     ``% (2 * cp_size) == 0``; this function never pads). The winner has the lowest busiest-rank causal cost; costs
     within ``rtol`` of the lowest are a tie (the model ignores kernel tiles, so 1% is noise), and a tie goes to the
     layout whose ranks receive fewer K/V bytes under the all-gather backend (summed over ranks), then to the first
-    in ``AUTO_LAYOUTS``. Deterministic (every rank picks the same), cached per ``(cu_seqlens, cp_size, rtol)``,
-    logged at DEBUG level on the ``"cp_packing"`` logger.
+    in ``AUTO_LAYOUTS``. Deterministic (every rank picks the same), cached per ``(cu_seqlens, cp_size, rtol,
+    window)``, logged at DEBUG level on the ``"cp_packing"`` logger.
 
     Args:
         params: ``PackedSeqParams`` of the ``[B, S]`` batch.
         cp_size: the context-parallel group size.
         rtol: relative tolerance of a cost tie, ``>= 0``.
-        window: price the candidates under this sliding window (``None``: full causal; see ``layout_cost``). The
-            ``balanced`` candidate is still planned for the full causal cost.
+        window: price the candidates under this sliding window (``None``: full causal; an int or a per-layer list,
+            see ``layout_cost``); the ``balanced`` candidate is planned for it too.
 
     Returns:
         ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
@@ -428,9 +447,9 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, 
         )
     check_cp(cp_size)
     rtol = check_number(rtol, "rtol", min=0.0)
-    window = check_window(window)
+    window = check_windows(window)
     cu = check_cu_seqlens(params.cu_seqlens)
-    total = check_cost_tokens(int(cu[-1]))
+    total = _check_tokens(int(cu[-1]), window)
     if total % cp_size:
         raise ValueError(
             f"no CP layout is valid: the batch has T = B*S = {total} tokens, not divisible by cp_size={cp_size} "
@@ -446,7 +465,7 @@ def choose_layout(params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, 
 
 @functools.lru_cache(maxsize=16)
 def _cached_choice(
-    cu_bytes: bytes, cp: int, rtol: float, window: int | None = None
+    cu_bytes: bytes, cp: int, rtol: float, window: Window = None
 ) -> tuple[str, tuple[tuple[str, int, float, int], ...]]:
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     candidates = [name for name in AUTO_LAYOUTS if name != "zigzag" or not np.any(np.diff(cu) % (2 * cp))]

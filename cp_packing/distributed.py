@@ -7,27 +7,27 @@ Two ways a batch reaches the group (docs/distributed.md has the whole story, the
   ``PackedSeqParams`` from the small run-length metadata (one ``broadcast_object_list``) and shards it itself; each
   key's tokens travel with ONE ``dist.scatter`` of raw bytes, so a rank receives only its own ``T_local`` tokens.
 
-Every call first makes one ``agree`` (``cp_packing.agreement``) over the call, ``src``, ``check_consistent`` and
-``layout`` (plus digests of the batch with ``check_consistent=True``), carrying any rank's local error (a bad
-argument, or a batch that only the source sees and cannot ship): mismatched calls raise the same error on every rank
-instead of hanging or aborting gloo.
+Every call first makes one ``agree`` (``cp_packing.agreement``) over the call, ``src``, ``check_consistent``,
+``layout`` and ``window`` (plus digests of the batch with ``check_consistent=True``), carrying any rank's local error
+(a bad argument, or a batch that only the source sees and cannot ship): mismatched calls raise the same error on every
+rank instead of hanging or aborting gloo.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import check_bool, check_choice, is_int
+from cp_packing._checks import check_bool, check_choice, check_windows, is_int
 from cp_packing.agreement import AgreementError, agree, digest
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
-from cp_packing.sharding import ShardedPackedSeqParams, as_signed, shard_packed_seq_params
+from cp_packing.sharding import ShardedPackedSeqParams, as_signed, mark_shard, shard_packed_seq_params
 
 __all__ = ["DOC_IDS_KEY", "distribute_batch", "distribute_packed_seq_params"]
 
@@ -158,7 +158,8 @@ def _scatter_tokens(cp: CPGroup, src: int, sharded: ShardedPackedSeqParams, meta
                 picked = x.index_select(0, order.to(x.device))  # [cp * T_local(, F)], contiguous
                 rows = list(picked.view(torch.uint8).to(cp.device).reshape(cp.size, -1).unbind(0))
             dist.scatter(received, rows, src=cp.global_rank(src), group=cp.group)
-        local[name] = received.view(dtype).reshape(1, T_local, *trailing)  # [1, T_local, ...]
+        out = received.view(dtype).reshape(1, T_local, *trailing)  # [1, T_local, ...]
+        local[name] = mark_shard(out, sharded.cp_size, sharded.cp_rank)  # the loss refuses it without its group
     return local
 
 
@@ -185,24 +186,25 @@ def _raise_if_tensors_differ(call: str, per_rank: list[dict[str, str]]) -> None:
 
 
 def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check_consistent: bool,
-                prepare: _Prepare) -> tuple[ShardedPackedSeqParams, _Batch | None]:
+                prepare: _Prepare, window: object = None) -> tuple[ShardedPackedSeqParams, _Batch | None]:
     """Both paths: local work, ONE agreement (arguments, errors, digests), then the source path's collectives."""
     cp = resolve_group(group)
     error = sharded = batch = meta = None
-    args = {"src": src, "check_consistent": check_consistent, "layout": layout}
+    args = {"src": src, "check_consistent": check_consistent, "layout": layout, "window": window}
     checked, per_key = {"doc map": None, "cu_seqlens": None, "batch keys, dtypes and shapes": None}, {}
     try:
         _check_args(cp, src, layout, check_consistent)
+        window = args["window"] = check_windows(window)  # a list and a tuple of the same windows agree
         if src is None:
             params, batch = prepare("src=None: every rank passes the same batch, or set src= on every rank")
-            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
+            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout, window=window)
             if check_consistent:
                 checked, per_key = _consistency_fields(params, batch)
         elif cp.rank == src:
             params, batch = prepare(f"this rank is the source, src={src}: it passes the batch, the others None")
             meta = _metadata(params, batch)  # validates params before they are sharded
             params = PackedSeqParams(params.cu_seqlens.to(cp.device), params.max_seqlen, params.doc_ids.to(cp.device))
-            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout)
+            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout, window=window)
             meta = dataclasses.replace(meta, layout=sharded.layout)
     except Exception as exc:  # noqa: BLE001 - every rank raises it, through the agreement
         error = exc
@@ -217,7 +219,8 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
     meta = shipped[0]
     if cp.rank != src:
         params = _rebuild(meta, cp.device)
-        sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=meta.layout)
+        sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=meta.layout,
+                                          window=window)
     return sharded, None if meta.keys is None else _scatter_tokens(cp, src, sharded, meta, batch)
 
 
@@ -228,6 +231,7 @@ def distribute_packed_seq_params(
     src: int | None = None,
     layout: str = "auto",
     check_consistent: bool = False,
+    window: int | Sequence[int | None] | None = None,
 ) -> ShardedPackedSeqParams:
     """This rank's ``ShardedPackedSeqParams`` in a CP group, sharded locally or shipped from one source rank.
 
@@ -240,6 +244,8 @@ def distribute_packed_seq_params(
             ``"zigzag"`` or ``"balanced"``; the result's ``layout`` names the one used.
         check_consistent: with ``src=None``, also compare BLAKE2b digests of every rank's doc map and
             ``cu_seqlens`` (catches a data loader seeded per CP rank).
+        window: the model's sliding window (``None``, an int, or a per-layer list of ``int | None``) that
+            ``balanced`` and ``auto`` plan for (see ``shard_packed_seq_params``); agreed like ``layout``.
 
     Returns:
         ``ShardedPackedSeqParams`` equal, field for field, to ``shard_packed_seq_params(params, cp_size=...,
@@ -248,7 +254,7 @@ def distribute_packed_seq_params(
 
     Raises:
         ValueError / TypeError, on EVERY rank of the group (a rank's own error is raised everywhere, naming it):
-        a bad argument, ranks that disagree on the call, ``src``, ``layout`` or ``check_consistent``
+        a bad argument, ranks that disagree on the call, ``src``, ``layout``, ``window`` or ``check_consistent``
         (``AgreementError``), an invalid or indivisible ``params`` on the source, or (``check_consistent``)
         ranks holding different batches.
 
@@ -261,7 +267,7 @@ def distribute_packed_seq_params(
         sharded = distribute_packed_seq_params(params, group=mesh["cp"], src=0)
     """
     return _distribute("distribute_packed_seq_params", group, src, layout, check_consistent,
-                       lambda where: _prepare_params(params, where))[0]
+                       lambda where: _prepare_params(params, where), window)[0]
 
 
 def distribute_batch(
@@ -272,6 +278,7 @@ def distribute_batch(
     src: int | None = None,
     layout: str = "auto",
     check_consistent: bool = False,
+    window: int | Sequence[int | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ShardedPackedSeqParams]:
     """Shard (``src=None``) or scatter from ``src`` a dict of per-token tensors together with its CP metadata.
 
@@ -280,7 +287,7 @@ def distribute_batch(
             embeddings; any dtype). With ``src`` set only the source's is read; the other ranks pass ``None``.
             With ``src`` set no tensor may require grad (its tokens travel as bytes; the local path keeps autograd).
         params: the batch's global ``PackedSeqParams``; ``None``: built from ``batch["doc_ids"]`` (``DOC_IDS_KEY``).
-        group, src, layout, check_consistent: as in ``distribute_packed_seq_params``; ``check_consistent`` also
+        group, src, layout, check_consistent, window: as in ``distribute_packed_seq_params``; ``check_consistent`` also
             digests every batch tensor (names, dtypes, shapes and bytes) and names a key that differs.
 
     Returns:
@@ -302,7 +309,7 @@ def distribute_batch(
         out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], ...)
     """
     sharded, local = _distribute("distribute_batch", group, src, layout, check_consistent,
-                                 lambda where: _prepare_batch(batch, params, where))
+                                 lambda where: _prepare_batch(batch, params, where), window)
     if src is None:  # the local path: this rank's tokens of its own batch (autograd kept)
         local = {name: sharded.shard(x).unsqueeze(0) for name, x in local.items()}  # [1, T_local, ...]
     if "position_ids" not in local:

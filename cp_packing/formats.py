@@ -424,7 +424,27 @@ class ZeroBasedDocIdsWarning(UserWarning):
 _zero_based_warned = False
 
 
-def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2) -> bool:
+_SIGNED_VIEW = {getattr(torch, u): getattr(torch, i) for u, i in (("uint16", "int16"), ("uint32", "int32"),
+                                                                  ("uint64", "int64")) if hasattr(torch, u)}
+
+
+def _zero_based_rows(doc_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """bool ``[B]``: the row starts with padding and its second segment starts in the same row with document 1.
+    From the segments: O(B log segments) values read, not the map (NumPy on CPU: no per-op torch overhead)."""
+    B, S = doc_ids.shape
+    flat = doc_ids.reshape(-1)
+    flat = flat.view(_SIGNED_VIEW[flat.dtype]) if flat.dtype in _SIGNED_VIEW else flat  # bit for bit; 0 and 1 kept
+    cpu = flat.device.type == "cpu"
+    lib = np if cpu else torch
+    flat = flat.numpy() if cpu else flat
+    cu = cu_seqlens.numpy().astype(np.int64) if cpu else cu_seqlens.to(device=flat.device, dtype=torch.int64)
+    row_start = lib.arange(B) * S if cpu else torch.arange(B, device=flat.device) * S  # [B]
+    nxt = cu[lib.searchsorted(cu, row_start) + 1]  # [B]: where the segment after each row's first one starts
+    looks = (flat[row_start] == 0) & (nxt < row_start + S) & (flat[lib.minimum(nxt, row_start + S - 1)] == 1)
+    return torch.from_numpy(looks) if cpu else looks
+
+
+def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2, cu_seqlens: torch.Tensor | None = None) -> bool:
     """True (and a warning, once per process) when a doc map looks 0-based: a row starts with padding, then 1.
 
     A 0-based ``seq_idx`` (``[0, 0, 1, 1, 2]``) is a valid doc map whose first document is padding: its tokens
@@ -437,6 +457,9 @@ def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2) -> bool:
         doc_ids: ``[B, S]`` integer doc map.
         stacklevel: passed to ``warnings.warn``: 2 points the warning at the caller; a library function that calls
             this on its caller's behalf passes 3.
+        cu_seqlens: optional, the map's own ``cu_seqlens`` as ``packed_seq_params_from_doc_ids`` builds them (a
+            boundary at every row start): the check then reads only the rows' first segments, O(B log segments),
+            instead of the whole map.
 
     Returns:
         ``True`` when some row looks 0-based, else ``False``. One host sync on a device tensor.
@@ -455,12 +478,18 @@ def warn_if_zero_based(doc_ids: torch.Tensor, *, stacklevel: int = 2) -> bool:
     B, S = doc_ids.shape
     if B == 0 or S == 0:
         return False
-    one = doc_ids == 1
-    # the first non-zero token of the row is a 1 (argmax of a bool mask: its first True; no gather, which some
-    # unsigned dtypes lack)
-    first_nonzero = torch.argmax((doc_ids != 0).to(torch.uint8), dim=1)
-    first_one = torch.argmax(one.to(torch.uint8), dim=1)
-    looks = (doc_ids[:, 0] == 0) & one.any(dim=1) & (first_one == first_nonzero)
+    if cu_seqlens is not None:
+        looks = _zero_based_rows(doc_ids, cu_seqlens)
+    else:
+        padded = doc_ids[:, 0] == 0  # [B]: only a row that starts with padding can look 0-based
+        if not bool(padded.any()):  # the common case costs O(B)
+            return False
+        one = doc_ids == 1
+        # the first non-zero token of the row is a 1 (argmax of a bool mask: its first True; no gather, which some
+        # unsigned dtypes lack)
+        first_nonzero = torch.argmax((doc_ids != 0).to(torch.uint8), dim=1)
+        first_one = torch.argmax(one.to(torch.uint8), dim=1)
+        looks = padded & one.any(dim=1) & (first_one == first_nonzero)
     if not bool(looks.any()):
         return False
     if not _zero_based_warned:

@@ -30,8 +30,12 @@ Decisions:
   ``config.attention_dropout = 0.0`` (the default of Llama/Qwen configs).
 * Sliding-window layers (``sliding_window``, which HF passes per layer: Mistral, Qwen2 with
   ``use_sliding_window=True``; ``None`` on full-attention layers) run with the window counted inside each document,
-  as HF's ``sliding_window_causal_mask_function`` does (a query at position ``p`` attends keys ``p - w < k <= p``).
-  Logit soft-capping and attention sinks (``softcap``/``s_aux`` not None) are refused: the CP kernels have neither.
+  as HF's ``sliding_window_causal_mask_function`` does (a query at position ``p`` attends keys ``p - w < k <= p``);
+  every causal family checked (Mistral, Qwen2, Gemma 2/3, gpt-oss, Phi-3) uses that mask with the layer's
+  ``sliding_window`` unchanged, so no translation is needed. Logit soft-capping (``softcap``, Gemma 2's
+  ``attn_logit_softcapping``, applied to the scaled scores as HF's eager attention does) and attention sinks
+  (``s_aux``, gpt-oss's per-head ``module.sinks``) are forwarded to ``context_parallel_attention`` as ``softcap`` /
+  ``sinks``; the sinks' gradient on each rank is its tokens' share (sum it over CP, as DP gradient reduction does).
 * ``scaling`` (the module's softmax scale) is honoured; an ``is_causal`` keyword, else ``module.is_causal``, selects
   causal attention (the order HF's sdpa path uses).
 * Under ``torch.autocast`` (standard AMP: float32 weights), q/k/v are cast to the autocast dtype (HF's RoPE
@@ -188,6 +192,10 @@ def cp_attention_forward(
             ``kernel`` / ``ulysses_size`` (``backend="hybrid"`` only).
         sliding_window: the layer's window (HF passes it; ``None`` = full attention), forwarded as ``window``:
             within each document a token at position ``p`` attends positions ``p - sliding_window < k <= p``.
+        softcap: the layer's logit soft-capping (HF passes ``attn_logit_softcapping``; ``None`` = none),
+            forwarded as ``softcap``: scaled scores ``s`` become ``softcap * tanh(s / softcap)``.
+        s_aux: the layer's attention sinks (gpt-oss passes ``module.sinks``, ``[H]``; ``None`` = none), forwarded
+            as ``sinks``; its gradient on each rank is this rank's tokens' share.
         **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
@@ -195,8 +203,9 @@ def cp_attention_forward(
 
     Raises:
         ValueError: missing ``cp_sharded``, batch size != 1, a token count that does not match ``cp_sharded``, a
-            non-None ``attention_mask``, ``dropout > 0``, softcap / sinks, or a missing group with
-            ``cp_size > 1``.
+            non-None ``attention_mask``, ``dropout > 0``, ``softcap <= 0``, sinks that are not ``[H]``, a backend
+            or kernel that cannot soft-cap or take sinks (``cp_backend="ring_flash_attn"``), or a missing group
+            with ``cp_size > 1``.
         TypeError: ``cp_sharded`` of the wrong type; q/k/v of different dtypes outside ``torch.autocast``.
 
     Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (see the module docstring).
@@ -239,10 +248,6 @@ def cp_attention_forward(
         )
     if dropout:
         _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
-    if softcap is not None:
-        _refuse("softcap", softcap, "use a model without attention logit soft-capping")
-    if s_aux is not None:
-        _refuse("s_aux", "<attention sinks>", "use a model without attention sinks")
     if cp_sharded.cp_size > 1 and cp_group is None:
         raise ValueError(
             f"cp_sharded is one of cp_size={cp_sharded.cp_size} shards but cp_group is None; pass the CP process "
@@ -269,6 +274,8 @@ def cp_attention_forward(
         kernel=cp_kernel,
         ulysses_size=cp_ulysses_size,
         window=sliding_window,
+        softcap=softcap,
+        sinks=s_aux,
     )  # [T_local, H, D]
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):

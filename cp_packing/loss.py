@@ -15,19 +15,28 @@ batch, a bad label) raises the same error on every rank instead of leaving the o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing._checks import INTEGER_DTYPES, check_choice, check_doc_ids, check_int, check_tensor
+from cp_packing._checks import INTEGER_DTYPES, check_choice, check_doc_ids, check_int, check_tensor, is_int
 from cp_packing.agreement import agree, digest
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
-from cp_packing.sharding import ShardedPackedSeqParams
+from cp_packing.sharding import ShardedPackedSeqParams, shard_origin
 
-__all__ = ["document_cross_entropy", "next_token_labels", "packed_cross_entropy", "reduce_loss_for_logging"]
+__all__ = [
+    "LabelsWarning",
+    "count_valid_labels",
+    "document_cross_entropy",
+    "next_token_labels",
+    "packed_cross_entropy",
+    "reduce_loss_for_logging",
+]
 
 _CALL = "packed_cross_entropy"  # one call name for both reductions: a mix is reported as a `reduction` mismatch
 _REDUCTIONS = ("token", "document")
@@ -39,31 +48,70 @@ _INT64 = {"min": -(2**63), "max": 2**63 - 1}
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class LabelsWarning(UserWarning):
+    """Labels that look like the wrong convention: HF's unshifted labels given to the loss, or already shifted labels
+    given to ``next_token_labels(labels=...)`` (each warned once per process; docs/loss.md)."""
+
+
+_warned: set[str] = set()  # which LabelsWarning kinds this process has given
+
+
+def _warn_once(kind: str, message: str, stacklevel: int) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(f"{message} (warned once per process)", LabelsWarning, stacklevel=stacklevel + 1)
+
+
+def _check_same_batch(x: object, name: str, like: torch.Tensor, like_name: str, shape: str) -> torch.Tensor:
+    check_tensor(x, name, shape)
+    if x.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}; convert with {name}.long()")
+    if x.shape != like.shape:
+        raise ValueError(f"{name} shape {tuple(x.shape)} does not match {like_name} shape {tuple(like.shape)}; "
+                         f"pass the {name} of the same batch")
+    if x.device != like.device:
+        raise ValueError(f"{name} is on {x.device} but {like_name} on {like.device}; use one device")
+    return x
+
+
 def next_token_labels(
     input_ids: torch.Tensor,
     doc_ids: torch.Tensor | PackedSeqParams,
     *,
+    labels: torch.Tensor | None = None,
     token_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Next-token labels of a neat-packed batch, on the GLOBAL ``[B, S]`` stream, before sharding.
 
-    ``labels[b, s] = input_ids[b, s + 1]`` when token ``s + 1`` is in token ``s``'s segment (same row, same
-    document index: the seed's segments), else ``ignore_index``: the last token of every document and of every row,
-    and every padding token, get ``ignore_index``. Why before sharding: see docs/loss.md.
+    ``out[b, s] = target[b, s + 1]`` when token ``s + 1`` is in token ``s``'s segment (same row, same document
+    index: the seed's segments), else ``ignore_index``: the last token of every document and of every row, and every
+    padding token, get ``ignore_index``. ``target`` is ``input_ids`` (pretraining), or ``labels``: HF's UNSHIFTED,
+    prompt-masked labels (``labels[t]`` is token ``t`` or ``ignore_index``; HF shifts inside its loss), whose masked
+    positions stay masked after the shift. Why before sharding: see docs/loss.md.
 
     Args:
         input_ids: ``[B, S]``, any integer dtype.
         doc_ids: ``[B, S]`` integer document map (0 = padding), or its ``PackedSeqParams``. Same shape and device.
+        labels: optional integer ``[B, S]``, HF's unshifted labels (``batch["labels"]`` of ``DataCollatorWith
+            Flattening``, TRL's collators, a tokenizer's ``labels = input_ids`` with the prompt set to -100). Labels
+            that look already shifted (equal to the NEXT input id wherever valid) give a :class:`LabelsWarning`.
         token_mask: optional bool ``[B, S]``, False for tokens that get no label and are nobody's label (e.g. pad
             tokens that ``pad_segments`` placed inside a document).
-        ignore_index: the int value of a masked label.
+        ignore_index: the int value of a masked label (in ``labels`` and in the result).
 
     Returns:
-        int64 ``[B, S]`` labels on ``input_ids.device``.
+        int64 ``[B, S]`` labels on ``input_ids.device``: what :func:`packed_cross_entropy` takes (after sharding).
+
+    Raises:
+        TypeError / ValueError: a non-integer tensor, another shape or device, a negative label other than
+        ``ignore_index``, a non-int ``ignore_index``.
 
     >>> next_token_labels(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 1, 2, 2]])).tolist()
     [[11, -100, 13, -100]]
+    >>> hf_labels = torch.tensor([[-100, 11, 12, 13]])  # token 10 is the prompt: masked
+    >>> next_token_labels(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 1, 1, 1]]), labels=hf_labels).tolist()
+    [[11, 12, 13, -100]]
     """
     if isinstance(doc_ids, PackedSeqParams):
         doc_ids = doc_ids.doc_ids
@@ -85,14 +133,37 @@ def next_token_labels(
             raise ValueError(f"token_mask shape {tuple(token_mask.shape)} does not match doc_ids shape "
                              f"{tuple(doc_ids.shape)}")
         token_mask = token_mask.to(doc_ids.device)
+    ids = input_ids.to(torch.int64)
+    target = ids if labels is None else _hf_labels(labels, ids, ignore_index)
 
-    labels = torch.full(input_ids.shape, ignore_index, dtype=torch.int64, device=input_ids.device)  # [B, S]
+    out = torch.full(input_ids.shape, ignore_index, dtype=torch.int64, device=input_ids.device)  # [B, S]
     if input_ids.shape[1] < 2:
-        return labels
+        return out
     same_segment = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != 0)  # [B, S-1]: runs within a row
     if token_mask is not None:
         same_segment &= token_mask[:, 1:] & token_mask[:, :-1]
-    labels[:, :-1] = torch.where(same_segment, input_ids[:, 1:].to(torch.int64), labels[:, :-1])
+    out[:, :-1] = torch.where(same_segment, target[:, 1:], out[:, :-1])
+    return out
+
+
+def _hf_labels(labels: object, ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """HF's unshifted labels as int64, checked; warns when they look already shifted (one host sync)."""
+    labels = _check_same_batch(labels, "labels", ids, "input_ids", "(HF's unshifted labels [B, S])").to(torch.int64)
+    valid = labels != ignore_index  # [B, S]
+    negative = valid & (labels < 0)
+    unshifted = (valid & (labels != ids)).any()  # HF's convention: every valid label is its own token
+    # shifted: every valid label (but one in the last column) is the NEXT token, and some is not its own token
+    shifted = (valid[:, :-1] & (labels[:, :-1] != ids[:, 1:])).any() | valid[:, -1:].any()
+    has_negative, not_own, not_next = torch.stack([negative.any(), unshifted, shifted]).tolist()
+    if has_negative:
+        b, s = (int(i) for i in negative.nonzero()[0])
+        raise ValueError(f"labels[{b}, {s}] is {int(labels[b, s])}: a label is a token id (>= 0) or "
+                         f"ignore_index={ignore_index}; pass ignore_index= the value your pipeline masks with")
+    if not_own and not not_next:
+        _warn_once("shifted", "next_token_labels(labels=...) got labels that look already shifted (each valid label "
+                   "is the NEXT input id, not its own): shifting them again trains the token after next. Pass HF's "
+                   "unshifted labels (labels[t] = input_ids[t] or -100), or use already shifted labels as they are",
+                   stacklevel=3)
     return labels
 
 
@@ -109,11 +180,11 @@ class _Local:
     labels: torch.Tensor  # int64 [T_local], each ignore_index or in [0, V)
     segment: torch.Tensor | None  # int64 [T_local], global segment of each local token (document reduction)
     num_segments: int
+    num_items: int | None  # num_items_in_batch, read on the host
 
 
 def _check_logits_and_labels(logits: object, labels: object, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one label check: dtypes, shapes, device, and every label ``ignore_index`` or in ``[0, V)`` (a host
-    sync: an out-of-range label would crash inside torch, or device-assert on CUDA)."""
+    """Dtypes, shapes and device (the label values are checked by :func:`_inspect`)."""
     check_tensor(logits, "logits", "[T_local, V]")
     check_tensor(labels, "labels", "[T_local]")
     if not logits.is_floating_point():
@@ -126,20 +197,58 @@ def _check_logits_and_labels(logits: object, labels: object, ignore_index: int) 
                          "expected logits [T_local, V] with labels [T_local] (or [1, T_local, V] with [1, T_local])")
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits on {logits.device}; move them to one device")
-    vocab = logits.shape[-1]
-    flat = labels.reshape(-1).to(torch.int64)  # [T_local]
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0, 0])
-        raise ValueError(f"label {int(flat[pos])} at local position {pos} is outside [0, {vocab}) and is not "
-                         f"ignore_index={ignore_index}; check the vocabulary size (logits' last dim) or ignore_index")
-    return logits.reshape(-1, vocab), flat
+    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(torch.int64)
 
 
-def _check_shard(sharded: object, cp: CPGroup | None, num_labels: int, reduction: str) -> tuple[torch.Tensor, ...]:
+def _check_num_items(num_items: object, reduction: str) -> torch.Tensor | int | None:
+    if num_items is None:
+        return None
+    if reduction != "token":
+        raise ValueError("num_items_in_batch is the token count of reduction='token'; the document reduction "
+                         "normalises by documents (call document_cross_entropy without it)")
+    if isinstance(num_items, torch.Tensor):
+        check_tensor(num_items, "num_items_in_batch", "(an integer scalar)")
+        if num_items.numel() != 1 or num_items.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"num_items_in_batch must be an int or an integer scalar tensor (the number of valid "
+                            f"labels of the optimizer step), got a {num_items.dtype} tensor of shape "
+                            f"{tuple(num_items.shape)}; build it with cp_packing.count_valid_labels(...)")
+        return num_items
+    if not is_int(num_items):
+        raise TypeError(f"num_items_in_batch must be an int or an integer scalar tensor, got {num_items!r} "
+                        f"({type(num_items).__name__}); build it with cp_packing.count_valid_labels(...)")
+    return int(num_items)
+
+
+def _shard_of_labels(labels: torch.Tensor, sharded: object, cp: CPGroup | None) -> None:
+    """The marker check: labels that ``sharded.shard`` / ``distribute_batch`` made, without their group."""
+    origin = shard_origin(labels)
+    if origin is None:
+        return
+    cp_size, cp_rank = origin
+    if isinstance(sharded, ShardedPackedSeqParams):
+        if (cp_size, cp_rank) != (sharded.cp_size, sharded.cp_rank):
+            raise ValueError(f"labels are CP rank {cp_rank}'s shard of a batch split over {cp_size} ranks but sharded "
+                             f"is rank {sharded.cp_rank}'s of {sharded.cp_size}; pass the labels and the metadata "
+                             "of the same shard")
+        return
+    if cp_size > 1 and (cp is None or cp.size != cp_size):
+        have = "group=None (no CP)" if cp is None else f"a group of {cp.size} ranks"
+        raise ValueError(
+            f"labels are CP rank {cp_rank}'s shard of a batch split over {cp_size} ranks (from sharded.shard or "
+            f"distribute_batch), but the loss got {have}: it would divide this rank's share by its own count, a wrong "
+            "loss with no error. Pass group= the CP group the batch was sharded over (mesh['cp']) and sharded="
+        )
+    if cp is not None and cp.rank != cp_rank:
+        raise ValueError(f"labels are CP rank {cp_rank}'s shard but this process is rank {cp.rank} of the CP group; "
+                         "shard with cp_rank=torch.distributed.get_rank(group)")
+
+
+def _check_shard(sharded: object, cp: CPGroup | None, labels: torch.Tensor, num_labels: int,
+                 reduction: str) -> tuple[torch.Tensor, ...]:
     """``sharded`` against the group (size, rank) and the labels (count); returns the global ``cu_seqlens`` and the
     local ``token_index`` (empty tuple without ``sharded``)."""
     cp_size, cp_rank = (1, 0) if cp is None else (cp.size, cp.rank)
+    _shard_of_labels(labels, sharded, cp)
     if sharded is None:
         if reduction == "document":
             over = f" over a CP group of {cp_size} ranks" if cp_size > 1 else ""
@@ -164,29 +273,96 @@ def _check_shard(sharded: object, cp: CPGroup | None, num_labels: int, reduction
     return cu, token_index
 
 
+def _inspect(labels: torch.Tensor, vocab: int, ignore_index: int, segment_end: torch.Tensor | None,
+             next_known: torch.Tensor | None, input_ids: torch.Tensor | None,
+             num_items: torch.Tensor | int | None) -> int | None:
+    """Label values, the unshifted-labels signals and ``num_items_in_batch``, read back in ONE host sync.
+
+    Raises on a label outside ``[0, V)`` (it would crash inside torch, or device-assert on CUDA) or a
+    ``num_items_in_batch`` below this rank's own count; warns (:class:`LabelsWarning`) on labels that look unshifted.
+    Returns ``num_items_in_batch`` as an int (``None`` when not given).
+    """
+    valid = labels != ignore_index  # [T_local]
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    zero = torch.zeros((), dtype=torch.int64, device=labels.device)
+
+    def first(mask: torch.Tensor) -> torch.Tensor:  # position of the first True (0 when none)
+        return torch.argmax(mask.to(torch.uint8)) if mask.numel() else zero
+
+    stats = [bad.any(), first(bad), valid.sum()]
+    # A valid label at the last token of its segment: next_token_labels never makes one; HF's unshifted labels do.
+    end_label = valid & segment_end if segment_end is not None else None
+    stats += [zero, zero] if end_label is None else [end_label.any(), first(end_label)]
+    if input_ids is not None:
+        own = (labels == input_ids).logical_or_(~valid)  # [T_local]: every valid label is its own input token
+        pairs = valid[:-1] & next_known  # [T_local - 1]: labels whose next token is known here
+        is_next = (labels[:-1] == input_ids[1:]) | ~pairs  # a shifted reading fits (ambiguous: no warning)
+        stats.append(valid.any() & own.all() & ~(pairs.any() & is_next.all()))
+    else:
+        stats.append(zero)
+    n = num_items.reshape(()).to(device=labels.device, dtype=torch.int64) if isinstance(num_items, torch.Tensor) \
+        else zero
+    stats.append(n)
+    has_bad, bad_at, count, end_label, end_at, looks_unshifted, n = torch.stack(
+        [x.to(torch.int64) for x in stats]).tolist()  # the one host sync
+    if has_bad:
+        raise ValueError(f"label {int(labels[bad_at])} at local position {bad_at} is outside [0, {vocab}) and is not "
+                         f"ignore_index={ignore_index}; check the vocabulary size (logits' last dim) or ignore_index")
+    if num_items is not None:
+        n = num_items if isinstance(num_items, int) else n
+        if n < count:
+            raise ValueError(
+                f"num_items_in_batch={n} is smaller than this rank's own {count} valid labels: it must count the "
+                "valid labels of every micro-batch of the optimizer step on every CP x DP rank (each once); build "
+                "it with cp_packing.count_valid_labels(micro_batch_labels, group=..., dp_group=...)")
+    fix = ("HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted on "
+           "the global stream: convert them before sharding with cp_packing.next_token_labels(input_ids, doc_ids, "
+           "labels=hf_labels)")
+    if looks_unshifted:
+        _warn_once("unshifted", f"the labels equal input_ids at every valid position: they look unshifted, and "
+                   f"would train each token to predict itself. {fix}", stacklevel=5)
+    elif end_label:
+        _warn_once("unshifted", f"label {int(labels[end_at])} at local position {end_at} sits on the last token of "
+                   f"its segment, where next_token_labels always puts ignore_index={ignore_index} (the next token "
+                   f"belongs to another document or row): the labels look unshifted, or shifted across document "
+                   f"boundaries. {fix}", stacklevel=5)
+    return None if num_items is None else n
+
+
 def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | None, dp: CPGroup | None,
-                 reduction: object, ignore_index: object) -> tuple[_Local, dict[str, object]]:
+                 reduction: object, ignore_index: object, input_ids: object = None,
+                 num_items: object = None) -> tuple[_Local, dict[str, object]]:
     """Every rank-local check (no communication); returns the inputs and the fields every rank must share."""
     reduction = check_choice(reduction, "reduction", _REDUCTIONS)
     ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
     logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
-    shard = _check_shard(sharded, cp, labels1d.numel(), reduction)
-    segment, num_segments = None, 0
-    if shard and reduction == "document":
+    num_items = _check_num_items(num_items, reduction)
+    ids = None
+    if input_ids is not None:
+        ids = _check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
+        ids = ids.reshape(-1).to(torch.int64)
+    shard = _check_shard(sharded, cp, labels, labels1d.numel(), reduction)
+    segment, num_segments, segment_end, next_known = None, 0, None, None
+    if shard:
         cu, token_index = (t.to(device=logits2d.device, dtype=torch.int64) for t in shard)
         segment = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
         num_segments = int(cu.numel()) - 1
+        segment_end = token_index == cu[segment + 1] - 1  # [T_local]: the last token of its global segment
+        next_known = token_index[1:] == token_index[:-1] + 1  # [T_local - 1]: local neighbours are global ones
+    elif ids is not None:  # no metadata: the labels are the whole stream without CP, unknown order with CP
+        next_known = torch.full((max(labels1d.numel() - 1, 0),), cp is None or cp.size == 1, device=ids.device)
+    num_items = _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, segment_end, next_known, ids, num_items)
     fields: dict[str, object] = {
         "reduction": reduction, "vocab size": int(logits2d.shape[-1]), "logits dtype": str(logits2d.dtype),
         "ignore_index": ignore_index, "cp size": 1 if cp is None else cp.size,
-        "dp size": None if dp is None else dp.size,
+        "dp size": None if dp is None else dp.size, "num_items_in_batch": num_items,
         "layout": getattr(sharded, "layout", None), "global segments": len(shard[0]) - 1 if shard else None,
         "global cu_seqlens (digest)": digest(shard[0]) if shard else None,
     }
-    return _Local(logits2d, labels1d, segment, num_segments), fields
+    return _Local(logits2d, labels1d, segment if reduction == "document" else None, num_segments, num_items), fields
 
 
-_DP_FIELDS = ("reduction", "vocab size", "logits dtype", "ignore_index", "cp size")
+_DP_FIELDS = ("reduction", "vocab size", "logits dtype", "ignore_index", "cp size", "num_items_in_batch")
 
 
 def _agree(call: str, cp: CPGroup | None, dp: CPGroup | None, fields: dict[str, object],
@@ -207,12 +383,13 @@ def _agree(call: str, cp: CPGroup | None, dp: CPGroup | None, fields: dict[str, 
 
 
 def _checked(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object,
-             reduction: object, ignore_index: object) -> tuple[_Local, CPGroup | None, CPGroup | None]:
+             reduction: object, ignore_index: object, input_ids: object = None,
+             num_items: object = None) -> tuple[_Local, CPGroup | None, CPGroup | None]:
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
     local, fields, error = None, {}, None
     try:
-        local, fields = _check_local(logits, labels, sharded, cp, dp, reduction, ignore_index)
+        local, fields = _check_local(logits, labels, sharded, cp, dp, reduction, ignore_index, input_ids, num_items)
     except Exception as exc:  # noqa: BLE001 - goes into the agreement: raised on every rank
         error = exc
     _agree(_CALL, cp, dp, fields, error)
@@ -242,22 +419,33 @@ def packed_cross_entropy(
     group: GroupLike = None,
     dp_group: GroupLike = None,
     sharded: ShardedPackedSeqParams | PackedSeqParams | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "token",
 ) -> torch.Tensor:
     """Token-mean cross-entropy of this rank's tokens over the GLOBAL count of valid labels: this rank's share.
 
     ``share = sum of CE over local valid labels / N``, ``N`` the valid labels of the whole batch (all-reduced over
-    ``group``, then ``dp_group``): the shares sum to the non-CP loss and their gradients to the non-CP gradient
-    (docs/loss.md: the contract, DP and FSDP). Every rank of ``group`` and ``dp_group`` must call it.
+    ``group``, then ``dp_group``), or ``num_items_in_batch`` when given (gradient accumulation: the count over every
+    micro-batch of the optimizer step, from :func:`count_valid_labels`). The shares sum to the non-CP loss and their
+    gradients to the non-CP gradient (docs/loss.md: the contract, DP, FSDP and gradient accumulation). Every rank of
+    ``group`` and ``dp_group`` must call it.
 
     Args:
         logits: floating ``[T_local, V]`` (or ``[1, T_local, V]``); the CE is computed in float32.
-        labels: integer ``[T_local]`` (or ``[1, T_local]``), this rank's shard of :func:`next_token_labels`.
-        group: the CP ProcessGroup or 1-D DeviceMesh; ``None``: no CP (the world is never assumed).
+        labels: integer ``[T_local]`` (or ``[1, T_local]``), this rank's shard of :func:`next_token_labels` (shifted
+            on the global stream; HF's unshifted labels go through ``next_token_labels(..., labels=)`` first).
+        group: the CP ProcessGroup or 1-D DeviceMesh; ``None``: no CP (the world is never assumed). Labels made by
+            ``sharded.shard`` / ``distribute_batch`` for a CP group of ``n > 1`` ranks need that group.
         dp_group: the DP group to normalise over as well, or ``None``.
         sharded: this rank's ``ShardedPackedSeqParams`` (optional): checked against ``group`` (size, rank) and the
-            labels, and its batch and layout against the other ranks'.
+            labels, and its batch and layout against the other ranks'; it also lets the loss see segment ends.
+        num_items_in_batch: optional int or integer scalar tensor (HF's name): the number of valid labels over all
+            micro-batches of the optimizer step and all CP x DP ranks. Replaces the count all-reduce: the share is
+            ``local sum / num_items_in_batch``; every rank must pass the same value (checked), at least its own count.
+        input_ids: optional integer, the shape of ``labels``: this rank's input ids, used only to warn when the
+            labels equal them (unshifted labels).
         ignore_index: the label value to ignore.
         reduction: ``"token"``; ``"document"`` is :func:`document_cross_entropy` (kept for compatibility).
 
@@ -266,20 +454,31 @@ def packed_cross_entropy(
 
     Raises:
         TypeError / ValueError: on EVERY rank of both groups when any rank's inputs are wrong or differ (vocabulary,
-        dtype, reduction, batch, a label outside ``[0, V)``). Communication: one ``agree`` and one int64 all-reduce
-        per group. Host syncs: the label check (and a digest of ``cu_seqlens`` with ``sharded``).
+        dtype, reduction, batch, ``num_items_in_batch``, a label outside ``[0, V)``, shard labels without their
+        group). Communication: one ``agree`` per group, and one int64 all-reduce per group unless
+        ``num_items_in_batch`` is given. Host syncs: one (the label check; ``num_items_in_batch`` is read in it), and
+        a digest of ``cu_seqlens`` with ``sharded``.
+
+    Warns:
+        LabelsWarning (once per process): labels that look unshifted (equal to ``input_ids`` at every valid
+        position, or, with ``sharded``, a valid label on the last token of a segment).
 
     >>> round(float(packed_cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]))), 4)  # ln 3
     1.0986
+    >>> round(float(packed_cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]), num_items_in_batch=6)), 4)
+    0.5493
     """
     if reduction == "document":
-        return document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
-                                      ignore_index=ignore_index)
+        return _document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
+                                       ignore_index=ignore_index, input_ids=input_ids, num_items=num_items_in_batch)
     local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction=reduction,
-                             ignore_index=ignore_index)
-    count = (local.labels != ignore_index).sum().to(torch.int64).reshape(1)  # this rank's tokens, counted once
-    _all_reduce_sum(_all_reduce_sum(count, cp), dp)
-    return _cross_entropy(local, ignore_index).sum() / count.clamp_min(1).to(torch.float32)[0]
+                             ignore_index=ignore_index, input_ids=input_ids, num_items=num_items_in_batch)
+    if local.num_items is None:
+        count = (local.labels != ignore_index).sum().to(torch.int64).reshape(1)  # this rank's tokens, counted once
+        denominator = _all_reduce_sum(_all_reduce_sum(count, cp), dp).clamp_min(1).to(torch.float32)[0]
+    else:
+        denominator = torch.tensor(float(max(local.num_items, 1)), dtype=torch.float32, device=local.logits.device)
+    return _cross_entropy(local, ignore_index).sum() / denominator
 
 
 def document_cross_entropy(
@@ -289,6 +488,7 @@ def document_cross_entropy(
     sharded: ShardedPackedSeqParams | PackedSeqParams,
     group: GroupLike = None,
     dp_group: GroupLike = None,
+    input_ids: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Per-document mean cross-entropy (every document weighs the same), as this rank's share of the global value.
@@ -298,7 +498,7 @@ def document_cross_entropy(
     ``group``, the number of documents over ``dp_group`` (docs/loss.md).
 
     Args:
-        logits, labels, group, dp_group, ignore_index: as :func:`packed_cross_entropy`.
+        logits, labels, group, dp_group, input_ids, ignore_index: as :func:`packed_cross_entropy`.
         sharded: this rank's ``ShardedPackedSeqParams``; without CP, the batch's ``PackedSeqParams``.
 
     Returns:
@@ -315,8 +515,15 @@ def document_cross_entropy(
     >>> round(float(document_cross_entropy(logits, torch.tensor([0, 1, -100, 0, -100]), sharded=params)), 4)
     0.3466
     """
+    return _document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
+                                   ignore_index=ignore_index, input_ids=input_ids, num_items=None)
+
+
+def _document_cross_entropy(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike,
+                            sharded: object, ignore_index: object, input_ids: object,
+                            num_items: object) -> torch.Tensor:
     local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction="document",
-                             ignore_index=ignore_index)
+                             ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
     valid = (local.labels != ignore_index).to(torch.int64)  # [T_local]
     counts = torch.zeros(local.num_segments, dtype=torch.int64, device=valid.device)  # [num_segments]
     _all_reduce_sum(counts.scatter_add_(0, local.segment, valid), cp)  # valid labels per global segment
@@ -347,3 +554,124 @@ def reduce_loss_for_logging(loss: torch.Tensor, *, group: GroupLike = None,
     _agree("reduce_loss_for_logging", cp, dp, {"dp size": None if dp is None else dp.size}, error)
     out = loss.detach().to(torch.float32).reshape(1).clone()
     return _all_reduce_sum(_all_reduce_sum(out, cp), dp)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradient accumulation: one count for the whole optimizer step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _micro_batches(labels: object) -> list[torch.Tensor]:
+    items = [labels] if isinstance(labels, torch.Tensor) else labels
+    if not isinstance(items, (list, tuple)) or not items:
+        raise TypeError(f"labels must be a tensor or a non-empty list of tensors (the labels of every micro-batch of "
+                        f"the optimizer step), got {type(labels).__name__}")
+    for i, x in enumerate(items):
+        check_tensor(x, f"labels[{i}]", "(integer labels of one micro-batch)")
+        if x.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"labels[{i}] must have an integer dtype, got {x.dtype}; pass the labels, not the logits")
+    return list(items)
+
+
+def _shard_kind(items: list[torch.Tensor], cp: CPGroup | None) -> bool:
+    """True when the micro-batches are CP shards (marked by ``sharded.shard`` / ``distribute_batch``), checked
+    against ``cp``; False for whole batches (or shards whose mark a copy lost)."""
+    origins = [shard_origin(x) for x in items]
+    sharded = [o is not None and o[0] > 1 for o in origins]
+    if any(sharded) and not all(sharded):
+        raise ValueError(f"labels mix CP shards (micro-batches {[i for i, s in enumerate(sharded) if s]}) and whole "
+                         "batches; count one kind: every micro-batch's global labels, or every micro-batch's shard")
+    if not any(sharded):
+        return False
+    cp_size, cp_rank = next(o for o in origins if o is not None)
+    if cp is None or cp.size != cp_size:
+        have = "group=None" if cp is None else f"a group of {cp.size} ranks"
+        raise ValueError(f"labels are CP rank {cp_rank}'s shards of batches split over {cp_size} ranks, but "
+                         f"count_valid_labels got {have}: the other ranks' labels would not be counted; pass "
+                         "group= the CP group (mesh['cp']) as well as dp_group=")
+    for i, (size, rank) in enumerate(origins):
+        if rank != cp.rank or size != cp_size:
+            raise ValueError(f"labels[{i}] is CP rank {rank}'s shard (of {size}) but this process is rank {cp.rank} "
+                             f"of the CP group of {cp.size}; count this rank's own shards")
+    return True
+
+
+def count_valid_labels(
+    labels: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    ignore_index: int = -100,
+    group: GroupLike = None,
+    dp_group: GroupLike = None,
+) -> int:
+    """The number of valid labels of an optimizer step: HF's ``num_items_in_batch`` for gradient accumulation.
+
+    Sum over the micro-batches ``labels`` of ``(labels != ignore_index)``, all-reduced over ``group`` and then
+    ``dp_group``. Pass it to every micro-batch's ``packed_cross_entropy(..., num_items_in_batch=n)``: each share is
+    ``local sum / n``, so the gradients accumulated over the micro-batches and SUMMED over all ranks equal the
+    gradient of the one big batch (docs/loss.md, section "Gradient accumulation"). Call it once per optimizer step,
+    before the first micro-batch's forward, on every rank of both groups.
+
+    Which group depends on what a rank holds (counting a token twice halves its weight, silently):
+
+    - every CP rank of a replica holds the replica's WHOLE batches (the same labels on every CP rank, e.g. from a
+      DP x CP loader): count them and reduce over DP only, ``group=None, dp_group=mesh["dp"]``;
+    - each rank holds its CP shards (``sharded.shard(labels)``, ``distribute_batch``): reduce over both,
+      ``group=mesh["cp"], dp_group=mesh["dp"]``.
+
+    Both mistakes raise on every rank: shard labels (marked by ``shard`` / ``distribute_batch``) without their
+    ``group``, and whole batches with ``group`` (every CP rank holds equal labels: compared by digest). Not caught:
+    shards whose mark a copy lost (``.clone()``, ``.to(other device)``) counted with ``group=None``.
+
+    Args:
+        labels: one tensor or a list of integer tensors, any shape: every micro-batch of this optimizer step
+            (shifted labels, from :func:`next_token_labels`, or their shards).
+        ignore_index: the label value to ignore.
+        group: the CP group, when ``labels`` are shards; else ``None``.
+        dp_group: the DP group, or ``None`` without data parallelism.
+
+    Returns:
+        int, equal on every rank of both groups.
+
+    Raises:
+        TypeError / ValueError on every rank of both groups (one ``agree`` per group first): labels that are not
+        integer tensors, a group that does not fit what the labels are, ranks that disagree on ``ignore_index`` or
+        the number of micro-batches. Communication: the agreements and one int64 all-reduce per group; one host sync
+        per micro-batch, plus with ``group`` and whole batches a digest of the labels (copied to the host).
+
+    >>> count_valid_labels([torch.tensor([[5, -100, 7]]), torch.tensor([[-100, 2, 2]])])
+    4
+    """
+    cp = resolve_group(group, name="group", optional=True)
+    dp = resolve_group(dp_group, name="dp_group", optional=True)
+    error, fields, payload, items, local = None, {}, None, [], 0
+    try:
+        ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+        items = _micro_batches(labels)
+        shards = _shard_kind(items, cp)
+        fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
+                  "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
+        local = sum(int((x != ignore_index).sum()) for x in items)  # this rank's count (host syncs)
+        if cp is not None and cp.size > 1 and not shards and local > 0:
+            payload = digest(*items)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank, through the agreement
+        error = exc
+    call = "count_valid_labels"
+    if cp is not None:
+        try:
+            records = agree(cp.group, call, fields, error=error, payload=payload, group_name="CP group")
+            if payload is not None and all(r.payload == payload for r in records):
+                error = ValueError(
+                    f"count_valid_labels got group= (a CP group of {cp.size} ranks) but every CP rank holds the same "
+                    "labels: whole batches, whose count the CP all-reduce would multiply by "
+                    f"{cp.size}. Count whole batches with group=None, dp_group=the DP group; pass group= only for "
+                    "each rank's shards")
+        except Exception as exc:  # noqa: BLE001 - the DP group must learn it
+            error = exc
+    if dp is not None:
+        shared = ("ignore_index", "labels are CP shards", "cp size", "dp size")  # not the micro-batch count
+        agree(dp.group, call, {k: fields[k] for k in shared if k in fields}, error=error, group_name="DP group")
+    if error is not None:
+        raise error
+    device = cp.device if cp is not None else dp.device if dp is not None else torch.device("cpu")
+    count = torch.tensor([local], dtype=torch.int64, device=device)
+    return int(_all_reduce_sum(_all_reduce_sum(count, cp), dp)[0])

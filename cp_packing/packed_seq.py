@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from cp_packing._checks import check_cu_seqlens, check_doc_ids, is_int
+from cp_packing.formats import warn_if_zero_based
 
 __all__ = [
     "FlashAttentionKwargs",
@@ -99,8 +100,11 @@ def _from_doc_ids_numpy(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         lo = int(flat[cu[:-1]].min())  # the value at every segment start (= every value in the map)
         if lo < 0:
             _raise_negative(lo)
+    cu_t = torch.from_numpy(cu)
+    if np.count_nonzero(flat[::S]) != B:  # a row starts with padding: the 0-based check reads the rows' segments
+        warn_if_zero_based(doc_ids, stacklevel=4, cu_seqlens=cu_t)
     max_seqlen = int(np.diff(cu).max())
-    return torch.from_numpy(cu), max_seqlen
+    return cu_t, max_seqlen
 
 
 def _from_doc_ids_torch(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -122,13 +126,17 @@ def _from_doc_ids_torch(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     run_start = torch.where(is_start, pos, torch.zeros_like(pos)).cummax(0).values
     longest = (pos - run_start).max() + 1
     lo = flat.min().to(torch.int64) if flat.dtype.is_signed else torch.zeros((), dtype=torch.int64, device=device)
-    num_segments, max_seqlen, min_value = torch.stack([is_start.sum(), longest, lo]).tolist()  # the one host sync
+    padded_row = (flat[::S] == 0).any()  # a row starts with padding (the 0-based check, below)
+    num_segments, max_seqlen, min_value, padded_row = torch.stack(
+        [is_start.sum(), longest, lo, padded_row.to(torch.int64)]).tolist()  # the one host sync
     if min_value < 0:
         _raise_negative(min_value)
     starts = torch.nonzero_static(is_start, size=num_segments).view(-1)
     cu = torch.empty(num_segments + 1, dtype=torch.int32, device=device)
     cu[:-1] = starts
     cu[-1] = T
+    if padded_row:
+        warn_if_zero_based(doc_ids, stacklevel=4, cu_seqlens=cu)
     return cu, int(max_seqlen)
 
 
@@ -151,9 +159,15 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
         TypeError: ``doc_ids`` is not a dense tensor, or has a float / bool dtype.
         ValueError: not 2D, a negative index, or more than ``2**31 - 1`` tokens.
 
+    Warns (``cp_packing.formats.ZeroBasedDocIdsWarning``, once per process) when a row starts with padding
+    immediately followed by document 1: the shape of a 0-based ``seq_idx`` passed as ``doc_ids`` (convert it with
+    ``cp_packing.formats.doc_ids_from_seq_idx``). The result is the same either way.
+
     Cost: on CPU one pass over the map (NumPy view, a copy first only if it is not contiguous) and one over a
-    ``[B * S]`` bool mask of boundaries; the sign check reads only segment starts. On CUDA exactly one host sync
-    (``max_seqlen``, the segment count and the smallest index are read back together).
+    ``[B * S]`` bool mask of boundaries; the sign check reads only segment starts, the 0-based check only the first
+    token of each row (and, when a row starts with padding, those rows). On CUDA exactly one host sync
+    (``max_seqlen``, the segment count, the smallest index and whether a row starts with padding are read back
+    together); a map with a row that starts with padding costs the 0-based check's syncs too.
 
     >>> params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 0]]))
     >>> params.cu_seqlens.tolist(), params.max_seqlen

@@ -7,7 +7,8 @@ layout='auto' picks 'contiguous'
 ``balance_report(doc_ids, cp_size=8)`` prints, per layout, the figures of ``cp_packing.cost.layout_cost``: busiest /
 mean causal cost, busiest / ideal (padding work included), padding overhead, runs per rank and K/V bytes per layer,
 plus which layout ``layout="auto"`` picks. ``plot_balance`` draws every rank's cost per layout (matplotlib, the
-``plot`` extra).
+``plot`` extra). With ``window=`` (the model's sliding window: an int or a per-layer list of ``int | None``) every
+cost is the windowed one, ``sum min(p + 1, window)``, ``balanced`` is planned for it and ``auto`` picks by it.
 The command line is ``python -m cp_packing report ...`` (see ``cp_packing.__main__``).
 """
 
@@ -19,7 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cp_packing._checks import check_windows
 from cp_packing.cost import LayoutCost, backend_bytes, choose_backend_by_bytes, layout_cost
+from cp_packing.layouts.work import window_weights
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
 __all__ = [
@@ -46,6 +49,7 @@ def balance_costs(
     num_kv_heads: int = 8,
     head_dim: int = 128,
     dtype_bytes: int = 2,
+    window: int | Sequence[int | None] | None = None,
 ) -> dict[str, LayoutCost]:
     """``{layout name: LayoutCost}`` for every layout of ``layouts`` that applies to this map.
 
@@ -58,6 +62,7 @@ def balance_costs(
         cp_size: the CP group size.
         layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte figures.
+        window: the attention's sliding window (``None``, an int or a per-layer list; see ``layout_cost``).
 
     Returns:
         ``{layout name: LayoutCost}``, in the order of ``layouts``.
@@ -77,6 +82,7 @@ def balance_costs(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             dtype_bytes=dtype_bytes,
+            window=window,
         )
     return out
 
@@ -84,10 +90,11 @@ def balance_costs(
 def balance_report(
     doc_ids: torch.Tensor | PackedSeqParams, *, cp_size: int, layouts: Sequence[str] = REPORT_LAYOUTS,
     num_kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2,
+    window: int | Sequence[int | None] | None = None,
 ) -> str:
     """A plain-text table, one line per layout: busiest / mean, busiest / ideal, padding %, tokens and runs per rank
     (max), K/V MiB per layer received by the busiest receiver (all-gather: the keys it needs; ring: a full pass);
-    then the layout ``auto`` picks.
+    then the layout ``auto`` picks. With ``window`` the costs are the windowed ones (a first line names the window).
 
     Args: as in ``balance_costs``.
 
@@ -96,14 +103,19 @@ def balance_report(
         form).
     """
     params = _params(doc_ids)
+    window = check_windows(window)
     costs = balance_costs(
-        params, cp_size=cp_size, layouts=layouts, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes
+        params, cp_size=cp_size, layouts=layouts, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype_bytes=dtype_bytes, window=window,
     )
     header = (
         f"{'layout':<22} {'busiest/mean':>12} {'busiest/ideal':>13} {'padding':>8} {'tokens/rank':>11} "
         f"{'runs/rank':>9} {'KV all-gather MiB':>17} {'KV ring MiB':>11}"
     )
     lines = [header, "-" * len(header)]
+    if window is not None:
+        lines.insert(0, f"costs under window={_window_text(window)}: a token at position p costs min(p + 1, window)"
+                        f"{', summed over the layers' if isinstance(window, tuple) else ''}")
     mib = float(2**20)
     for name, c in costs.items():
         label = f"auto -> {c.layout}" if name == "auto" else name
@@ -122,6 +134,13 @@ def balance_report(
             "apply (pad the rows)"
         )
     return "\n".join(lines)
+
+
+def _window_text(window: int | tuple[int | None, ...]) -> str:
+    """A window for a title: ``4096``, or a per-layer list by its distinct windows (``[4096 x 13, None x 13]``)."""
+    if not isinstance(window, tuple):
+        return str(window)
+    return "[" + ", ".join(f"{w} x {c}" for w, c in window_weights(window)) + "]"
 
 
 def _ints(value, name: str) -> list[int]:
@@ -183,6 +202,7 @@ def plot_balance(
     cp_size: int,
     path: str | os.PathLike[str],
     layouts: Sequence[str] = REPORT_LAYOUTS,
+    window: int | Sequence[int | None] | None = None,
 ) -> None:
     """Write a PNG bar chart of every rank's causal cost (relative to the ideal ``C / cp``) for each layout.
 
@@ -193,6 +213,7 @@ def plot_balance(
         cp_size: the CP group size.
         path: where to write the PNG.
         layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
+        window: the attention's sliding window: the costs drawn are the windowed ones.
 
     Raises:
         ImportError: matplotlib is not installed (the message names the ``plot`` extra).
@@ -206,7 +227,8 @@ def plot_balance(
         raise ImportError(
             "plot_balance needs matplotlib: pip install 'cp-packing[plot]' (or pip install matplotlib)"
         ) from exc
-    costs = balance_costs(doc_ids, cp_size=cp_size, layouts=layouts)
+    window = check_windows(window)
+    costs = balance_costs(doc_ids, cp_size=cp_size, layouts=layouts, window=window)
     names = list(costs)
     width = 0.8 / max(1, len(names))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * cp_size * len(names) / 2), 4.0))
@@ -221,7 +243,8 @@ def plot_balance(
     ax.set_xlabel("CP rank")
     ax.set_ylabel("causal cost / ideal (C / cp)")
     ax.set_xticks(ranks)
-    ax.set_title(f"per-rank causal attention cost, cp={cp_size}")
+    under = "" if window is None else f", window={_window_text(window)}"
+    ax.set_title(f"per-rank causal attention cost, cp={cp_size}{under}")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

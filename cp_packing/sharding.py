@@ -16,12 +16,12 @@ from typing import Callable, Hashable, Sequence, TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cp_packing._checks import check_bool, check_cp, check_tensor
+from cp_packing._checks import check_bool, check_cp, check_tensor, check_windows
 from cp_packing.cost import choose_layout
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
-__all__ = ["ShardedPackedSeqParams", "as_signed", "shard_packed_seq_params", "take_rows"]
+__all__ = ["ShardedPackedSeqParams", "as_signed", "mark_shard", "shard_origin", "shard_packed_seq_params", "take_rows"]
 
 _T = TypeVar("_T")
 
@@ -31,6 +31,24 @@ _T = TypeVar("_T")
 # pass integer tensors through, so every copy holding the same token_index shares the entries. Each entry
 # remembers the tensors it was derived from, so a copy made with other metadata (dataclasses.replace) recomputes.
 _STEP_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# Tensors that are one rank's CP shard: root tensor (views share it) -> (cp_size, cp_rank). ``shard`` marks what it
+# returns (``distribute_batch``'s source path marks what it receives), so the loss can refuse a shard's labels
+# without the group they came from (docs/loss.md). A copy (``.clone()``, ``.to(other device)``) is not marked.
+_SHARD_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_shard(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Record that ``x`` (and every view of it) is rank ``cp_rank``'s shard of a batch split over ``cp_size``
+    ranks; returns ``x``."""
+    _SHARD_OF[x if x._base is None else x._base] = (int(cp_size), int(cp_rank))
+    return x
+
+
+def shard_origin(x: torch.Tensor) -> tuple[int, int] | None:
+    """``(cp_size, cp_rank)`` when ``x`` (or the tensor it is a view of) was marked by :func:`mark_shard`."""
+    return _SHARD_OF.get(x if x._base is None else x._base)
+
 
 _UNSIGNED_AS_SIGNED = {
     getattr(torch, u): getattr(torch, s)
@@ -67,6 +85,9 @@ class ShardedPackedSeqParams:
             consecutive global tokens of one segment.
         max_seqlen: int, the longest local run.
         key_start: int64 ``[R]``, the global position where run ``i``'s causal keys start (its segment's start).
+        plan_window: the sliding window(s) the layout was planned for (``None``, an int, or a per-layer tuple of
+            ``int | None``; only ``balanced`` depends on it). Not the window the attention runs with: HF passes that
+            per layer.
     """
 
     cp_size: int
@@ -79,6 +100,7 @@ class ShardedPackedSeqParams:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     key_start: torch.Tensor
+    plan_window: int | tuple[int | None, ...] | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -94,7 +116,7 @@ class ShardedPackedSeqParams:
         """``compute()``, once per ``key`` for this shard's metadata (shared by copies that hold the same tensors)."""
         sources = (self.global_params.cu_seqlens, self.cu_seqlens, self.key_start)
         entries = _STEP_CACHE.setdefault(self.token_index, {})
-        full_key = (key, self.layout, self.cp_size, self.cp_rank)
+        full_key = (key, self.layout, self.cp_size, self.cp_rank, self.plan_window)
         entry = entries.get(full_key)
         if entry is not None and all(a is b for a, b in zip(entry[0], sources)):
             return entry[1]
@@ -106,9 +128,9 @@ class ShardedPackedSeqParams:
         """int64 ``[cp_size, T_local]``: every rank's ``token_index`` (cached; the order of an all-gather)."""
         return self.cached(
             "global_token_order",
-            lambda: global_token_order(self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout).to(
-                self.token_index.device
-            ),
+            lambda: global_token_order(
+                self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout, window=self.plan_window
+            ).to(self.token_index.device),
         )
 
     def _flat(self, x: torch.Tensor, name: str, flat: bool | None = None) -> torch.Tensor:
@@ -129,11 +151,12 @@ class ShardedPackedSeqParams:
 
         ``flat=None`` reads ``x`` as ``[B, S, ...]`` when its first two dims are ``(B, S)``, else as flat. With
         ``S == 1`` a flat ``[T, 1, ...]`` tensor (e.g. q with one head) looks like ``[B, S, ...]``: pass ``flat=True``.
-        Differentiable; every dtype (unsigned included).
+        Differentiable; every dtype (unsigned included). The result is marked as this rank's shard
+        (:func:`shard_origin`): the loss refuses a shard's labels without its CP group.
         """
         if flat is not None:
             check_bool(flat, "flat")
-        return take_rows(self._flat(x, "x", flat), self.token_index)
+        return mark_shard(take_rows(self._flat(x, "x", flat), self.token_index), self.cp_size, self.cp_rank)
 
     def unshard(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``shard``: every rank's ``[T_local, ...]`` tensor, in rank order -> ``[B, S, ...]``."""
@@ -154,7 +177,8 @@ class ShardedPackedSeqParams:
 
 
 def shard_packed_seq_params(
-    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str = "auto"
+    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str = "auto",
+    window: int | Sequence[int | None] | None = None,
 ) -> ShardedPackedSeqParams:
     """This rank's share of a packed batch: local tokens, positions, doc ids and runs.
 
@@ -168,6 +192,10 @@ def shard_packed_seq_params(
         layout: ``"auto"`` (default: per batch, the valid layout with the lowest busiest-rank cost; the chosen name
             is in the result's ``layout``), ``"contiguous"``, ``"zigzag"`` (every segment a multiple of
             ``2*cp_size``, see ``pad_segments``) or ``"balanced"``. See docs/layouts.md.
+        window: the model's sliding window, so that the work is balanced as the model does it: ``None`` (full
+            causal), an int, or a per-layer list of ``int | None`` (``None`` = a global layer; the cost is the sum
+            over the layers). A token at position ``p`` costs ``min(p + 1, window)``: ``balanced`` is planned for
+            that cost and ``auto`` picks by it. Every rank must pass the same (kept as ``plan_window``).
 
     Returns:
         ``ShardedPackedSeqParams``.
@@ -176,14 +204,17 @@ def shard_packed_seq_params(
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
     >>> shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="contiguous").token_index.tolist()
     [3, 4, 5]
+    >>> shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="balanced", window=[2, None]).plan_window
+    (2, None)
     """
     check_params(params)
     check_cp(cp_size, cp_rank)
+    window = check_windows(window)
     if layout == "auto":
-        layout = choose_layout(params, cp_size=cp_size)
+        layout = choose_layout(params, cp_size=cp_size, window=window)
     check_layout(layout)
     cu = params.cu_seqlens.to(torch.int64)
-    run_start, run_len = layout_runs(cu, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    run_start, run_len = layout_runs(cu, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
     T_local = params.total_tokens // cp_size
 
     seg = torch.searchsorted(cu, run_start, right=True) - 1
@@ -205,4 +236,5 @@ def shard_packed_seq_params(
         cu_seqlens=run_cu,
         max_seqlen=int(run_len.max()) if run_len.numel() else 0,
         key_start=key_start,
+        plan_window=window,
     )

@@ -73,14 +73,22 @@ def reference_lpt_costs(cu: list[int], cp: int) -> list[int]:
     return load
 
 
-def _all_runs(cu, cp):
-    return [balanced_runs(cu, cp_size=cp, cp_rank=r) for r in range(cp)]
+def _all_runs(cu, cp, window=None):
+    return [balanced_runs(cu, cp_size=cp, cp_rank=r, window=window) for r in range(cp)]
 
 
-def _rank_costs(doc_ids, cp):
-    weight = reference_positions(doc_ids) + 1  # [T] cost of each token
+def reference_token_cost(doc_ids, window=None):
+    """[T] work of every token: ``p + 1``, or ``min(p + 1, w)`` summed over the layers of a per-layer window."""
+    pos = reference_positions(doc_ids)
+    layers = window if isinstance(window, (list, tuple)) else [window]
+    return sum(pos + 1 if w is None else torch.clamp(pos + 1, max=w) for w in layers)
+
+
+def _rank_costs(doc_ids, cp, plan_window=None, cost_window=None):
+    """Every rank's cost under ``cost_window`` of the plan made for ``plan_window``, counted token by token."""
+    weight = reference_token_cost(doc_ids, cost_window)  # [T] cost of each token
     cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
-    return [int(weight[torch.repeat_interleave(s, n) + _offsets(n)].sum()) for s, n in _all_runs(cu, cp)]
+    return [int(weight[torch.repeat_interleave(s, n) + _offsets(n)].sum()) for s, n in _all_runs(cu, cp, plan_window)]
 
 
 def _offsets(run_len):
@@ -88,10 +96,10 @@ def _offsets(run_len):
     return torch.arange(int(run_len.sum())) - torch.repeat_interleave(torch.cumsum(run_len, 0) - run_len, run_len)
 
 
-def _check_plan(doc_ids, cp):
+def _check_plan(doc_ids, cp, window=None):
     """Every guarantee token by token: T/cp tokens per rank, non-empty runs inside one segment in position order,
     every token exactly once; a run shorter than MIN_CHUNK is a whole segment or one of the pieces the cp - 1 fill
-    cuts leave (at most 2 (cp - 1))."""
+    cuts leave (at most 2 (cp - 1)). ``window``: of a window-aware plan."""
     cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
     T = doc_ids.numel()
     seg_of = torch.zeros(T, dtype=torch.int64)
@@ -100,7 +108,7 @@ def _check_plan(doc_ids, cp):
         seg_of[a:b] = k
         seg_len[k] = b - a
     covered, short_pieces = [], 0
-    for run_start, run_len in _all_runs(cu, cp):
+    for run_start, run_len in _all_runs(cu, cp, window):
         assert run_start.dtype == torch.int64 and run_len.dtype == torch.int64
         assert bool((run_len > 0).all())
         assert int(run_len.sum()) == T // cp  # exactly T / cp tokens on every rank
@@ -345,3 +353,74 @@ def test_exact_partition_on_a_big_many_segment_map(kind):
         balanced_plan.cache_clear()
         again = balanced_plan(cu.clone(), cp_size=cp)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# -- sliding window: the plan balances sum min(p + 1, w) ------------------------------------------------------------
+
+WINDOWS = st.sampled_from([1, 3, 16, 64, 200, [4, None], [16, 16, None], (64, 8)])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(maps_and_cp(), WINDOWS)
+def test_partition_of_window_aware_plans(case, window):
+    """Nothing lost under any window: T/cp tokens per rank, runs inside segments, every token exactly once."""
+    _check_plan(*case, window=window)
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "huge", "padded", "long"])
+def test_partition_of_window_aware_plans_on_maps_the_planner_cuts(kind):
+    for cp, window in ((2, 64), (4, 512), (8, [512, None]), (16, 100)):
+        _check_plan(synthetic_doc_ids(kind, 2, 4096, seed=cp), cp, window)
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "huge", "padded"])
+def test_window_plan_balances_the_windowed_cost_where_the_causal_plan_does_not(kind):
+    """Documents much longer than the window: planned for the window, busiest/mean of the WINDOWED cost is within
+    1%; the causal plan (what ignoring the window gives) is off by more than 2% on the same maps."""
+    doc_ids = synthetic_doc_ids(kind, 2, 4096, seed=0)
+    for cp in (4, 8):
+        with_window = _rank_costs(doc_ids, cp, plan_window=512, cost_window=512)
+        without = _rank_costs(doc_ids, cp, plan_window=None, cost_window=512)
+        assert sum(with_window) == sum(without)
+        assert max(with_window) / (sum(with_window) / cp) <= 1.01, (cp, with_window)
+        assert max(without) / (sum(without) / cp) >= 1.02, (cp, without)
+
+
+@pytest.mark.parametrize("window", [256, [256, None], [256, 1024, None]])
+def test_one_long_document_under_a_window_costs_the_same_on_every_rank(window):
+    """Cut at the window's kinks (a ramp, then a flat or gentler slope), every zigzag pair costs the same: exact
+    balance for one 8192-token document at cp=4, where the plain zigzag pairs leave rank 0 the cheap ramp."""
+    doc_ids = torch.ones(1, 8192, dtype=torch.int64)
+    costs = _rank_costs(doc_ids, 4, plan_window=window, cost_window=window)
+    assert max(costs) - min(costs) <= max(costs) * 1e-4, costs
+    if window == 256:
+        causal_plan = _rank_costs(doc_ids, 4, plan_window=None, cost_window=window)
+        assert min(causal_plan) < min(costs)  # rank 0 got the ramp
+
+
+def test_a_window_at_least_every_document_plans_exactly_as_no_window():
+    """min(p + 1, w) = p + 1 when w >= every segment: the same plan, bit for bit, from the same cache entry; and
+    ``[w] * 4`` plans as ``w`` (the cost only scales)."""
+    cu = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 2, 4096, seed=5)).cu_seqlens
+    longest = int(torch.diff(cu).max())
+    balanced_plan.cache_clear()
+    want = balanced_plan(cu, cp_size=8)
+    for window in (longest, 10**9, [longest, None], (None, longest + 1, None)):
+        assert all(torch.equal(a, b) for a, b in zip(balanced_plan(cu, cp_size=8, window=window), want)), window
+    assert balanced_plan.cache_info().misses == 1
+    small = balanced_plan(cu, cp_size=8, window=32)
+    assert not all(torch.equal(a, b) for a, b in zip(small, want))  # a small window changes the plan ...
+    assert all(torch.equal(a, b) for a, b in zip(balanced_plan(cu, cp_size=8, window=[32] * 4), small))
+    assert balanced_plan.cache_info().misses == 2  # ... and is its own cache entry; [32] * 4 is a hit
+
+
+def test_balanced_attention_from_the_local_metadata_of_a_window_plan():
+    """The shard keeps the window it was planned for: unshard and the all-gather order follow the same plan."""
+    doc_ids = synthetic_doc_ids("huge", batch=1, seqlen=1024, seed=5)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    shards = [shard_packed_seq_params(params, cp_size=4, cp_rank=r, layout="balanced", window=[64])
+              for r in range(4)]
+    assert all(s.plan_window == (64,) for s in shards)
+    plain = shard_packed_seq_params(params, cp_size=4, cp_rank=0, layout="balanced")
+    assert not torch.equal(shards[0].token_index, plain.token_index)  # the window changed the plan
+    assert_local_attention_equals_full(doc_ids, shards)

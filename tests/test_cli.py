@@ -114,3 +114,16 @@ def test_report_prints_backend_bytes_for_the_heads(capsys):
     assert "T_local=256" in out
     # 256 tokens x 128 x 2 bytes = 64 KiB per head-slice: all-gather 16 x 7, Ulysses 80 x 7/8 of them
     assert out.splitlines()[-1].split() == ["32/8", "8", "7.0", "7.0", "4.4", "5.5", "ulysses"], out
+
+
+def test_train_through_the_module_entry_point_lists_its_options_and_checks_them(capsys):
+    """``python -m cp_packing train --help`` shows the model / data / output options; a --dry-run checks without
+    training (exit 0), and a bad option is a one-line usage error (exit 2)."""
+    code, out, _ = cli("train", "--help", capsys=capsys)
+    assert code == 0
+    for option in ("--model", "--data", "--output-dir", "--fsdp", "--dry-run"):
+        assert option in out
+    code, out, err = cli("train", "--nproc", "2", "--dry-run", "--seq-len", "64", capsys=capsys)
+    assert code == 0 and "dry run" in out, err
+    code, _, err = cli("train", "--nproc", "2", "--dry-run", "--data", "missing.jsonl", capsys=capsys)
+    assert code == 2 and err.strip().count("\n") == 0 and "does not exist" in err, err

@@ -345,3 +345,80 @@ def test_backend_bytes_errors():
         backend_bytes("allgather", cp_size=2, **dict(kw, num_kv_heads=5))
     with pytest.raises(ValueError, match="cp_size"):
         backend_bytes("allgather", cp_size=0, **kw)
+
+
+# ------------------------------------------------------------------------------------------------- sliding window
+
+
+def test_a_per_layer_window_is_the_sum_of_its_layers_and_balances_as_their_mean():
+    """window=[a, b, ...] prices every token min(p + 1, a) + min(p + 1, b) + ...: every rank's cost is the sum of
+    its per-layer costs, and busiest/mean is that of the mean layer (counted per layer, on the same placement)."""
+    doc = torch.tensor([[1] * 40 + [2] * 8 + [0] * 8 + [3] * 8, [1] * 16 + [2] * 48])  # segments % 4 == 0
+    cu = packed_seq_params_from_doc_ids(doc).cu_seqlens
+    layers = [4, None, 16]
+    start, length = torch.tensor([0, 5, 37, 64]), torch.tensor([5, 32, 27, 64])
+    assert torch.equal(causal_cost(cu, start, length, window=layers),
+                       sum(causal_cost(cu, start, length, window=w) for w in layers))
+    for layout in ("contiguous", "zigzag", "rowzigzag"):  # placements that do not depend on the window
+        got = layout_cost(doc, cp_size=2, layout=layout, window=layers)
+        per_layer = torch.stack([layout_cost(doc, cp_size=2, layout=layout, window=w).rank_cost for w in layers])
+        assert torch.equal(got.rank_cost, per_layer.sum(0)), layout
+        mean = per_layer.double().mean(0)
+        assert math.isclose(got.imbalance, float(mean.max() / mean.mean()), rel_tol=1e-12), layout
+        assert got.ideal_cost == float(per_layer.sum()) / 2
+    # balanced: [w] * 3 is planned as w (the cost only scales), and priced three times
+    assert torch.equal(layout_cost(doc, cp_size=2, layout="balanced", window=[4] * 3).rank_cost,
+                       3 * layout_cost(doc, cp_size=2, layout="balanced", window=4).rank_cost)
+
+
+def test_auto_picks_by_the_windowed_cost():
+    """[192-token document, 64-token document] at cp=2: without a window zigzag is exactly even and contiguous is
+    not (8256 vs 12352); under window=4 contiguous is exactly even (506, 506) and zigzag is not (500, 512), so auto
+    turns from zigzag to contiguous, in shard_packed_seq_params too."""
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 192 + [2] * 64]))
+    assert layout_cost(params, cp_size=2, layout="contiguous", window=4).rank_cost.tolist() == [506, 506]
+    assert layout_cost(params, cp_size=2, layout="zigzag", window=4).rank_cost.tolist() == [500, 512]
+    assert choose_layout(params, cp_size=2) == "zigzag"
+    assert choose_layout(params, cp_size=2, window=4) == "contiguous"
+    assert choose_layout(params, cp_size=2, window=[4, 4]) == "contiguous"
+    assert choose_layout(params, cp_size=2, window=[4, None]) == "zigzag"  # the global layer still dominates
+    assert layout_cost(params, cp_size=2, layout="auto", window=4).layout == "contiguous"
+    shard = shard_packed_seq_params(params, cp_size=2, cp_rank=0, window=4)
+    assert shard.layout == "contiguous" and shard.plan_window == 4
+    assert shard_packed_seq_params(params, cp_size=2, cp_rank=0).layout == "zigzag"
+
+
+@pytest.mark.parametrize("window, exc, pattern", [
+    (0, ValueError, r"window must be >= 1, got 0"),
+    (-4, ValueError, r"window must be >= 1, got -4"),
+    (True, TypeError, r"window must be an int"),
+    (4.0, TypeError, r"window must be an int"),
+    ("4096", TypeError, r"window must be an int"),
+    ([], ValueError, r"window is an empty list"),
+    ([4, 0], ValueError, r"window\[1\] must be >= 1, got 0"),
+    ([4, False], TypeError, r"window\[1\] must be an int"),
+    ([4, 2.5], TypeError, r"window\[1\] must be an int"),
+    ([[4]], TypeError, r"window\[0\] must be an int"),
+    (torch.tensor([4]), TypeError, r"window must be an int >= 1, None or a per-layer list"),
+])
+def test_bad_windows_are_refused_everywhere(window, exc, pattern):
+    from cp_packing.layouts.balanced import balanced_plan
+
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2]]))
+    calls = [
+        lambda: causal_cost(params.cu_seqlens, torch.tensor([0]), torch.tensor([4]), window=window),
+        lambda: layout_cost(params, cp_size=2, layout="contiguous", window=window),
+        lambda: choose_layout(params, cp_size=2, window=window),
+        lambda: balanced_plan(params.cu_seqlens, cp_size=2, window=window),
+        lambda: shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous", window=window),
+    ]
+    for call in calls:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+def test_a_per_layer_window_refuses_a_cost_that_could_overflow():
+    cu = torch.tensor([0, MAX_COST_TOKENS])
+    causal_cost(cu, torch.tensor([0]), torch.tensor([1]), window=[None, None])  # 2 T(T+1)/2 still fits int64
+    with pytest.raises(ValueError, match="summed over 3 layer"):
+        causal_cost(cu, torch.tensor([0]), torch.tensor([1]), window=[None, None, None])

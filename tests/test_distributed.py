@@ -287,6 +287,28 @@ def test_check_consistent_names_the_difference_on_every_rank():
     assert all(r == results[0] for r in results)  # every rank raised the very same errors
 
 
+def _window_plans(rank: int, world: int) -> list:
+    """The window reaches the plan on both paths (a list on one rank, a tuple on another: the same windows), and
+    ranks that pass different windows, or a bad one, fail together."""
+    doc_ids = _doc_map(2, 96 * world, seed=3)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    window = [4, None] if rank == 0 else (4, None)
+    want = shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="balanced", window=window)
+    assert want.plan_window == (4, None)
+    _assert_sharded_equal(distribute_packed_seq_params(params, layout="balanced", window=window), want)
+    local, got = distribute_batch(_batch(doc_ids, 0) if rank == 0 else None, src=0, layout="balanced", window=window)
+    _assert_sharded_equal(got, want)
+    _assert_batch_equal(local, want, _batch(doc_ids, 0))
+    return [_catch(distribute_packed_seq_params, params, layout="balanced", window=8 if rank == 1 else 4),
+            _catch(distribute_batch, _batch(doc_ids, 0), layout="auto", window=0 if rank == 1 else 4)]
+
+
+def test_window_is_planned_alike_and_agreed_on_every_rank():
+    for disagree, bad in run_distributed(_window_plans, 2, timeout=120):
+        assert disagree[0] == "AgreementError" and "disagree on window" in disagree[1]
+        assert bad[0] == "ValueError" and "window must be >= 1, got 0" in bad[1] and "CP group rank 1" in bad[1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Errors: raised on every rank, never a hang
 

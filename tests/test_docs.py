@@ -108,8 +108,8 @@ def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
 @pytest.mark.parametrize("module", ["cp_packing.packed_seq", "cp_packing.sharding", "cp_packing.adapters",
                                     "cp_packing.agreement", "cp_packing.groups", "cp_packing._checks",
                                     "cp_packing.attention.dispatch", "cp_packing.attention.ulysses",
-                                    "cp_packing.attention.hybrid",
-                                    "cp_packing.report", "cp_packing.trainer"])
+                                    "cp_packing.attention.hybrid", "cp_packing.layouts.work",
+                                    "cp_packing.report", "cp_packing.packing", "cp_packing.trainer"])
 def test_docstring_examples_run(module):
     """The ``>>>`` examples in the public docstrings are what the code does."""
     import doctest

@@ -383,6 +383,46 @@ def test_zero_based_check_reads_every_integer_dtype_and_warns_at_the_caller(dtyp
         warn_if_zero_based(torch.tensor([[1]], dtype=dtype), stacklevel=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, getattr(torch, "uint32", torch.int16)])
+def test_packed_seq_params_from_doc_ids_warns_on_a_zero_based_map(dtype, monkeypatch):
+    """Issue 10: a 0-based seq_idx passed to the seed as doc_ids (its document 0 read as padding) warns once, at the
+    caller, naming doc_ids_from_seq_idx; the params are the same as without the warning. Both paths (CPU NumPy, and
+    the device path run on CPU)."""
+    from cp_packing.packed_seq import _from_doc_ids_torch
+
+    seq_idx = torch.tensor([[1, 1, 2, 2, 2, 3], [0, 0, 0, 1, 1, 2]], dtype=dtype)  # row 1: 0-based
+    for build in (packed_seq_params_from_doc_ids, _from_doc_ids_torch):
+        monkeypatch.setattr(formats, "_zero_based_warned", False)
+        with pytest.warns(ZeroBasedDocIdsWarning, match=r"row 1 starts with padding.*doc_ids_from_seq_idx") as rec:
+            out = build(seq_idx)
+        if build is packed_seq_params_from_doc_ids:
+            assert rec[0].filename == __file__  # points at the caller, not inside cp-packing
+        cu = out.cu_seqlens if build is packed_seq_params_from_doc_ids else out[0]
+        assert cu.tolist() == [0, 2, 5, 6, 9, 11, 12]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process
+            build(seq_idx)
+    monkeypatch.setattr(formats, "_zero_based_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 1-based maps, right- or left-padded before another document: silent
+        for one_based in ([[1, 1, 2, 0], [1, 0, 0, 0]], [[0, 0, 2, 2], [1, 1, 1, 1]], [[0, 0, 0, 0], [3, 3, 0, 0]]):
+            for build in (packed_seq_params_from_doc_ids, _from_doc_ids_torch):
+                build(torch.tensor(one_based, dtype=dtype))
+        packed_seq_params_from_doc_ids(doc_ids_from_seq_idx(seq_idx))
+
+
+@settings(max_examples=60, deadline=None)
+@given(doc_maps(pad_p=0.4), st.booleans())
+def test_zero_based_check_from_segments_equals_the_full_check(doc_ids, zero_based):
+    """The seed's hook reads only the rows' first segments (cu_seqlens); it must agree with the full-map check."""
+    if zero_based:  # turn some rows into a 0-based index: padding, then 1
+        doc_ids = torch.where(doc_ids > 0, doc_ids - 1, doc_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ZeroBasedDocIdsWarning)
+        cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+        assert warn_if_zero_based(doc_ids, cu_seqlens=cu) == warn_if_zero_based(doc_ids)
+
+
 @pytest.mark.parametrize(
     "doc_ids",
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import time
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,13 @@ from hypothesis import strategies as st
 
 import cp_packing.loss
 from cp_packing.agreement import AgreementError
-from cp_packing.loss import document_cross_entropy, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.loss import (
+    LabelsWarning,
+    document_cross_entropy,
+    next_token_labels,
+    packed_cross_entropy,
+    reduce_loss_for_logging,
+)
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.testing import run_distributed
 from tests.maps import segments_of
@@ -123,6 +130,38 @@ def test_next_token_labels_matches_reference(maps, dtype):
     # A PackedSeqParams is accepted in place of the map.
     params = packed_seq_params_from_doc_ids(torch.tensor(doc))
     assert torch.equal(next_token_labels(torch.tensor(ids), params), labels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 12))
+def test_next_token_labels_shift_hf_unshifted_labels(seed, B, S):
+    """HF's labels[t] = token t or -100 (prompt, separators); the shifted label at t is HF's label at t + 1 inside a
+    segment, and -100 at every segment end: the same targets HF's own loss (which shifts) would train."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.randint(0, 3, (B, S), generator=g)
+    ids = torch.randint(0, 50, (B, S), generator=g)
+    hf = torch.where(torch.rand(B, S, generator=g) < 0.3, IGNORE, ids)  # a random prompt mask
+    expected = ref_labels(hf.tolist(), doc.tolist())  # HF's label of the next token, inside the segment
+    got = next_token_labels(ids, doc, labels=hf.to(torch.int32))
+    assert got.dtype == torch.int64 and got.tolist() == expected
+    # Unmasked HF labels are the input ids: the same result as without labels=.
+    assert torch.equal(next_token_labels(ids, doc, labels=ids), next_token_labels(ids, doc))
+
+
+def test_next_token_labels_hf_labels_errors_and_double_shift(monkeypatch):
+    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    doc = torch.tensor([[1, 1, 1, 1, 2, 2]])
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    with pytest.raises(ValueError, match=r"labels\[0, 2\] is -5"):
+        next_token_labels(ids, doc, labels=torch.tensor([[10, 11, -5, 13, 14, 15]]))
+    with pytest.raises(ValueError, match=r"labels shape \(1, 5\) does not match input_ids shape \(1, 6\)"):
+        next_token_labels(ids, doc, labels=ids[:, :5])
+    with pytest.raises(TypeError, match="labels must have an integer dtype"):
+        next_token_labels(ids, doc, labels=ids.float())
+    # Already shifted labels given as HF's: shifting again would train the token after next.
+    shifted = next_token_labels(ids, doc)
+    with pytest.warns(LabelsWarning, match="look already shifted"):
+        next_token_labels(ids, doc, labels=shifted)
 
 
 def test_next_token_labels_custom_ignore_and_token_mask():
@@ -274,6 +313,86 @@ def test_sharded_for_cp_without_group_is_an_error():
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=0, layout="contiguous")
     with pytest.raises(ValueError, match="cp_size=2.*1 rank"):
         packed_cross_entropy(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), sharded=sharded)
+
+
+def test_shard_labels_without_their_group_raise():
+    """Issue 11: a CP shard's labels without group= gave a silently wrong loss (each rank divided by its own count)."""
+    from cp_packing.sharding import shard_packed_seq_params
+
+    doc, ids = make_batch(11, 2, 8, pad_p=0.0)
+    labels = next_token_labels(ids, doc)
+    params = packed_seq_params_from_doc_ids(doc)
+    shards = [shard_packed_seq_params(params, cp_size=2, cp_rank=r, layout="contiguous") for r in (0, 1)]
+    local = shards[1].shard(labels)
+    logits = torch.randn(local.numel(), V)
+    for view in (local, local[None], local.view(-1)[None][0]):  # views of the shard are shards too
+        with pytest.raises(ValueError, match=r"CP rank 1's shard of a batch split over 2 ranks.*group=None"):
+            packed_cross_entropy(logits.reshape(*view.shape, V), view)
+    with pytest.raises(ValueError, match="rank 1's shard of a batch split over 2 ranks but sharded is rank 0's"):
+        packed_cross_entropy(logits, local, sharded=shards[0])
+    # One rank of a one-rank "CP" group is the whole batch: no mark, no error.
+    whole = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous").shard(labels)
+    torch.testing.assert_close(packed_cross_entropy(torch.zeros(whole.numel(), V), whole), torch.tensor(2.5649),
+                               rtol=1e-4, atol=1e-4)  # ln 13
+
+
+def test_unshifted_labels_warn_once(monkeypatch):
+    """The issue-10 trap: HF's unshifted labels straight into the loss train each token to predict itself (4.862 vs
+    4.872 there), silently. With sharded= (segment ends) or input_ids= the loss warns once, naming the fix; correct
+    labels never warn, not even on documents of one repeated token (where a shifted reading fits too)."""
+    from cp_packing.sharding import shard_packed_seq_params
+
+    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    doc, ids = make_batch(12, 2, 12, pad_p=0.0)
+    hf_labels = ids.clone()
+    hf_labels[:, :2] = IGNORE  # a prompt
+    params = packed_seq_params_from_doc_ids(doc)
+    sharded = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous")
+    logits = torch.randn(ids.numel(), V)
+    good = next_token_labels(ids, doc, labels=hf_labels).reshape(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LabelsWarning)
+        right = packed_cross_entropy(logits, good, sharded=sharded, input_ids=ids.reshape(-1))
+        same = torch.full((1, 6), 3)
+        constant = next_token_labels(same, torch.ones(1, 6, dtype=torch.int64))[0]  # ambiguous: no warning
+        packed_cross_entropy(torch.zeros(6, V), constant, input_ids=same[0])
+    with pytest.warns(LabelsWarning, match=r"last token of its segment.*next_token_labels\(input_ids, doc_ids, "
+                                           r"labels=hf_labels\)"):
+        wrong = packed_cross_entropy(logits, hf_labels.reshape(-1), sharded=params)
+    assert abs(float(wrong) - float(right)) > 1e-3  # the wrong target, with a plausible loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LabelsWarning)  # once per process
+        packed_cross_entropy(logits, hf_labels.reshape(-1), sharded=params)
+    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    with pytest.warns(LabelsWarning, match="equal input_ids at every valid position"):
+        packed_cross_entropy(logits, hf_labels.reshape(-1), input_ids=ids.reshape(-1))
+    with pytest.raises(ValueError, match=r"input_ids shape \(5,\) does not match labels shape \(24,\)"):
+        packed_cross_entropy(logits, good, input_ids=ids.reshape(-1)[:5])
+
+
+def test_hf_collator_labels_through_next_token_labels_match_hf_loss(monkeypatch):
+    """HF DataCollatorWithFlattening (prompt-masked labels) -> doc map + shifted labels -> packed_cross_entropy equals
+    HF's own causal-LM loss on the same logits; the raw HF labels give another loss and a LabelsWarning."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from cp_packing.formats import doc_ids_from_position_ids
+
+    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    features = [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]},
+                {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]},
+                {"input_ids": [9, 10, 11, 12], "labels": [9, 10, 11, 12]}]
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    doc = doc_ids_from_position_ids(batch["position_ids"])
+    torch.manual_seed(0)
+    logits = torch.randn(batch["input_ids"].shape[1], V)
+    hf = ForCausalLMLoss(logits[None], batch["labels"], vocab_size=V)
+    labels = next_token_labels(batch["input_ids"], doc, labels=batch["labels"])
+    torch.testing.assert_close(packed_cross_entropy(logits, labels[0]), hf, rtol=RTOL, atol=1e-6)
+    params = packed_seq_params_from_doc_ids(doc)
+    with pytest.warns(LabelsWarning, match="look unshifted"):
+        trap = packed_cross_entropy(logits, batch["labels"][0], sharded=params)
+    assert abs(float(trap) - float(hf)) > 1e-3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -449,6 +568,20 @@ def _dp_cp_worker(rank, world_size):
         _assert_grads_close(grads, ref_grads)
         total = reduce_loss_for_logging(share, group=cp_group, dp_group=dp_group)
         torch.testing.assert_close(total, ref.detach(), rtol=RTOL, atol=ATOL)
+        # Labels from distribute_batch without the CP group they were sharded over: refused (issue 11), locally.
+        from cp_packing.distributed import distribute_batch
+
+        local, _ = distribute_batch({"input_ids": ids, "labels": labels, "doc_ids": doc}, group=cp_group,
+                                    layout="zigzag")
+        with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
+            packed_cross_entropy(local_logits[None], local["labels"], reduction=reduction, sharded=None
+                                 if reduction == "token" else sharded.global_params)
+        # ... and the same for labels scattered from one source rank (the src= path).
+        scattered, _ = distribute_batch({"input_ids": ids, "labels": labels, "doc_ids": doc}
+                                        if cp_rank == 0 else None, group=cp_group, layout="zigzag", src=0)
+        with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
+            packed_cross_entropy(local_logits[None], scattered["labels"], reduction=reduction, sharded=None
+                                 if reduction == "token" else sharded.global_params)
         # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise the same error, which names it.
         bad_labels = sharded.shard(labels).clone()
         if rank == 3:
@@ -477,7 +610,7 @@ def _bad_label_on_one_rank_worker(rank, world_size):
     for reduction, kwargs in (("token", {"group": world}), ("document", {"group": world}),
                               ("token", {"dp_group": world})):  # no CP, DP only: same rule over dp_group
         logits = torch.randn(4, V, requires_grad=True)
-        labels = torch.tensor([1, 2, 3, IGNORE])
+        labels = torch.tensor([1, 2, IGNORE, IGNORE])  # IGNORE at segment ends (next_token_labels)
         if rank == 1:
             labels[0] = V  # out of range on this rank only
         if "group" in kwargs:

@@ -181,3 +181,25 @@ def test_the_bytes_table_in_the_docs_is_current():
     table = backend_bytes_table(T_local=4096, cp_size=(2, 4, 8), num_heads=(32, 32, 64), num_kv_heads=(8, 32, 8))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert table in open(os.path.join(root, "docs", "attention.md")).read(), "docs/attention.md: regenerate the table"
+
+
+def test_report_under_a_window_shows_the_windowed_figures(capsys):
+    """balance_report(window=) and ``report --window``: the table names the window and every figure is the windowed
+    layout_cost, balanced planned for the window."""
+    doc_ids = synthetic_doc_ids("lognormal", 2, 4096, seed=0)
+    text = balance_report(doc_ids, cp_size=8, window=64)
+    assert text.splitlines()[0].startswith("costs under window=64")
+    for name in ("contiguous", "balanced"):
+        windowed = layout_cost(doc_ids, cp_size=8, layout=name, window=64).imbalance
+        line = next(row for row in text.splitlines() if row.startswith(name))
+        assert float(line.split()[1]) == round(windowed, 4)
+        assert round(windowed, 4) != round(layout_cost(doc_ids, cp_size=8, layout=name).imbalance, 4)
+    assert balance_report(doc_ids, cp_size=8, window=[64, None, 64]).splitlines()[0].startswith(
+        "costs under window=[64 x 2, None x 1]")
+    assert main(["report", "--batch", "2", "--seqlen", "4096", "--cp", "8", "--window", "64"]) == 0
+    assert text in capsys.readouterr().out
+    assert main(["report", "--cp", "2", "--window", "64,none,64"]) == 0
+    assert "costs under window=[64 x 2, None x 1]" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["report", "--window", "0"])
+    assert "every window must be >= 1" in capsys.readouterr().err

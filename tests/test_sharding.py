@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.adapters import ring_flash_attn_kwargs, transformer_engine_kwargs
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
+from cp_packing.testing import synthetic_doc_ids
 from tests.maps import assert_local_attention_equals_full, doc_maps, segments_of
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -343,3 +344,33 @@ def test_cp_rank_none_is_a_clear_type_error():
     for layout in ("contiguous", "zigzag", "balanced", "auto"):
         with pytest.raises(TypeError, match="cp_rank must be an int in \\[0, cp_size=2\\), got None"):
             shard_packed_seq_params(params, cp_size=2, cp_rank=None, layout=layout)
+
+
+def test_the_window_a_shard_was_planned_for_follows_it():
+    """shard_packed_seq_params(window=) plans balanced for the window and keeps it (``plan_window``): every rank's
+    order (``global_token_order``, used by unshard and the all-gather) is that plan's; a list and a tuple of the same
+    windows give the same shard; contiguous and zigzag do not depend on the window."""
+    from cp_packing.layouts import layout_token_index
+
+    doc_ids = synthetic_doc_ids("huge", 1, 2048, seed=2)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    cu = params.cu_seqlens
+    shards = [shard_packed_seq_params(params, cp_size=4, cp_rank=r, layout="balanced", window=[64, None])
+              for r in range(4)]
+    want = torch.stack([layout_token_index(cu, cp_size=4, cp_rank=r, layout="balanced", window=(64, None))
+                        for r in range(4)])
+    assert torch.equal(torch.stack([s.token_index for s in shards]), want)
+    assert torch.equal(shards[0].global_token_order(), want)
+    assert not torch.equal(want[0], layout_token_index(cu, cp_size=4, cp_rank=0, layout="balanced"))
+    x = torch.randn(doc_ids.numel(), 2)
+    assert torch.equal(shards[0].unshard([s.shard(x) for s in shards]), x.reshape(1, 2048, 2))
+    for layout in ("contiguous", "balanced"):
+        a = shard_packed_seq_params(params, cp_size=4, cp_rank=1, layout=layout, window=[64, None])
+        b = shard_packed_seq_params(params, cp_size=4, cp_rank=1, layout=layout, window=(64, None))
+        assert a.plan_window == b.plan_window == (64, None) and torch.equal(a.token_index, b.token_index)
+    for layout in ("contiguous", "zigzag"):
+        padded = packed_seq_params_from_doc_ids(torch.tensor([[1] * 24 + [2] * 8]))  # segments % 8 == 0
+        plain = shard_packed_seq_params(padded, cp_size=4, cp_rank=1, layout=layout)
+        windowed = shard_packed_seq_params(padded, cp_size=4, cp_rank=1, layout=layout, window=8)
+        assert plain.plan_window is None and windowed.plan_window == 8
+        assert torch.equal(plain.token_index, windowed.token_index)

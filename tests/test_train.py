@@ -1,5 +1,8 @@
-"""cp_packing.tools.train (``python -m cp_packing train``, ``launch/train.py``): runs end to end, learns, its
---check-parity catches a broken gradient reduction, usage errors exit 2, and a signal to the parent ends every rank."""
+"""cp_packing.tools.train (``python -m cp_packing train``, ``launch/train.py``) and cp_packing.tools.data: trains a
+saved local model on local jsonl (text) and parquet (token ids, FSDP2) data and saves a model that loads and has
+learned; its --check-parity passes and catches a broken gradient reduction; SIGTERM saves; every usage error exits 2
+before the first step, printed once; help once; no option collides with torchrun's; --layout auto keeps to the
+layouts of the attention backend."""
 
 from __future__ import annotations
 
@@ -9,7 +12,11 @@ import subprocess
 import sys
 import time
 
+import argparse
+import json
+
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -32,28 +39,6 @@ def _env() -> dict[str, str]:
 
 @not_under_torchrun
 @pytest.mark.distributed
-def test_train_script_runs_with_parity_pass():
-    """The launcher as a user runs it (a subprocess of launch/train.py, no torchrun): exit 0, PASS, a finite loss,
-    step time and peak memory on every step line."""
-    proc = subprocess.run(
-        [sys.executable, TRAIN, "--nproc", "2", "--steps", "2", "--check-parity"],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "PASS" in proc.stdout, out
-    assert "FAIL" not in proc.stdout, out
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 2, out
-    for line in steps:
-        loss = float(line.split("loss")[1].split()[0])
-        assert 0.0 < loss < 10.0, line  # ln(256) = 5.5 at init
-        assert float(line.split(" time ")[1].split()[0].replace(",", "")) > 0, line
-        assert float(line.split("peak mem ")[1].split()[0].replace(",", "")) > 10, line  # MiB
-
-
-@not_under_torchrun
-@pytest.mark.distributed
 def test_parity_check_fails_without_the_cp_gradient_reduction(capfd):
     """--check-parity is not a rubber stamp: a trainer that skips the CP all-reduce of gradients exits 1 with FAIL."""
     code = train.main(["--nproc", "2", "--steps", "1", "--check-parity", "--layout", "zigzag", "--seq-len", "32",
@@ -61,20 +46,6 @@ def test_parity_check_fails_without_the_cp_gradient_reduction(capfd):
     out = capfd.readouterr().out
     assert code == 1, out
     assert "FAIL" in out and "MISMATCH" in out, out
-
-
-def test_usage_errors():
-    for argv in (["--heads", "4", "--kv-heads", "3"], ["--steps", "0"], ["--layout", "diagonal"],
-                 ["--kernel", "flash_attention_9"], ["--seed", "-1"],
-                 ["--attn-backend", "ring_flash_attn", "--layout", "balanced"]):
-        with pytest.raises(SystemExit) as exc:
-            train.parse_args(argv)
-        assert exc.value.code == 2, argv
-
-
-def test_auto_layout_with_the_ring_backend_picks_a_layout_it_has_kernels_for():
-    assert train.parse_args(["--attn-backend", "ring_flash_attn"]).layout in ("contiguous", "zigzag")
-    assert train.parse_args([]).layout == "auto"
 
 
 def test_help_is_printed_by_rank_0_only(monkeypatch, capsys):
@@ -87,7 +58,7 @@ def test_help_is_printed_by_rank_0_only(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             train.parse_args(["--steps", "0"])
         assert exc.value.code == 2
-        assert ("--steps must be >= 1" in capsys.readouterr().err) is printed
+        assert ("argument --steps: must be an integer >= 1" in capsys.readouterr().err) is printed
 
 
 @not_under_torchrun
@@ -110,16 +81,6 @@ def test_an_error_on_rank_1_is_printed_there_and_exits_1(monkeypatch, capfd):
     assert code == 1, err
     assert "rank 1" in err and "ValueError: label 300 at local position 5 is outside [0, 256)" in err, err
     assert "Traceback" in err, err
-
-
-@not_under_torchrun
-@pytest.mark.distributed
-def test_a_config_that_does_not_fit_the_world_is_a_usage_error(capfd):
-    code = train.main(["--nproc", "2", "--cp", "3", "--steps", "1", "--seq-len", "32"])
-    err = capfd.readouterr().err
-    assert code == 2, err
-    assert err.count("error: --cp 3 does not divide the world size 2") == 1, err  # one line, rank 0 only
-    assert "Traceback" not in err, err
 
 
 def _children(pid: int) -> list[int]:
@@ -184,3 +145,251 @@ def test_a_signal_to_the_parent_ends_every_rank(sig, command):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------------- local model, local data
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """A saved tiny Llama + word-level tokenizer (launch/tiny_checkpoint.py), a jsonl of text and a parquet of token
+    ids with prompt-masked labels: everything on disk, nothing downloaded."""
+    from launch.tiny_checkpoint import write_model, write_text_jsonl, write_tokenizer
+
+    d = tmp_path_factory.mktemp("local")
+    model = d / "model"
+    write_model(str(model))
+    write_tokenizer(str(model))
+    write_text_jsonl(str(d / "text.jsonl"), documents=40)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(24):
+        n = int(torch.randint(3, 40, (1,), generator=g))
+        ids = torch.randint(3, 64, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})  # a masked "prompt"
+    pq.write_table(pa.Table.from_pylist(rows), str(d / "ids.parquet"))
+    return {"model": str(model), "text": str(d / "text.jsonl"), "ids": str(d / "ids.parquet"), "dir": d}
+
+
+def assert_trained(out_dir: str, in_dir: str) -> None:
+    """The saved model loads with from_pretrained (a fresh class, default attention) and every weight moved."""
+    from transformers import AutoModelForCausalLM
+
+    after = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).state_dict()
+    before = AutoModelForCausalLM.from_pretrained(in_dir, local_files_only=True).state_dict()
+    assert after.keys() == before.keys()
+    for name, w in before.items():
+        assert after[name].shape == w.shape and torch.isfinite(after[name]).all(), name
+        assert not torch.equal(after[name].float(), w.float()), f"{name} did not change"
+
+
+def _step_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("step ")]
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+def test_trains_a_saved_local_model_on_a_local_jsonl(local, tmp_path):
+    """The documented command (launch/train.py as a user runs it): text tokenized with the model directory's
+    tokenizer, 2 ranks, parity PASS, a plain progress line per step, the trained model and tokenizer saved."""
+    out = tmp_path / "trained"
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--nproc", "2", "--model", local["model"], "--data", local["text"], "--seq-len", "64",
+         "--steps", "3", "--log-every", "1", "--check-parity", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "PASS" in proc.stdout and "FAIL" not in proc.stdout, text
+    assert "from 'text'" in proc.stdout, text  # the documents came from the text column
+    assert "\r" not in proc.stdout and "it/s" not in text, text  # plain lines, no tqdm bar (a log file reads the same)
+    lines = _step_lines(proc.stdout)
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], text
+    for line in lines:
+        assert 0.0 < float(line.split(" loss ")[1].split()[0]) < 10.0, line  # ln(64) = 4.2 at init
+        assert float(line.split(" time ")[1].split()[0].replace(",", "")) > 0, line
+        assert float(line.split(" tok/s ")[1].split()[0].replace(",", "")) > 0, line
+        assert float(line.split(" imbalance ")[1].split()[0]) >= 1.0, line
+        assert float(line.split(" peak mem ")[1].split()[0].replace(",", "")) > 10, line  # MiB
+    assert_trained(str(out), local["model"])
+    from transformers import AutoTokenizer
+
+    saved, original = (AutoTokenizer.from_pretrained(p, local_files_only=True) for p in (out, local["model"]))
+    assert saved("w1 w7 w60")["input_ids"] == original("w1 w7 w60")["input_ids"]
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+def test_trains_on_parquet_token_ids_with_fsdp2(local, tmp_path, capfd):
+    """Token ids with prompt-masked labels from parquet, FSDP2 over the 2 ranks (the full state dict gathered to
+    rank 0 for save_pretrained): parity with the non-CP model holds, and the saved model has moved."""
+    out = tmp_path / "trained"
+    code = train.main(["--nproc", "2", "--model", local["model"], "--data", local["ids"], "--seq-len", "32",
+                       "--steps", "2", "--fsdp", "--check-parity", "--output-dir", str(out)])
+    text = "".join(capfd.readouterr())
+    assert code == 0, text
+    assert "fsdp=on" in text and "from 'input_ids'" in text and "PASS" in text, text
+    assert_trained(str(out), local["model"])
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_finishes_the_step_saves_and_exits_143(local, tmp_path):
+    """A scheduler's SIGTERM to the ranks mid-run (FSDP2): they stop after the same step, the full state dict is
+    gathered and saved, and it loads."""
+    out = tmp_path / "trained"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cp_packing", "train", "--nproc", "2", "--model", local["model"], "--data",
+         local["text"], "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--fsdp", "--output-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        while not any(line.startswith("step    2/") for line in lines):  # past the first step
+            line = proc.stdout.readline()
+            assert line, "".join(lines)  # the run ended before the signal
+            lines.append(line)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    text = "".join(lines) + rest
+    assert proc.returncode == train.EXIT_SIGTERM == 143, text
+    assert "SIGTERM: stopped after step" in text and "saved the model and tokenizer" in text, text
+    assert "Traceback" not in text, text
+    assert_trained(str(out), local["model"])
+
+
+# ------------------------------------------------------------------------------------------------ usage errors
+
+
+def _jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def test_every_usage_error_exits_2_before_training_printed_once_under_torchrun(local, tmp_path, monkeypatch,
+                                                                                capsys):
+    """Under torchrun (its environment, world 2): each mistake is one line on rank 0, none on rank 1, exit 2 on
+    both, before any process group or step (model, data, columns, sizes against the world; with --dry-run also the
+    device checks: kernel, backend)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(open(os.path.join(local["model"], "config.json")).read())
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    m = ["--model", local["model"]]
+    cases = [
+        (["--model", str(tmp_path / "missing")], "is neither a preset (llama, qwen3) nor a local directory"),
+        (["--model", str(empty)], "no config.json"),
+        (["--model", str(no_weights)], "no weights"),
+        ([*m, "--hidden", "64"], "--hidden size a preset model"),
+        ([*m, "--seq-len", "2048"], "exceeds the model's max_position_embeddings 1024"),
+        ([*m, "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
+        ([*m, "--data", str(a_file)], "unknown format"),
+        ([*m, "--data", _jsonl(tmp_path / "cols.jsonl", [{"body": "w1"}])], "rows need a 'text' column"),
+        ([*m, "--data", _jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 64]}])], "outside the model's vocabulary"),
+        ([*m, "--data", _jsonl(tmp_path / "lab.jsonl", [{"input_ids": [1, 2], "labels": [2]}])], "must match"),
+        ([*m, "--data", _jsonl(tmp_path / "lab2.jsonl", [{"input_ids": [1, 2], "labels": [1, 5]}])],
+         "labels[1] = 5 is neither -100 nor input_ids[1] = 2"),
+        ([*m, "--data", _jsonl(tmp_path / "few.jsonl", [{"input_ids": [1, 2]}]), "--batch", "4"],
+         "does not fill one step"),
+        (["--data", local["text"]], "there is no tokenizer"),  # a preset has none
+        (["--seq-len", "33", "--batch", "1"], "not a multiple of cp=2"),
+        (["--cp", "3"], "--cp 3 does not divide the world size 2"),
+        (["--nproc", "2"], "--nproc is for runs without torchrun"),
+        (["--output-dir", str(a_file)], "is a file"),
+        (["--dry-run", "--kernel", "torch_varlen"], "--kernel torch_varlen is not available on cpu"),
+        (["--dry-run", "--attn-backend", "ulysses", "--heads", "3", "--kv-heads", "1", "--hidden", "48"],
+         "does not divide the 3 query heads"),
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv, message in cases:
+        for rank in ("0", "1"):
+            monkeypatch.setenv("RANK", rank)
+            assert train.main(argv) == 2, argv
+            out, err = capsys.readouterr()
+            if rank == "0":
+                assert err.count("error: ") == 1 and message in err and "Traceback" not in err, (argv, err)
+            else:
+                assert err == "", (argv, err)
+    monkeypatch.setenv("RANK", "0")
+    assert train.main([*m, "--data", local["text"], "--seq-len", "64", "--dry-run"]) == 0
+    assert "dry run" in capsys.readouterr().out
+
+
+def test_no_option_collides_with_torchrun_and_no_abbreviation_is_accepted(capsys):
+    from torch.distributed.run import get_args_parser
+
+    ours = {s for a in train.build_parser()._actions for s in a.option_strings}
+    theirs = {s for a in get_args_parser()._actions for s in a.option_strings}
+    assert ours & theirs == {"-h", "--help"}
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--seq", "64"])  # not silently --seq-len
+    assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------------------------ layouts per backend
+
+
+def test_auto_keeps_to_the_layouts_of_the_backend(ring_flash_attn):
+    """allgather runs every layout; ring-flash-attn zigzag and contiguous (float32: contiguous only, its float32
+    zigzag backward is wrong upstream), and never balanced, which made `auto` crash in the first forward."""
+    from cp_packing.layouts import LAYOUTS
+
+    heads = (4, 2, 8)
+    cpu = torch.device("cpu")
+    assert train.backend_layouts("allgather", "auto", 2, cpu, torch.float32, heads) == LAYOUTS
+    assert train.backend_layouts("ring_flash_attn", "auto", 2, cpu, torch.bfloat16, heads) == ("contiguous", "zigzag")
+    assert train.backend_layouts("ring_flash_attn", "auto", 2, cpu, torch.float32, heads) == ("contiguous",)
+    with pytest.raises(train.UsageError, match="runs flash-attn kernels only"):
+        train.backend_layouts("ring_flash_attn", "torch", 2, cpu, torch.bfloat16, heads)
+
+    args = argparse.Namespace(layout="auto", layouts=("contiguous", "zigzag"))
+    one_doc = torch.ones(1, 128, dtype=torch.int32)  # contiguous: rank 1 holds the costly end of the document
+    ids = torch.arange(128).view(1, 128) % 64
+    batch = {"doc_ids": one_doc, "input_ids": ids, "labels": ids}
+    laid, layout = train.lay_out(batch, args, cp=2)
+    assert layout == "zigzag" and laid["doc_ids"].shape == (1, 128)
+    tiny_docs = torch.arange(1, 129, dtype=torch.int32).view(1, 128)  # one-token documents: zigzag pads each to 4
+    laid, layout = train.lay_out({**batch, "doc_ids": tiny_docs}, args, cp=2)
+    assert layout == "contiguous" and torch.equal(laid["input_ids"], ids)
+    laid, layout = train.lay_out({**batch, "doc_ids": tiny_docs}, argparse.Namespace(layout="zigzag"), cp=2)
+    assert laid["doc_ids"].shape[1] == 4 * 128 and int(laid["real"].sum()) == 128  # padded; pads are not real
+    assert int((laid["labels"] != -100).sum()) <= 128
+
+
+# ------------------------------------------------------------------------------------------------ data files
+
+
+def test_load_documents_reads_text_ids_and_labels(local, tmp_path):
+    from transformers import AutoTokenizer
+
+    from cp_packing.tools.data import load_documents
+
+    tok = AutoTokenizer.from_pretrained(local["model"], local_files_only=True)
+    path = _jsonl(tmp_path / "t.jsonl", [{"text": "w1 w2"}, {"text": ""}, {"text": "w3 bogus"}])
+    docs = load_documents(path, tokenizer=tok, vocab_size=64)
+    w = {t: tok.convert_tokens_to_ids(t) for t in ("w1", "w2", "w3", "[UNK]")}
+    assert docs.documents == [[w["w1"], w["w2"], tok.eos_token_id], [w["w3"], w["[UNK]"], tok.eos_token_id]]
+    assert docs.skipped == 1 and docs.tokens == 6 and docs.column == "text"
+    parquet = load_documents(local["ids"], vocab_size=64)
+    assert parquet.column == "input_ids" and len(parquet.documents) == 24
+    first = parquet.documents[0]
+    assert first["labels"][len(first["input_ids"]) // 3:] == first["input_ids"][len(first["input_ids"]) // 3:]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1]}\n{oops\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        load_documents(str(bad))

@@ -23,6 +23,12 @@ backend other than gloo) uses ``reduce_scatter``; gloo uses ``all_to_all`` + a l
 reduce-scatter; gloo's own reduce-scatter was no faster when measured, and old gloo builds lack it), and a
 list all-gather (supported by every gloo build since torch 2.4).
 
+Logit soft-capping (``softcap``) is elementwise on the scores and goes to the kernel. Attention sinks (``sinks``,
+one logit per query head) join each LOCAL query's softmax (``kernels.varlen_attention_forward(..., sinks=)``); in
+backward each rank returns the sinks' gradient from its own queries (``kernels.sink_grad``), so the per-rank
+gradients summed over the CP group (as data-parallel gradient reduction does for a replicated parameter) equal the
+gradient of the whole batch.
+
 With ``cp_size == 1`` nothing is communicated (no process group is needed). An all-padding rank runs the same
 collectives as every other rank (padding segments are segments), so no rank can hang the group.
 """
@@ -34,7 +40,7 @@ from typing import Any
 
 import torch
 
-from cp_packing._checks import check_window
+from cp_packing._checks import check_softcap, check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
 from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group
@@ -251,33 +257,37 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[t
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool, kernel: str,
-                window: int | None = None):
+    def forward(ctx, q, k, v, sinks, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool,
+                kernel: str, window: int | None = None, softcap: float | None = None):
         k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
         out, lse = kernels.varlen_attention_forward(
             q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k,
             keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
-        )  # out [T_local, H, D], lse [H, T_local]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (keys, group, cp_size, scale, causal, kernel, window)  # scale: None = 1/sqrt(D)
+            softcap=softcap, sinks=sinks,
+        )  # out [T_local, H, D], lse [H, T_local] (sinks included)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.meta = (keys, group, cp_size, scale, causal, kernel, window, softcap)  # scale: None = 1/sqrt(D)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        keys, group, cp_size, scale, causal, kernel, window = ctx.meta
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        keys, group, cp_size, scale, causal, kernel, window, softcap = ctx.meta
         k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
         dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
             dout, q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
             keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
+            softcap=softcap,
         )
+        # this rank's queries' share of the sinks' gradient: the shares sum over the CP group to the batch's
+        dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         total = k_all.shape[0]
         dk_all = keys.scatter_add(dk_keys, total)  # [cp * T_local, H_kv, D]
         dv_all = keys.scatter_add(dv_keys, total)
         if group is not None:
             dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
             dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
-        return dq, dk_all, dv_all, None, None, None, None, None, None, None
+        return dq, dk_all, dv_all, dsinks, None, None, None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -291,6 +301,8 @@ def allgather_attention(
     softmax_scale: float | None = None,
     kernel: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather context-parallel attention for any layout (see module docstring). Differentiable.
 
@@ -307,6 +319,12 @@ def allgather_attention(
         window: sliding window (``None``: none; needs ``causal=True``): a token at in-segment position ``p``
             attends the keys at positions ``p - window < k <= p`` of its segment (HF's ``sliding_window``). Only
             the keys inside some local query's window are selected from the gathered K/V.
+        softcap: logit soft-capping (``None``: none; a float > 0): scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` (HF Gemma 2's ``attn_logit_softcapping``). Any kernel but
+            ``"torch_varlen"``.
+        sinks: attention sinks (``None``: none): a floating ``[H]`` tensor on q's device, one logit per query head
+            in every softmax denominator, no value (HF's ``s_aux``, gpt-oss). Its gradient on each rank is that of
+            this rank's queries; summed over the CP group it is the whole batch's.
 
     Returns:
         ``[T_local, H, D]`` in q's dtype: for each local token, attention over its segment's keys (causal: up to
@@ -319,7 +337,10 @@ def allgather_attention(
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
     window = check_window(window, causal)
-    name = kernels.resolve_kernel(kernel, q)
+    softcap = check_softcap(softcap)
+    sinks = kernels.check_sinks(sinks, q)
+    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
     group = resolve_attention_group(group, sharded, q.device)
     keys = allgather_keys(sharded, causal=causal, device=q.device, window=window)
-    return _AllGatherAttention.apply(q, k, v, keys, group, sharded.cp_size, softmax_scale, causal, name, window)
+    return _AllGatherAttention.apply(q, k, v, sinks, keys, group, sharded.cp_size, softmax_scale, causal, name,
+                                     window, softcap)

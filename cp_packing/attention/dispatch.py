@@ -19,12 +19,24 @@ equal to full attention on the global stream, sharded. Backends:
   consecutive CP ranks, the all-gather backend across them; ``U`` divides ``cp_size`` and the query heads.
   Explicit only.
 * ``"auto"``: ``ring_flash_attn`` when it is importable, the tensors are CUDA bf16/fp16, the layout is zigzag or
-  contiguous, ``causal=True``, no ``window``, ``cp_size > 1`` and ``kernel`` is ``"auto"``/``"flash_attn"``; otherwise
+  contiguous, ``causal=True``, no ``window``, no ``softcap``, no ``sinks``, ``cp_size > 1`` and ``kernel`` is
+  ``"auto"``/``"flash_attn"``; otherwise
   ``ulysses`` when ``cp_size`` divides the query heads, there is no ``window`` and it moves fewer forward bytes per
   layer than the all-gather (``cp_packing.cost.choose_backend_by_bytes``: ``H + H_kv' < cp * H_kv``, e.g. 32/8
   heads at cp 8, MHA at cp 4), else ``allgather`` (ties included); the log line then gives both byte figures. float32 therefore never reaches the ring's wrong float32 zigzag backward. The choice is logged
   once per (backend, kernel) on the ``cp_packing`` logger (INFO). Whether ring-flash-attn imports is asked on
   every call; a failed import is remembered (until ``sys.path`` changes), not retried in every layer.
+
+What each backend runs (``kernel`` = the varlen kernel of allgather / ulysses / hybrid):
+
+| backend | window | softcap | sinks |
+|---|---|---|---|
+| ``allgather`` | yes | yes | yes (each rank: its queries' share of the gradient) |
+| ``ulysses``, ``hybrid`` | refused | yes | yes (each rank: its head slice's gradient) |
+| ``ring_flash_attn`` | refused | refused | refused (ring-flash-attn 0.1.8 passes neither) |
+
+Kernels: ``softcap`` runs on ``"torch"`` and ``"flash_attn"`` (flash-attn >= 2.6), not ``"torch_varlen"`` (``"auto"``
+skips it); sinks on every kernel (a rescale of the kernel's ``out``/``lse``, see ``cp_packing.attention.kernels``).
 """
 
 from __future__ import annotations
@@ -34,11 +46,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import HALF_DTYPES, check_bool, check_number, check_window
+from cp_packing._checks import HALF_DTYPES, check_bool, check_number, check_softcap, check_window
 from cp_packing._imports import try_import
 from cp_packing.agreement import agree, digest
 from cp_packing.attention.allgather import allgather_attention, check_attention_inputs, resolve_attention_group
-from cp_packing.attention.kernels import resolve_kernel
+from cp_packing.attention.kernels import check_sinks, resolve_kernel
 from cp_packing.attention.hybrid import check_ulysses_size, hybrid_attention
 from cp_packing.attention.ulysses import check_ulysses_heads, ulysses_attention
 from cp_packing.cost import choose_backend_by_bytes
@@ -90,6 +102,7 @@ def _auto_bytes_choice(q, sharded, window, num_kv_heads) -> tuple[str, int, int 
 def select_backend(
     q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto", kernel: str = "auto",
     ulysses_size: int | None = None, window: int | None = None, num_kv_heads: int | None = None,
+    softcap: float | None = None, sinks: bool = False,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair ``context_parallel_attention`` runs for these arguments.
 
@@ -98,12 +111,13 @@ def select_backend(
     importable ``flash_attn`` on CPU; ``ulysses``: ``sharded.cp_size`` divides q's heads; ``hybrid``:
     ``ulysses_size`` divides ``sharded.cp_size`` and q's heads; ``ulysses_size`` with another backend is refused). The kernel of
     ``ring_flash_attn`` is always ``"flash_attn"``. ``num_kv_heads`` (k's heads; ``None``: q's, as in MHA) feeds
-    ``"auto"``'s bytes rule between ``allgather`` and ``ulysses``.
+    ``"auto"``'s bytes rule between ``allgather`` and ``ulysses``. ``softcap`` (the value) and ``sinks`` (whether
+    the call has attention sinks) rule out ``ring_flash_attn``; a ``softcap`` rules out the ``"torch_varlen"`` kernel.
 
     Raises:
         ValueError: unknown backend or kernel, or an explicit backend that cannot serve these arguments.
-        NotImplementedError: ``ring_flash_attn`` with ``causal=False`` or a ``window`` (``"auto"`` then picks
-            ``allgather``).
+        NotImplementedError: ``ring_flash_attn`` with ``causal=False``, a ``window``, a ``softcap`` or ``sinks``
+            (``"auto"`` then picks ``allgather`` or ``ulysses``).
         ImportError: explicit ``ring_flash_attn`` that cannot be imported.
     """
     if backend not in BACKENDS:
@@ -116,13 +130,15 @@ def select_backend(
     if backend == "auto":
         if (
             window is None
+            and softcap is None
+            and not sinks
             and _auto_wants_ring(q.device.type, q.dtype, sharded.layout, sharded.cp_size, causal, kernel)
             and _ring_importable()
         ):
             return "ring_flash_attn", "flash_attn"
-        return _auto_bytes_choice(q, sharded, window, num_kv_heads)[0], resolve_kernel(kernel, q)
+        return _auto_bytes_choice(q, sharded, window, num_kv_heads)[0], resolve_kernel(kernel, q, softcap=softcap)
     if backend == "allgather":
-        return "allgather", resolve_kernel(kernel, q)
+        return "allgather", resolve_kernel(kernel, q, softcap=softcap)
     if window is not None and backend in ("ulysses", "hybrid"):
         raise NotImplementedError(
             f"backend={backend!r} cannot run window={window} yet (the sliding window runs on the all-gather "
@@ -130,10 +146,10 @@ def select_backend(
         )
     if backend == "ulysses":
         check_ulysses_heads(q.shape[1], sharded.cp_size)  # rank-local, so it runs before the agreement
-        return "ulysses", resolve_kernel(kernel, q)
+        return "ulysses", resolve_kernel(kernel, q, softcap=softcap)
     if backend == "hybrid":
         check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)  # rank-local, before the agreement
-        return "hybrid", resolve_kernel(kernel, q)
+        return "hybrid", resolve_kernel(kernel, q, softcap=softcap)
     # explicit ring_flash_attn
     if not causal:
         raise NotImplementedError(
@@ -144,6 +160,12 @@ def select_backend(
         raise NotImplementedError(
             f"backend='ring_flash_attn' cannot run window={window} (ring-flash-attn 0.1.8 has no sliding window); "
             "use backend='allgather' (or 'auto', which picks it for a window)"
+        )
+    if softcap is not None or sinks:
+        what = f"softcap={softcap}" if softcap is not None else "attention sinks"
+        raise NotImplementedError(
+            f"backend='ring_flash_attn' cannot run {what} (ring-flash-attn 0.1.8 passes neither to its kernels); use "
+            "backend='allgather' or 'ulysses' (or 'auto', which picks one of them)"
         )
     if sharded.layout not in _RING_LAYOUTS:
         raise ValueError(
@@ -226,6 +248,8 @@ def context_parallel_attention(
     kernel: str = "auto",
     ulysses_size: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -247,6 +271,13 @@ def context_parallel_attention(
         window: sliding window per segment (``None``: none; needs ``causal=True``): a token at in-segment
             position ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``). allgather backend only
             (``"auto"`` then always picks it).
+        softcap: logit soft-capping (``None``: none; a float > 0): scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the softmax (HF Gemma 2's ``attn_logit_softcapping``). allgather,
+            ulysses and hybrid backends; kernels ``"torch"`` and ``"flash_attn"``.
+        sinks: attention sinks (``None``: none): a floating ``[H]`` tensor on q's device, one learned logit per
+            query head that joins every softmax denominator with no value (HF's ``s_aux``, gpt-oss). allgather,
+            ulysses and hybrid backends, every kernel. Its gradient on each rank is this rank's part; the parts
+            summed over the CP group (as a DP gradient all-reduce over the CP ranks does) are the batch's gradient.
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
@@ -255,7 +286,8 @@ def context_parallel_attention(
         TypeError / ValueError: malformed inputs (the message names the value and the fix), a group that does
             not match ``sharded``, an unknown backend or kernel, ``backend="ulysses"`` with a head count that
             ``cp_size`` does not divide.
-        NotImplementedError: ``backend="ring_flash_attn"`` with ``causal=False``.
+        NotImplementedError: ``backend="ring_flash_attn"`` with ``causal=False``, a ``window``, ``softcap`` or
+            ``sinks``; ``backend="ulysses"``/``"hybrid"`` with a ``window``.
         ImportError: ``backend="ring_flash_attn"`` without ring-flash-attn / flash_attn installed.
 
     Every rank must call it with the same backend, kernel and flags (they decide which collectives run); an
@@ -275,13 +307,17 @@ def context_parallel_attention(
         check_bool(causal, "causal")
         check_number(softmax_scale, "softmax_scale", allow_none=True)
         check_window(window, causal)
+        softcap = check_softcap(softcap)
+        check_sinks(sinks, q)
         chosen, kernel_name = select_backend(q, sharded, causal=causal, backend=backend, kernel=kernel,
-                                             ulysses_size=ulysses_size, window=window, num_kv_heads=k.shape[1])
+                                             ulysses_size=ulysses_size, window=window, num_kv_heads=k.shape[1],
+                                             softcap=softcap, sinks=sinks is not None)
         resolve_attention_group(group, sharded, q.device)
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         error = exc
     _agree_once_per_step(q, k, sharded, group, error, chosen=chosen, kernel=kernel_name, causal=causal,
-                         softmax_scale=softmax_scale, ulysses_size=ulysses_size, window=window)
+                         softmax_scale=softmax_scale, ulysses_size=ulysses_size, window=window, softcap=softcap,
+                         sinks=None if not isinstance(sinks, torch.Tensor) else tuple(sinks.shape))
     why = ""
     if backend == "auto" and chosen in ("allgather", "ulysses"):
         _, allgather_bytes, ulysses_bytes = _auto_bytes_choice(q, sharded, window, k.shape[1])
@@ -291,16 +327,17 @@ def context_parallel_attention(
     if chosen == "allgather":
         return allgather_attention(
             q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,
-            window=window,
+            window=window, softcap=softcap, sinks=sinks,
         )
     if chosen == "ulysses":
         return ulysses_attention(
-            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name
+            q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,
+            softcap=softcap, sinks=sinks,
         )
     if chosen == "hybrid":
         return hybrid_attention(
             q, k, v, sharded, ulysses_size=ulysses_size, group=group, causal=causal, softmax_scale=softmax_scale,
-            kernel=kernel_name,
+            kernel=kernel_name, softcap=softcap, sinks=sinks,
         )
     from cp_packing.attention.ring import ring_attention
 

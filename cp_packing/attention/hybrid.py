@@ -19,6 +19,10 @@ dimension) is cut two ways::
 ``T_local`` tokens (``H_kv'`` = key/value heads after replication for ``U``): ``(2H + 2H_kv') (U-1)/U`` through the
 all-to-alls (inside a node) plus ``2 H_kv' (A-1)`` through the K/V all-gather (across nodes).
 
+Soft-capping goes to the kernel; attention sinks are sliced to the Ulysses group's query heads
+(``[u * H/U, (u+1) * H/U)``) and each rank's sinks gradient is zero outside that slice, so the gradients summed over
+the CP group are the whole batch's (the ``A`` ranks holding one head slice hold disjoint queries).
+
 The two sub-groups are created once per (CP group, U) with ``torch.distributed.new_group(...,
 use_local_synchronization=True)`` (only the CP group's ranks take part) and cached.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_packing._checks import check_softcap
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import (
     AllGatherKeys,
@@ -35,7 +40,14 @@ from cp_packing.attention.allgather import (
     resolve_attention_group,
 )
 from cp_packing.attention.comm import all_gather_tokens, heads_to_seq, reduce_scatter_tokens, seq_to_heads
-from cp_packing.attention.ulysses import check_ulysses_heads, kv_replication, replicate_kv, sum_replicas
+from cp_packing.attention.ulysses import (
+    check_ulysses_heads,
+    head_slice,
+    kv_replication,
+    replicate_kv,
+    sliced_sinks_grad,
+    sum_replicas,
+)
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -105,40 +117,43 @@ def _group_keys(sharded: ShardedPackedSeqParams, ulysses_size: int, causal: bool
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, meta):
-        ugroup, agroup, U, A, rep, keys, scale, causal, kernel = meta
+    def forward(ctx, q, k, v, sinks, meta):
+        ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = meta
         k, v = replicate_kv(k, v, rep)
         qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
         k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
         out, lse = kernels.varlen_attention_forward(
             qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
-            keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+            keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, softcap=softcap,
+            sinks=None if sinks is None else sinks[heads_mine],
         )
-        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
         ctx.meta = meta
         (out_local,) = heads_to_seq([out], ugroup, U)
         return out_local
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, out, lse = ctx.saved_tensors
-        ugroup, agroup, U, A, rep, keys, scale, causal, kernel = ctx.meta
+        qh, kh, vh, sinks, out, lse = ctx.saved_tensors
+        ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = ctx.meta
         (douth,) = seq_to_heads([dout.contiguous()], ugroup, U)
         k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
         dqh, dk_keys, dv_keys = kernels.varlen_attention_backward(
             douth, qh, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel,
+            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, softcap=softcap,
         )
+        dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
         dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
         if agroup is not None:
             dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
         dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
-        return (dq, *sum_replicas(dk, dv, rep), None)
+        return (dq, *sum_replicas(dk, dv, rep), dsinks, None)
 
 
 def hybrid_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *, ulysses_size: int,
     group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring).
 
@@ -146,17 +161,22 @@ def hybrid_attention(
         q: ``[T_local, H, D]`` (``ulysses_size`` divides ``H``); k, v: ``[T_local, H_kv, D]``, ``H % H_kv == 0``.
         sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
         ulysses_size: ranks per Ulysses group; divides ``sharded.cp_size``.
-        group, causal, softmax_scale, kernel: as in ``ulysses_attention``.
+        group, causal, softmax_scale, kernel, softcap, sinks: as in ``ulysses_attention`` (a rank's sinks gradient
+            is non-zero only on its Ulysses head slice).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype: full attention per segment on the global stream, sharded.
     """
     check_attention_inputs(q, k, v, sharded)
     check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)
-    name = kernels.resolve_kernel(kernel, q)
+    softcap = check_softcap(softcap)
+    sinks = kernels.check_sinks(sinks, q)
+    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
     group = resolve_attention_group(group, sharded, q.device)
     U, A = ulysses_size, sharded.cp_size // ulysses_size
     ugroup, agroup = hybrid_groups(group, sharded.cp_size, U)
     rep = kv_replication(q.shape[1], k.shape[1], U)
     keys = _group_keys(sharded, U, causal, q.device)
-    return _HybridAttention.apply(q, k, v, (ugroup, agroup, U, A, rep, keys, softmax_scale, bool(causal), name))
+    heads_mine = head_slice(q.shape[1], U, sharded.cp_rank % U)
+    meta = (ugroup, agroup, U, A, rep, keys, softmax_scale, bool(causal), name, softcap, heads_mine)
+    return _HybridAttention.apply(q, k, v, sinks, meta)

@@ -22,6 +22,16 @@ Conventions (the same for every kernel, so that callers can merge partial result
 * ``window=w`` (sliding window, default ``None``; needs ``causal=True``): query ``i`` of a length-``m`` run with
   ``n`` keys attends only keys ``i + (n - m) - w < j <= i + (n - m)``, the last ``w`` keys up to its own aligned
   position (HF's ``sliding_window``; flash-attn ``window_size=(w - 1, 0)``).
+* ``softcap=c`` (logit soft-capping, default ``None``): every scaled score ``s = softmax_scale * q.k`` becomes
+  ``c * tanh(s / c)`` before the mask and the softmax, as HF's eager attention does for Gemma 2
+  (``attn_logit_softcapping``) and flash-attn's ``softcap`` does; ``lse`` is that of the capped scores. Reference
+  and flash-attn kernels (flash-attn >= 2.6); ``torch_varlen`` has none.
+* ``sinks`` (attention sinks, default ``None``): a ``[H]`` tensor, one learned logit per query head that joins
+  every query's softmax denominator but carries no value (gpt-oss, HF's ``s_aux``). The kernels never see it: the
+  forward rescales a kernel's result, ``lse' = logaddexp(lse, sink)`` and ``out' = out * exp(lse - lse')``, which is
+  softmax over the keys plus the sink exactly; a backward given ``out'``/``lse'`` then returns the right dq/dk/dv,
+  and ``sink_grad`` gives the sink's gradient ``-sum_q exp(sink - lse'_q) * rowsum(dout_q * out'_q)``. So every
+  kernel takes sinks. The returned ``lse`` includes the sink; a query that attends no key gets ``lse = sink``.
 * ``varlen_attention_backward`` uses the ``out`` and ``lse`` it is GIVEN (not a recomputation), as flash-attn
   does: with the ``out``/``lse`` of a larger attention (merged over several key blocks) it returns this key
   block's share of the gradient, which is what ring attention needs.
@@ -43,14 +53,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cp_packing._checks import HALF_DTYPES, check_window
+from cp_packing._checks import HALF_DTYPES, check_softcap, check_window
 from cp_packing._imports import try_import
 
 __all__ = [
     "KERNELS",
     "available_kernels",
+    "check_sinks",
     "resolve_kernel",
     "select_kernel",
+    "sink_grad",
     "varlen_attention",
     "varlen_attention_backward",
     "varlen_attention_forward",
@@ -103,18 +115,19 @@ def available_kernels(device: torch.device | str | None = None) -> tuple[str, ..
     return tuple(names)
 
 
-def select_kernel(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+def select_kernel(device: torch.device | str, dtype: torch.dtype | None = None, *, softcap: bool = False) -> str:
     """The best kernel for tensors of ``dtype`` on ``device``: what ``kernel="auto"`` uses.
 
     CUDA with fp16/bf16 (or ``dtype=None``): ``"flash_attn"`` if flash-attn imports, else ``"torch_varlen"`` if
     this torch has ``torch.nn.attention.varlen``; everything else (CPU, float32, float64) gets the ``"torch"``
-    reference kernel.
+    reference kernel. ``softcap=True`` (the call soft-caps its scores) skips ``"torch_varlen"``, which cannot.
+    Attention sinks do not change the choice (every kernel takes them, see the module docstring).
     """
     device = torch.device(device)
     if device.type != "cuda" or (dtype is not None and dtype not in HALF_DTYPES):
         return "torch"
     names = available_kernels(device)
-    for name in ("flash_attn", "torch_varlen"):
+    for name in ("flash_attn",) if softcap else ("flash_attn", "torch_varlen"):
         if name in names:
             return name
     return "torch"
@@ -189,13 +202,42 @@ def _check_grad_inputs(dout: Any, out: Any, lse: Any, q: torch.Tensor) -> None:
         )
 
 
-def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
+def check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` (one attention-sink logit per query head) checked against q ``[T, H, D]``: ``None``, or a floating
+    ``[H]`` tensor on q's device (any floating dtype: a float32 parameter next to bf16 q is fine; the sink math runs
+    in float32). Raises a TypeError / ValueError naming the fix otherwise."""
+    if sinks is None:
+        return None
+    H = q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a floating torch.Tensor [H] = [{H}] (one logit per query head), got "
+                        f"{type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor (learned logits), got {sinks.dtype}; cast with "
+                        "sinks.float()")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(
+            f"sinks must have shape [H] = [{H}] (one logit per query head of q {tuple(q.shape)}), got "
+            f"{tuple(sinks.shape)}; pass the layer's full per-head sink vector (e.g. HF's module.sinks)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q on {q.device}; move the sinks to q's device")
+    return sinks
+
+
+def resolve_kernel(kernel: str, q: torch.Tensor, *, softcap: float | None = None) -> str:
     """The concrete kernel for ``kernel`` and q: ``"auto"`` -> ``select_kernel(q.device, q.dtype)``; an explicit
-    name is checked to exist and to run here (a clear error, before any communication)."""
+    name is checked to exist and to run here, and to support ``softcap`` if one is given (a clear error, before any
+    communication)."""
     if kernel == "auto":
-        return select_kernel(q.device, q.dtype)
+        return select_kernel(q.device, q.dtype, softcap=softcap is not None)
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of 'auto', {', '.join(map(repr, KERNELS))}")
+    if kernel == "torch_varlen" and softcap is not None:
+        raise ValueError(
+            f"kernel='torch_varlen' cannot soft-cap scores (softcap={softcap}): torch's varlen_attn has no softcap; "
+            "use kernel='auto' (flash-attn when installed, else the reference), 'flash_attn' or 'torch'"
+        )
     if kernel == "flash_attn" and _flash_attn_interface() is None:
         raise ImportError(
             "kernel='flash_attn' needs the flash-attn package (CUDA only): pip install cp-packing[flash]; "
@@ -318,10 +360,18 @@ class _Chunk:
         n, _, _, E = x.shape
         return x.view(n, self.H_kv, self.G, self.Mq, E).permute(0, 3, 1, 2, 4).reshape(n, self.Mq, self.H, E)
 
-    def scores(self, scale: float) -> torch.Tensor:
-        """Scaled, masked scores ``[n, H_kv, G*Mq, Mk]`` (-inf where masked)."""
+    def scores(self, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """Scaled (then soft-capped: ``softcap * tanh(s / softcap)``), masked scores ``[n, H_kv, G*Mq, Mk]``
+        (-inf where masked)."""
         s = torch.matmul(self.qh, self.kh.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap).mul_(softcap)
         return s.masked_fill_(~self.mask, float("-inf"))
+
+    def softcap_slope(self, s: torch.Tensor, softcap: float) -> torch.Tensor:
+        """``d capped / d scaled`` of the capped scores ``s``: ``1 - tanh^2 = 1 - (s / softcap)^2``; 0 where masked."""
+        zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        return torch.where(self.mask, 1 - (s / softcap).square(), zero)
 
     def probs(self, s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``exp(s - lse)`` where the mask allows, exactly 0 elsewhere (no NaN from ``-inf - -inf``)."""
@@ -333,7 +383,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
+def _reference_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None, softcap=None
+):
     """Pure-torch varlen attention. Sequences are padded to the longest one of their group and run through a
     batched matmul with a mask; groups are sized to keep each score tensor under ``_REFERENCE_SCORE_BUDGET``
     elements, so memory is ``O(group * H * max_q * max_k)`` and time is that of dense attention over the padded
@@ -348,7 +400,7 @@ def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     for lo, hi in _chunks(lens_q, lens_k, H):
         c = _Chunk(q, k, starts_q[lo:hi], lens_q[lo:hi], starts_k[lo:hi], lens_k[lo:hi], causal, dtype, window)
         vh = _gather(v, c.index_k, c.valid_k, dtype).permute(0, 2, 1, 3)  # [n, H_kv, Mk, D]
-        s = c.scores(scale)  # [n, H_kv, G*Mq, Mk]
+        s = c.scores(scale, softcap)  # [n, H_kv, G*Mq, Mk]
         lse_c = torch.logsumexp(s, dim=-1)  # [n, H_kv, G*Mq]; -inf for empty rows
         o = torch.matmul(c.probs(s, lse_c), vh)  # [n, H_kv, G*Mq, D]
         rows = c.index_q[c.valid_q]  # [N_valid] flat query positions
@@ -358,10 +410,12 @@ def _reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _reference_backward(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None,
+    softcap=None,
 ):
     """Gradients of the reference attention, from the GIVEN ``out`` and ``lse`` (flash-attn semantics):
-    ``P = exp(scale * q.k - lse)``, ``dV = P^T dO``, ``dS = P * (dO.V - rowsum(dO * O))``, ``dQ = scale dS K``,
+    ``P = exp(S - lse)`` with ``S = scale * q.k`` (soft-capped: ``c tanh(scale q.k / c)``), ``dV = P^T dO``,
+    ``dS = P * (dO.V - rowsum(dO * O))`` (times ``1 - tanh^2`` under a softcap), ``dQ = scale dS K``,
     ``dK = scale dS^T Q``; GQA key/value gradients are summed over the query heads that share them."""
     Tq, H, D = q.shape
     dtype = _compute_dtype(q.dtype)
@@ -378,9 +432,12 @@ def _reference_backward(
         do = c.heads_q(_gather(dout, c.index_q, c.valid_q, dtype))  # [n, H_kv, G*Mq, D]
         o = c.heads_q(_gather(out, c.index_q, c.valid_q, dtype))  # [n, H_kv, G*Mq, D]
         lse_c = c.heads_q(_gather(lse_t, c.index_q, c.valid_q, dtype))[..., 0]  # [n, H_kv, G*Mq]
-        p = c.probs(c.scores(scale), lse_c)  # [n, H_kv, G*Mq, Mk]
+        s = c.scores(scale, softcap)  # [n, H_kv, G*Mq, Mk]
+        p = c.probs(s, lse_c)  # [n, H_kv, G*Mq, Mk]
         delta = (do * o).sum(-1, keepdim=True)  # [n, H_kv, G*Mq, 1]
         ds = p * (torch.matmul(do, vh.transpose(-1, -2)) - delta)  # [n, H_kv, G*Mq, Mk]
+        if softcap is not None:
+            ds = ds * c.softcap_slope(s, softcap)  # through the tanh
         dq_c = torch.matmul(ds, c.kh) * scale  # [n, H_kv, G*Mq, D]
         dk_c = torch.matmul(ds.transpose(-1, -2), c.qh) * scale  # [n, H_kv, Mk, D]
         dv_c = torch.matmul(p.transpose(-1, -2), do)  # [n, H_kv, Mk, D]
@@ -403,6 +460,11 @@ def _fa_call(fn, **kwargs):
     """
     target = fn if inspect.isfunction(fn) else getattr(fn, "_init_fn", fn)
     names = set(inspect.signature(target).parameters)
+    if kwargs.get("softcap") and "softcap" not in names:  # flash-attn < 2.6: it would be dropped silently
+        raise ValueError(
+            f"kernel='flash_attn' cannot soft-cap scores (softcap={kwargs['softcap']}): the installed flash-attn has "
+            "no softcap argument (added in 2.6); upgrade flash-attn, or use kernel='torch'"
+        )
     if "window_size_left" not in names:
         kwargs["window_size"] = (kwargs.pop("window_size_left"), kwargs.pop("window_size_right"))
     return fn(**{key: val for key, val in kwargs.items() if key in names})
@@ -424,7 +486,9 @@ def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     return F.pad(x, [0, extra]) if extra else x
 
 
-def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
+def _flash_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None, softcap=None
+):
     fa = _flash_attn_interface()
     D = q.shape[-1]
     outputs = _fa_call(
@@ -433,7 +497,7 @@ def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=_left(window), window_size_right=_right(window), softcap=0.0, alibi_slopes=None,
+        window_size_left=_left(window), window_size_right=_right(window), softcap=softcap or 0.0, alibi_slopes=None,
         return_softmax=False,
     )
     out, lse = (outputs[0], outputs[5]) if len(outputs) == 8 else (outputs[0], outputs[1])  # 2.6: 8 outputs
@@ -442,7 +506,8 @@ def _flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def _flash_backward(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None,
+    softcap=None,
 ):
     fa = _flash_attn_interface()
     D = q.shape[-1]
@@ -455,7 +520,7 @@ def _flash_backward(
         cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=_left(window), window_size_right=_right(window), softcap=0.0, alibi_slopes=None,
+        window_size_left=_left(window), window_size_right=_right(window), softcap=softcap or 0.0, alibi_slopes=None,
         deterministic=False,
         rng_state=None,
     )
@@ -470,7 +535,9 @@ def _expand_kv(x: torch.Tensor, H: int) -> torch.Tensor:
     return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
 
 
-def _torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None):
+def _torch_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None, softcap=None
+):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     H = q.shape[1]
@@ -497,7 +564,8 @@ def _torch_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _torch_varlen_backward(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window=None,
+    softcap=None,
 ):
     op = torch.ops.torch_attn._varlen_attn_backward
     H, H_kv = q.shape[1], k.shape[1]
@@ -529,19 +597,55 @@ _BACKWARD = {"torch": _reference_backward, "flash_attn": _flash_backward, "torch
 
 
 def _checked(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal=True, window=None
-) -> tuple[str, float, int | None]:
-    """Validate a varlen call; return the concrete kernel, the softmax scale and the window."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal=True, window=None,
+    softcap=None,
+) -> tuple[str, float, int | None, float | None]:
+    """Validate a varlen call; return the concrete kernel, the softmax scale, the window and the softcap."""
     check_qkv(q, k, v)
     _check_meta(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     window = check_window(window, bool(causal))
-    return resolve_kernel(kernel, q), _scale(softmax_scale, q.shape[2]), window
+    softcap = check_softcap(softcap)
+    return resolve_kernel(kernel, q, softcap=softcap), _scale(softmax_scale, q.shape[2]), window, softcap
+
+
+def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's ``(out [Tq, H, D], lse [H, Tq])`` -> the same attention with one extra, valueless logit per head
+    in every softmax: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')`` (exact, no recomputation)."""
+    lse_sink = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])  # [H, Tq]
+    keep = torch.exp(lse - lse_sink)  # [H, Tq] in [0, 1]; 0 for a query without keys (lse = -inf)
+    keep = torch.nan_to_num(keep, nan=0.0)  # a -inf sink next to an empty row: -inf - -inf
+    out = (out.to(lse.dtype) * keep.T[:, :, None]).to(out.dtype)
+    return out, lse_sink
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the attention sinks, from the forward's ``out``/``lse`` (both WITH the sinks) and ``dout``.
+
+    A sink is a logit with no value, so ``d sink_h = -sum_q exp(sink_h - lse[h, q]) * rowsum(dout[q, h] * out[q, h])``
+    (the softmax gradient of that logit), summed over this call's queries only: when the queries of a batch are
+    split over CP ranks, each rank's share summed over the ranks is the gradient of the whole batch.
+
+    Args:
+        dout, out: ``[Tq, H, D]``; lse: ``[H, Tq]`` (``varlen_attention_forward(..., sinks=sinks)``'s outputs).
+        sinks: ``[H]``, the sink logits the forward used.
+
+    Returns:
+        ``[H]`` in ``sinks``' dtype (computed in float32, float64 for float64 inputs).
+    """
+    dtype = torch.float64 if torch.float64 in (lse.dtype, out.dtype, sinks.dtype) else torch.float32
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [Tq, H]
+    lse = lse.to(dtype)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros((), dtype=dtype, device=lse.device))
+    p_sink = torch.where(finite, torch.exp(sinks.to(dtype)[:, None] - safe), torch.zeros_like(safe))  # [H, Tq]
+    return -(p_sink * delta.T).sum(1).to(sinks.dtype)
 
 
 def varlen_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto", window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen (packed) attention forward. Records no autograd graph (use ``varlen_attention`` for that).
 
@@ -557,25 +661,42 @@ def varlen_attention_forward(
             bottom-right aligned position, keys ``i + (n - m) - window < j <= i + (n - m)`` (HF's
             ``sliding_window``: ``p - window < k <= p``; flash-attn ``window_size=(window - 1, 0)``). Needs
             ``causal=True``. ``"torch_varlen"`` takes it only where torch's ``varlen_attn`` has ``window_size``.
+        softcap: logit soft-capping (``None``: none; else a float > 0): scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the mask and softmax (HF Gemma 2; flash-attn ``softcap``). Not
+            with ``"torch_varlen"`` (``"auto"`` then skips it).
+        sinks: attention sinks (``None``: none; else a floating ``[H]`` tensor on q's device): one logit per query
+            head added to every softmax denominator, with no value (HF ``s_aux``, gpt-oss). Any kernel.
 
     Returns:
         ``out`` ``[Tq, H, D]`` in q's dtype and ``lse`` float32 ``[H, Tq]`` (natural log; ``-inf`` for a query
-        that attends no key, whose ``out`` row is 0).
+        that attends no key, whose ``out`` row is 0; with ``sinks`` the sink is included, so such a query has
+        ``lse = sink``).
 
     Raises:
-        TypeError / ValueError: malformed shapes, dtypes or metadata (the message names the value and the fix).
+        TypeError / ValueError: malformed shapes, dtypes or metadata (the message names the value and the fix),
+            ``softcap <= 0``, ``sinks`` not a floating ``[H]`` tensor on q's device, ``softcap`` with
+            ``kernel="torch_varlen"``.
         ImportError: ``kernel="flash_attn"`` without flash-attn installed.
 
     The reference kernel computes in float32 (float64 for float64 inputs) and syncs once with the host to read
     ``cu_seqlens``; the flash-attn and torch-varlen kernels are sync-free.
+
+    >>> q = k = v = torch.randn(5, 2, 4, dtype=torch.float64)
+    >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    >>> out, lse = varlen_attention_forward(q, k, v, cu, cu, 3, 3, softcap=5.0, sinks=torch.zeros(2))
+    >>> out.shape, lse.shape, bool((lse >= 0).all())  # the sink (logit 0) is in every denominator
+    (torch.Size([5, 2, 4]), torch.Size([2, 5]), True)
     """
-    name, scale, window = _checked(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    name, scale, window, softcap = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window,
+        softcap,
     )
+    sinks = check_sinks(sinks, q)
     with torch.no_grad():
-        return _FORWARD[name](
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), window
+        out, lse = _FORWARD[name](
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), window, softcap
         )
+        return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
 
 
 def varlen_attention_backward(
@@ -594,63 +715,75 @@ def varlen_attention_backward(
     causal: bool = True,
     kernel: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``varlen_attention_forward`` with respect to q, k, v.
 
     Args:
         dout: ``[Tq, H, D]``, the gradient of ``out``.
         out, lse: the forward's outputs (``[Tq, H, D]``, ``[H, Tq]``). They are USED, not recomputed: pass the
-            merged ``out``/``lse`` of a larger attention to get this key block's share of its gradient.
-        the rest: as in ``varlen_attention_forward`` (same kernel choice, scale, mask and ``window``).
+            merged ``out``/``lse`` of a larger attention to get this key block's share of its gradient. With
+            attention sinks, pass the forward's (sink-including) ``out``/``lse``: dq/dk/dv are then right, and
+            ``sink_grad(dout, out, lse, sinks)`` gives the sinks' gradient.
+        the rest: as in ``varlen_attention_forward`` (same kernel choice, scale, mask, ``window`` and ``softcap``).
 
     Returns:
         ``dq [Tq, H, D]``, ``dk [Tk, H_kv, D]``, ``dv [Tk, H_kv, D]`` in the inputs' dtype (GQA gradients summed
         over each key/value head's query heads); zero for tokens outside every sequence.
     """
-    name, scale, window = _checked(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    name, scale, window, softcap = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window,
+        softcap,
     )
     _check_grad_inputs(dout, out, lse, q)
     with torch.no_grad():
         return _BACKWARD[name](
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal),
-            window,
+            window, softcap,
         )
 
 
 class _VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, kernel, window):
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, meta):
+        max_seqlen_q, max_seqlen_k, scale, causal, kernel, window, softcap = meta
         out, lse = _FORWARD[kernel](
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window, softcap
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.meta = (max_seqlen_q, max_seqlen_k, scale, causal, kernel, window)
+        if sinks is not None:
+            out, lse = _add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.meta = meta
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        max_seqlen_q, max_seqlen_k, scale, causal, kernel, window = ctx.meta
+        q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, scale, causal, kernel, window, softcap = ctx.meta
         dq, dk, dv = _BACKWARD[kernel](
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window,
+            softcap,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     *, softmax_scale: float | None = None, causal: bool = True, kernel: str = "auto", window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable varlen attention: ``out [Tq, H, D]`` (see ``varlen_attention_forward`` for the arguments).
 
     Backward runs the same kernel's backward from the saved ``out`` and ``lse`` (no recomputation of the forward);
-    with GQA, ``k.grad``/``v.grad`` are ``[Tk, H_kv, D]``, summed over the query heads sharing each head.
+    with GQA, ``k.grad``/``v.grad`` are ``[Tk, H_kv, D]``, summed over the query heads sharing each head; a
+    ``sinks`` tensor that requires grad gets ``sink_grad``'s ``[H]`` gradient.
     """
-    name, scale, window = _checked(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window
+    name, scale, window, softcap = _checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, kernel, causal, window,
+        softcap,
     )
-    return _VarlenAttentionFunction.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), name, window
-    )
+    sinks = check_sinks(sinks, q)
+    meta = (max_seqlen_q, max_seqlen_k, scale, bool(causal), name, window, softcap)
+    return _VarlenAttentionFunction.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, meta)

@@ -25,6 +25,10 @@ from the saved head-shard ``q, k, v, out, lse`` (no recomputation; ``O(T * H / c
 Bytes per layer and rank: forward ``(2H + 2 H_kv rep) * T_local * D`` elements through all-to-alls, of which
 ``(cp-1)/cp`` leave the rank; see docs/attention.md for when that is cheaper than the all-gather backend.
 
+Logit soft-capping (``softcap``) is elementwise and goes to the kernel. Attention sinks (``sinks [H]``): rank r's
+kernel uses the sinks of its own query heads, ``sinks[r * H/cp : (r+1) * H/cp]``, and in backward returns a ``[H]``
+gradient that is zero outside that slice: summed over the CP group it is the whole batch's gradient.
+
 With ``cp_size == 1`` nothing is communicated (no process group is needed). ``dist.all_to_all_single`` runs on gloo
 (CPU) and NCCL alike. Call it through ``context_parallel_attention(..., backend="ulysses")``, which raises a
 one-rank mistake on every rank; ``ulysses_attention`` is the backend itself.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_packing._checks import check_softcap
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
@@ -114,6 +119,22 @@ def replicate_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tens
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
+def head_slice(num_heads: int, size: int, rank: int) -> slice:
+    """The query heads rank ``rank`` of a ``size``-rank all-to-all holds: ``[rank * H/size, (rank+1) * H/size)``."""
+    per = num_heads // size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def sliced_sinks_grad(dout, out, lse, sinks: torch.Tensor | None, heads: slice, needed: bool) -> torch.Tensor | None:
+    """``[H]`` gradient of ``sinks`` whose ``heads`` slice is this rank's ``kernels.sink_grad`` (zero elsewhere),
+    or ``None`` without sinks or when no gradient is needed."""
+    if sinks is None or not needed:
+        return None
+    grad = torch.zeros_like(sinks)
+    grad[heads] = kernels.sink_grad(dout, out, lse, sinks[heads])
+    return grad
+
+
 def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Adjoint of ``replicate_kv``: the replicas' gradients summed back into their key/value head."""
     if rep == 1:
@@ -126,36 +147,38 @@ def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Te
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, meta):
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = meta
+    def forward(ctx, q, k, v, sinks, meta):
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine = meta
         k, v = replicate_kv(k, v, rep)  # [T_local, H_kv * rep, D]
         heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
         qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
         out, lse = kernels.varlen_attention_forward(
             qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
-            kernel=kernel,
+            kernel=kernel, softcap=softcap, sinks=None if sinks is None else sinks[heads_mine],
         )  # [T, H/cp, D], [H/cp, T]
-        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
         ctx.meta = meta
         (out_local,) = heads_to_seq(_to_gathered([out], perm), group, cp_size)
         return out_local  # [T_local, H, D]
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, out, lse = ctx.saved_tensors
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel = ctx.meta
+        qh, kh, vh, sinks, out, lse = ctx.saved_tensors
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine = ctx.meta
         (douth,) = _to_global(seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
         dqh, dkh, dvh = kernels.varlen_attention_backward(
             douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
-            causal=causal, kernel=kernel,
+            causal=causal, kernel=kernel, softcap=softcap,
         )
+        dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
         dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
-        return (dq, *sum_replicas(dk, dv, rep), None)
+        return (dq, *sum_replicas(dk, dv, rep), dsinks, None)
 
 
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *,
     group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses context-parallel attention for any layout (see module docstring). Differentiable.
 
@@ -163,7 +186,8 @@ def ulysses_attention(
         q: ``[T_local, H, D]`` with ``sharded.cp_size`` dividing ``H``; k, v: ``[T_local, H_kv, D]`` with
             ``H % H_kv == 0`` (GQA; replicated when cp does not divide ``H_kv``); this rank's tokens in
             ``sharded``'s local order, one floating dtype, one device.
-        sharded, group, causal, softmax_scale, kernel: as in ``allgather_attention`` (any layout).
+        sharded, group, causal, softmax_scale, kernel, softcap, sinks: as in ``allgather_attention`` (any layout;
+            each rank's sinks gradient is non-zero only on its own head slice).
 
     Returns:
         ``[T_local, H, D]`` in q's dtype, contiguous: full attention per segment on the global stream, sharded.
@@ -184,11 +208,13 @@ def ulysses_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     cp_size = sharded.cp_size
     rep = kv_replication(q.shape[1], k.shape[1], cp_size)
-    name = kernels.resolve_kernel(kernel, q)
+    softcap = check_softcap(softcap)
+    sinks = kernels.check_sinks(sinks, q)
+    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
     group = resolve_attention_group(group, sharded, q.device)
     params = sharded.global_params
     cu_seqlens = sharded.cached(("ulysses_cu_seqlens", str(q.device)),
                                 lambda: params.cu_seqlens.to(device=q.device, dtype=torch.int32))
     meta = (group, cp_size, rep, _global_permutation(sharded, q.device), cu_seqlens, int(params.max_seqlen),
-            softmax_scale, causal, name)
-    return _UlyssesAttention.apply(q, k, v, meta)
+            softmax_scale, causal, name, softcap, head_slice(q.shape[1], cp_size, sharded.cp_rank))
+    return _UlyssesAttention.apply(q, k, v, sinks, meta)

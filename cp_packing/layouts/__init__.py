@@ -12,10 +12,11 @@ lies inside ONE segment::
 segment boundary, a run's keys under causal attention are the global tokens from its segment's start up to the
 run's last token, which is what the all-gather attention backend uses for every layout.
 
-``RUNS`` maps each layout name to its pure runs function ``(cu_seqlens, *, cp_size, cp_rank) -> (run_start,
-run_len)``, one module each: ``contiguous`` (``layouts/contiguous.py``), ``zigzag`` (``layouts/zigzag.py``) and
-``balanced`` (``layouts/balanced.py``). Choosing one per batch (``layout="auto"``) is the cost model's job
-(``cp_packing.cost.choose_layout``).
+``RUNS`` maps each layout name to its pure runs function ``(cu_seqlens, *, cp_size, cp_rank, window=None) ->
+(run_start, run_len)``, one module each: ``contiguous`` (``layouts/contiguous.py``), ``zigzag`` (``layouts/zigzag.py``)
+and ``balanced`` (``layouts/balanced.py``, the one whose placement depends on the attention's sliding ``window``: it
+balances ``sum min(p + 1, window)``; ``layouts/work.py`` has the closed forms). Choosing one per batch
+(``layout="auto"``) is the cost model's job (``cp_packing.cost.choose_layout``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible
+from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
 from cp_packing.layouts.balanced import balanced_runs
 from cp_packing.layouts.contiguous import contiguous_runs
 from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_runs
@@ -43,7 +44,7 @@ __all__ = [
 
 RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
-#: Layout name -> pure runs function ``(cu_seqlens int64, *, cp_size, cp_rank) -> (run_start, run_len)``.
+#: Layout name -> pure runs function ``(cu_seqlens int64, *, cp_size, cp_rank, window) -> (run_start, run_len)``.
 RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
@@ -60,7 +61,7 @@ def check_layout(layout: object) -> str:
 
 
 def layout_runs(
-    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The runs of global tokens that rank ``cp_rank`` holds, in local order.
 
@@ -68,23 +69,26 @@ def layout_runs(
         cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's).
         cp_size, cp_rank: the context-parallel group size and this rank.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+        window: the attention's sliding window (``None``, an int or a per-layer list of ``int | None``) that
+            ``balanced`` plans for; the other layouts do not depend on it. Every rank must pass the same.
 
     Returns:
         ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``: every run lies inside one segment and
         ``run_len.sum() == T // cp_size``.
 
     Raises:
-        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank`` or ``layout``; ``T`` not divisible
-        by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
+        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank``, ``layout`` or ``window``; ``T`` not
+        divisible by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
 
     >>> layout_runs(torch.tensor([0, 4, 8]), cp_size=2, cp_rank=0, layout="contiguous")
     (tensor([0]), tensor([4]))
     """
     check_cp(cp_size, cp_rank)
     check_layout(layout)
+    window = check_windows(window)
     total = int(check_cu_seqlens(cu_seqlens)[-1])
     check_divisible(total, cp_size)
-    return RUNS[layout](cu_seqlens.to(torch.int64), cp_size=cp_size, cp_rank=cp_rank)
+    return RUNS[layout](cu_seqlens.to(torch.int64), cp_size=cp_size, cp_rank=cp_rank, window=window)
 
 
 def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> torch.Tensor:
@@ -121,19 +125,24 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
     return result
 
 
-def layout_token_index(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
-    """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order.
+def layout_token_index(
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
+) -> torch.Tensor:
+    """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order
+    (``window``: as in ``layout_runs``).
 
     >>> layout_token_index(torch.tensor([0, 8]), cp_size=2, cp_rank=0, layout="zigzag")
     tensor([0, 1, 6, 7])
     """
-    run_start, run_len = layout_runs(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    run_start, run_len = layout_runs(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
     total = int(cu_seqlens[-1]) // cp_size
     return expand_runs(run_start, run_len, total)
 
 
-def global_token_order(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str) -> torch.Tensor:
-    """int64 ``[cp_size, T_local]``: row r is rank r's ``token_index``.
+def global_token_order(
+    cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None
+) -> torch.Tensor:
+    """int64 ``[cp_size, T_local]``: row r is rank r's ``token_index`` (``window``: as in ``layout_runs``).
 
     Every global token appears exactly once, so the flattened tensor is a permutation of ``range(T)``: the order of
     an all-gather over the CP group.
@@ -143,5 +152,6 @@ def global_token_order(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str) -
             [1, 2]])
     """
     return torch.stack(
-        [layout_token_index(cu_seqlens, cp_size=cp_size, cp_rank=r, layout=layout) for r in range(cp_size)]
+        [layout_token_index(cu_seqlens, cp_size=cp_size, cp_rank=r, layout=layout, window=window)
+         for r in range(cp_size)]
     )

@@ -1,15 +1,22 @@
 """The ``balanced`` layout: exactly ``T / cp`` tokens on every rank, even causal cost, no padding.
 
 Under causal attention a token at position ``p`` of its segment attends to ``p + 1`` keys, so a rank's work is
-``sum(p + 1)`` over its tokens, and a piece ``[a, b)`` of a segment costs ``(b(b+1) - a(a+1)) / 2``. With ``C`` the
-total cost, ``C / cp`` is the ideal per rank. The plan (every rank's runs at once)::
+``sum(p + 1)`` over its tokens, and a piece ``[a, b)`` of a segment costs ``(b(b+1) - a(a+1)) / 2``. Under a sliding
+``window`` ``w`` a token costs ``min(p + 1, w)`` instead (summed over the layers for a per-layer window; closed forms
+in ``cp_packing.layouts.work``): a long document is then about linear, and every step below prices pieces that way.
+With ``C`` the total cost, ``C / cp`` is the ideal per rank. The plan (every rank's runs at once)::
 
     1. long    a segment costing > HEAVY * C/cp with >= 2*cp*MIN_CHUNK tokens: cut zigzag-style in 2cp chunks,
                rank r takes chunks r and 2cp-1-r (an early and a late one: the same cost on every rank)
                    [ 0 | 1 | 2 | 3 | 3 | 2 | 1 | 0 ]      cp = 4, one long document
+               Under a window the pairs are equal only where the cost per token is linear in p, so the segment is
+               first cut at the window(s) (sections of >= 2*cp*MIN_CHUNK tokens) and each section is zigzagged:
+                   [0 1 2 3 3 2 1 0|0  1  2  3  3  2  1  0]   ramp [0, w): p + 1 | flat [w, L): w
+               and the pairs rotate over the ranks from one segment to the next (a ramp too short to be a section
+               of its own is not always rank 0's)
     2. items   every other segment, whole; a heavy one shorter than that in a few pieces of >= MIN_CHUNK tokens
     3. LPT     rho = cost per token of the cheap items (cost <= LPT_FRACTION * C/cp); an item's excess is
-               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (at most LPT_ROUNDS * cp of them),
+               cost - rho * tokens. The items with excess > LPT_FRACTION * C/cp (<= LPT_ROUNDS * cp, 2x under a window),
                largest first, on a heap: each goes whole to the rank with the least excess that has room for it
     4. fill    the other items, sorted by cost per token, in golden-ratio order (j -> j*a mod m, a ~ m/1.618),
                so that every stretch of the stream costs about rho per token; rank r takes the next
@@ -23,9 +30,11 @@ Runs: every run lies in one segment; a rank's runs are ordered by global positio
 segment on one rank are merged. Pieces cut on purpose (long chunks, mid pieces) have at least ``MIN_CHUNK``
 tokens; only the ``cp - 1`` fill cuts of step 4 can leave a shorter piece (and short documents stay whole).
 
-The plan is a function of the ``cu_seqlens`` values and ``cp`` only (integer math, stable sorts, float64 steps that
-are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp)`` with ``functools.lru_cache``;
-it runs in NumPy on the host (a CUDA ``cu_seqlens`` is copied: one host sync per call).
+The plan is a function of the ``cu_seqlens`` values, ``cp`` and the window only (integer math, stable sorts, float64
+steps that are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp, window weights)`` with
+``functools.lru_cache`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a window at least as long
+as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on the host (a CUDA
+``cu_seqlens`` is copied: one host sync per call).
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cost_tokens, check_cp, check_cu_seqlens, check_divisible
+from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible, check_weighted_cost_tokens
+from cp_packing.layouts.work import WindowWeights, head_cost, range_cost, window_weights
 
 __all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
 
@@ -49,38 +60,69 @@ HEAVY = 0.01
 #: one (LPT); the rest pour.
 LPT_FRACTION = 0.0005
 #: At most this many rounds of ``cp`` items go through LPT (the largest excess first; Python time); the rest pour.
+#: Twice as many under a window: there, every document longer than the window costs about ``w`` per token, far above
+#: the short ones, so more items carry an excess the fill would pour unevenly.
 LPT_ROUNDS = 64
 
 _CACHE_SIZE = 16
 
-
-def _cost(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Causal cost of positions ``a .. b-1`` of a segment, int64 (exact for ``b <= MAX_COST_TOKENS``)."""
-    return (b * (b + 1) - a * (a + 1)) // 2
+_FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
 
 
-def _long_runs(start: np.ndarray, length: np.ndarray, cp: int):
-    """Zigzag pairs of the long segments. Rank r's pair holds ``L // cp`` or ``L // cp + 1`` tokens (the +1 rotates
-    over the ranks from one segment to the next, so every rank gets floor or ceil of their total / cp); its head
-    chunk is at ``r``-th place from the segment's start, its tail at ``r``-th place from the end.
+def _sections(start: np.ndarray, length: np.ndarray, cp: int, weights: WindowWeights):
+    """Cut the long segments at the windows' kinks: on each section the cost per token is linear in the position
+    (a ramp ``p + 1``, a flat ``w``, or a mix over the layers), so a zigzag pair of it costs the same on every rank.
+    A kink that would leave a section shorter than ``2 * cp * MIN_CHUNK`` is not cut (its ramp stays in the next
+    section). Returns the sections' ``(start, len, pos0, segment)`` (one per segment without a window)."""
+    kinks = sorted(w for w, _ in weights if w is not None)
+    if not kinks:
+        return start, length, np.zeros_like(length), np.arange(length.size, dtype=np.int64)
+    least = 2 * cp * MIN_CHUNK
+    last = np.zeros_like(length)
+    bounds = [last]
+    for w in kinks:
+        keep = (w - last >= least) & (length - w >= least)
+        bounds.append(np.where(keep, w, -1))
+        last = np.where(keep, w, last)
+    bounds.append(length)
+    bounds = np.stack(bounds, axis=1)  # [n, kinks + 2], increasing where >= 0
+    owner = np.repeat(np.arange(length.size), (bounds >= 0).sum(axis=1))
+    flat = bounds[bounds >= 0]
+    same = owner[1:] == owner[:-1]
+    pos0, seg = flat[:-1][same], owner[1:][same]
+    return start[seg] + pos0, flat[1:][same] - pos0, pos0, seg
+
+
+def _long_runs(start: np.ndarray, length: np.ndarray, cp: int, weights: WindowWeights):
+    """Zigzag pairs of the long segments (under a window, of their sections, see ``_sections``). Rank r's pair
+    holds ``L // cp`` or ``L // cp + 1`` tokens (the +1 rotates over the ranks from one segment to the next, so every
+    rank gets floor or ceil of their total / cp); its head chunk is at ``r``-th place from the segment's start, its
+    tail at ``r``-th place from the end. Under a window the pairs also rotate over the ranks from one segment to the
+    next (pair j of segment k on rank ``(j + k) % cp``): a ramp too short to be a section of its own is not always
+    rank 0's.
     Returns the runs ``(start, len, rank, pos0)`` and every rank's tokens and cost ``[cp]``."""
+    start, length, base, seg = _sections(start, length, cp, weights)
     rem = length % cp
     rot = (np.cumsum(rem) - rem) % cp  # where this segment's +1's start
     ranks = np.arange(cp, dtype=np.int64)
-    pair = length[:, None] // cp + (((ranks - rot[:, None]) % cp) < rem[:, None])  # [n, cp]
+    shift = np.zeros_like(length) if weights == _FULL else seg % cp
+    owner = (ranks[None, :] + shift[:, None]) % cp  # [n, cp] the rank of pair j
+    pair = length[:, None] // cp + (((owner - rot[:, None]) % cp) < rem[:, None])  # [n, cp]
     head = pair // 2
     tail = pair - head
     head_pos = np.cumsum(head, axis=1) - head  # [n, cp] from the segment's start
-    tail_pos = length[:, None] - np.cumsum(tail, axis=1)  # [n, cp] rank r's tail ends where rank r-1's starts
-    cost = _cost(head_pos, head_pos + head) + _cost(tail_pos, tail_pos + tail)
+    tail_pos = length[:, None] - np.cumsum(tail, axis=1)  # [n, cp] pair j's tail ends where pair j-1's starts
+    head_pos += base[:, None]
+    tail_pos += base[:, None]
+    cost = range_cost(head_pos, head_pos + head, weights) + range_cost(tail_pos, tail_pos + tail, weights)
     pos = np.concatenate([head_pos, tail_pos], axis=1)
     return (
-        (pos + start[:, None]).ravel(),
+        (pos - base[:, None] + start[:, None]).ravel(),
         np.concatenate([head, tail], axis=1).ravel(),
-        np.tile(np.concatenate([ranks, ranks]), length.size),
+        np.concatenate([owner, owner], axis=1).ravel(),
         pos.ravel(),
-        pair.sum(axis=0),
-        cost.sum(axis=0),
+        np.bincount(owner.ravel(), weights=pair.ravel(), minlength=cp).astype(np.int64),
+        np.bincount(owner.ravel(), weights=cost.ravel(), minlength=cp),
     )
 
 
@@ -151,19 +193,22 @@ def _fill(length: np.ndarray, rank: np.ndarray, stream: np.ndarray, need: np.nda
     return item, off, x_len, np.searchsorted(ends, cuts, side="right")
 
 
-def _plan(cu: np.ndarray, cp: int):
+def _plan(cu: np.ndarray, cp: int, weights: WindowWeights = _FULL):
     """Every rank's runs: ``(offsets [cp + 1], run_start [R], run_len [R])``, rank r's runs at
-    ``offsets[r]:offsets[r + 1]``, ordered by position. See the module docstring."""
+    ``offsets[r]:offsets[r + 1]``, ordered by position, for the cost of ``weights``. See the module docstring."""
     total = int(cu[-1])
     t_local = total // cp
     start, length = cu[:-1], np.diff(cu)
     if length.min() == 0:
         start, length = start[length > 0], length[length > 0]
-    cost = length + 1  # L (L + 1) / 2, in place
-    cost *= length
-    cost >>= 1
+    if weights == _FULL:
+        cost = length + 1  # L (L + 1) / 2, in place
+        cost *= length
+        cost >>= 1
+    else:
+        cost = head_cost(length, weights)
     ideal = float(cost.sum()) / cp
-    contiguous = _contiguous_busiest(start, cost, t_local, cp)
+    contiguous = _contiguous_busiest(start, cost, t_local, cp, weights)
     tokens, excess = np.zeros(cp, dtype=np.int64), np.zeros(cp)
     extra = []  # runs besides the items: (start, len, rank, pos0)
 
@@ -171,7 +216,7 @@ def _plan(cu: np.ndarray, cp: int):
     heavy = cost > HEAVY * ideal
     long = heavy & (length >= 2 * cp * MIN_CHUNK)
     if long.any():
-        *runs, long_tokens, long_cost = _long_runs(start[long], length[long], cp)
+        *runs, long_tokens, long_cost = _long_runs(start[long], length[long], cp, weights)
         extra.append(runs)
         tokens += long_tokens
         excess += long_cost
@@ -188,11 +233,11 @@ def _plan(cu: np.ndarray, cp: int):
         later = np.ones(p_len.size, dtype=bool)
         later[first] = False
         length[h] = p_len[first]
-        cost[h] = _cost(0, p_len[first])
+        cost[h] = head_cost(p_len[first], weights)
         start = np.concatenate([start, p_start[later]])
         length = np.concatenate([length, p_len[later]])
         pos0 = np.concatenate([pos0, p_pos0[later]])
-        cost = np.concatenate([cost, _cost(p_pos0[later], p_pos0[later] + p_len[later])])
+        cost = np.concatenate([cost, range_cost(p_pos0[later], p_pos0[later] + p_len[later], weights)])
 
     # 3. LPT on the items that cost most over the fill's cost per token rho (the rest pour evenly)
     coarse = np.flatnonzero(cost > LPT_FRACTION * ideal)
@@ -200,8 +245,9 @@ def _plan(cu: np.ndarray, cp: int):
     weight = cost[coarse] - rho * length[coarse]  # the excess of an item over rho: what the fill cannot even out
     big = coarse[weight > LPT_FRACTION * ideal]
     weight = weight[weight > LPT_FRACTION * ideal]
-    if big.size > LPT_ROUNDS * cp:
-        keep = np.argpartition(-weight, LPT_ROUNDS * cp)[: LPT_ROUNDS * cp]
+    rounds = LPT_ROUNDS if weights == _FULL else 2 * LPT_ROUNDS
+    if big.size > rounds * cp:
+        keep = np.argpartition(-weight, rounds * cp)[: rounds * cp]
         big, weight = big[keep], weight[keep]
     o = np.lexsort((big, -weight))  # largest excess first, ties by position
     big, weight = big[o], weight[o]
@@ -213,30 +259,40 @@ def _plan(cu: np.ndarray, cp: int):
     # 4. fill: the rest by cost per token (2 * cost / length = 2 * pos0 + length + 1), golden-ratio interleaved
     rest = np.flatnonzero(rank < 0) if placed.size else np.arange(length.size)
     if rest.size:
-        density = length[rest]  # = 2 * cost / length - 1 for a whole segment; pieces (appended) add 2 * pos0
-        piece = np.flatnonzero(rest >= n_whole)
-        density[piece] += 2 * pos0[rest[piece]]
-        density = np.minimum(density, 2**15 - 1, out=density).astype(np.int16)
-        stream = rest[np.argsort(density, kind="stable")[_golden(rest.size)]]
+        stream = rest[np.argsort(_density(rest, length, cost, pos0, n_whole, weights), kind="stable")
+                      [_golden(rest.size)]]
         item, off, x_len, x_rank = _fill(length, rank, stream, t_local - tokens)
-        cost[item] = _cost(pos0[item], pos0[item] + length[item])  # a cut item keeps its first piece
+        cost[item] = range_cost(pos0[item], pos0[item] + length[item], weights)  # a cut item keeps its first piece
         extra.append((start[item] + off, x_len, x_rank, pos0[item] + off))
 
     # 5. never busier than contiguous
     rank_cost = np.bincount(rank, weights=cost, minlength=cp).astype(np.float64)  # int64 zeros when empty
     for _, x_len, x_rank, x_pos0 in extra:
-        rank_cost += np.bincount(x_rank, weights=_cost(x_pos0, x_pos0 + x_len), minlength=cp)
+        rank_cost += np.bincount(x_rank, weights=range_cost(x_pos0, x_pos0 + x_len, weights), minlength=cp)
     if contiguous < rank_cost.max():
         return _contiguous(cu, cp)
     return _merge(*(np.concatenate(x) for x in zip((start, length, rank, pos0), *extra)), cp)
 
 
-def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: int) -> int:
+def _density(rest, length, cost, pos0, n_whole, weights: WindowWeights) -> np.ndarray:
+    """int16 sort key of the fill items ``rest``: their cost per token. Without a window ``2 * cost / length - 1``
+    exactly (``length`` for a whole segment, plus ``2 * pos0`` for a later piece); under a window the cost per token
+    scaled onto ``[0, 2**15 - 2]``."""
+    if weights == _FULL:
+        density = length[rest]  # = 2 * cost / length - 1 for a whole segment; pieces (appended) add 2 * pos0
+        piece = np.flatnonzero(rest >= n_whole)
+        density[piece] += 2 * pos0[rest[piece]]
+        return np.minimum(density, 2**15 - 1, out=density).astype(np.int16)
+    per_token = cost[rest] / length[rest]  # float64, > 0
+    return (per_token * ((2**15 - 2) / per_token.max())).astype(np.int16)
+
+
+def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: int, weights: WindowWeights) -> int:
     """The busiest rank's cost under contiguous: the prefix cost ``W(t)`` at the rank bounds (non-empty segments)."""
     bounds = np.arange(cp + 1, dtype=np.int64) * t_local
     seg = np.searchsorted(start, bounds, side="right") - 1
     p = bounds - start[seg]
-    w = (np.cumsum(cost) - cost)[seg] + p * (p + 1) // 2
+    w = (np.cumsum(cost) - cost)[seg] + head_cost(p, weights)
     return int(np.diff(w).max())
 
 
@@ -276,26 +332,42 @@ def _contiguous(cu: np.ndarray, cp: int):
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_plan(cu_bytes: bytes, cp: int):
+def _cached_plan(cu_bytes: bytes, cp: int, weights: WindowWeights):
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     if int(cu[-1]) == 0:
         z = np.zeros(0, dtype=np.int64)
         plan = (np.zeros(cp + 1, dtype=np.int64), z, z)
     else:
-        plan = _plan(cu, cp)
+        plan = _plan(cu, cp, weights)
     for a in plan:
         a.flags.writeable = False  # shared by every caller: hand out copies only
     return plan
 
 
-def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _plan_key(cu_seqlens: object, cp_size: int, window: object) -> tuple[np.ndarray, WindowWeights]:
+    """Validated ``(cu int64, window weights)``: the plan's cache key with ``cp_size``."""
+    check_cp(cp_size)
+    cu = check_cu_seqlens(cu_seqlens)
+    check_divisible(int(cu[-1]), cp_size)
+    max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
+    weights = window_weights(window, max_seqlen=max_seqlen, reduce=True)
+    check_weighted_cost_tokens(int(cu[-1]), sum(c for _, c in weights))
+    return cu, weights
+
+
+def balanced_plan(
+    cu_seqlens: torch.Tensor, *, cp_size: int, window: int | Sequence[int | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every rank's runs of the ``balanced`` layout (see the module docstring), planned once per
-    ``(cu_seqlens values, cp_size)``.
+    ``(cu_seqlens values, cp_size, window)``.
 
     Args:
         cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (CPU or CUDA); ``T = cu_seqlens[-1]`` must be
             divisible by ``cp_size``.
         cp_size: the context-parallel group size.
+        window: the attention's sliding window: ``None`` (full causal), an int, or a per-layer list of
+            ``int | None`` (the cost is the sum over the layers). The plan balances ``sum min(p + 1, window)``; a
+            window at least as long as every segment gives the plan of ``None``.
 
     Returns:
         ``(offsets, run_start, run_len)``, CPU int64 tensors ``[cp_size + 1]``, ``[R]``, ``[R]`` (fresh copies:
@@ -303,25 +375,28 @@ def balanced_plan(cu_seqlens: torch.Tensor, *, cp_size: int) -> tuple[torch.Tens
         ordered by global position.
 
     Raises:
-        TypeError / ValueError: a bad ``cu_seqlens`` or ``cp_size``, or ``T`` not divisible by ``cp_size``.
+        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size`` or ``window``, or ``T`` not divisible by
+        ``cp_size``.
 
     >>> offsets, run_start, run_len = balanced_plan(torch.tensor([0, 2, 5, 6]), cp_size=3)
     >>> run_len.sum().item(), offsets.tolist()
     (6, [0, 1, 2, 4])
+    >>> balanced_plan(torch.tensor([0, 2, 5, 6]), cp_size=3, window=[4, None])[1].tolist()  # 4 >= every segment
+    [0, 2, 4, 5]
     """
-    check_cp(cp_size)
-    cu = check_cu_seqlens(cu_seqlens)
-    check_divisible(int(cu[-1]), cp_size)
-    check_cost_tokens(int(cu[-1]))
-    return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size))
+    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size, weights))
 
 
-def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_runs(
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: int | Sequence[int | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The runs of global tokens rank ``cp_rank`` holds under ``balanced``: a slice of ``balanced_plan``.
 
     Args:
         cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (any int dtype, CPU or CUDA).
         cp_size, cp_rank: the context-parallel group size and this rank.
+        window: the sliding window(s) the plan balances (as in ``balanced_plan``); every rank must pass the same.
 
     Returns:
         ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``, ordered by global position;
@@ -331,10 +406,8 @@ def balanced_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tu
     (tensor([2]), tensor([2]))
     """
     check_cp(cp_size, cp_rank)
-    cu = check_cu_seqlens(cu_seqlens)
-    check_divisible(int(cu[-1]), cp_size)
-    check_cost_tokens(int(cu[-1]))
-    offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size)
+    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights)
     lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
     device = cu_seqlens.device
     return (

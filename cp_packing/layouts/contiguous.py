@@ -17,13 +17,16 @@ import torch
 __all__ = ["contiguous_runs"]
 
 
-def contiguous_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def contiguous_runs(
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``cp_rank``'s runs under ``contiguous``: its flat range cut at the segment boundaries.
 
     Args:
         cu_seqlens: int64 ``[N + 1]`` global cumulative segment lengths, ``T = cu_seqlens[-1]`` divisible by
             ``cp_size`` (checked by ``cp_packing.layouts.layout_runs``).
         cp_size, cp_rank: the CP group size and this rank.
+        window: ignored: a fixed placement, whatever the cost (the runs functions share one signature).
 
     Returns:
         ``(run_start, run_len)``, int64 ``[R]`` each, in local order (= global order).

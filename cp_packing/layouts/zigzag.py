@@ -36,7 +36,9 @@ def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
         )
 
 
-def zigzag_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def zigzag_runs(
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``cp_rank``'s runs under ``zigzag``: chunks ``r`` and ``2cp-1-r`` of every segment (one run on the last
     rank, whose two chunks touch).
 
@@ -44,6 +46,7 @@ def zigzag_runs(cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int) -> tupl
         cu_seqlens: int64 ``[N + 1]``; every segment length must be a multiple of ``2 * cp_size`` (else a ValueError
             naming the first segment that is not).
         cp_size, cp_rank: the CP group size and this rank.
+        window: ignored: a fixed placement, whatever the cost (the runs functions share one signature).
 
     Returns:
         ``(run_start, run_len)``, int64 ``[R]`` each, segment after segment.

@@ -3,6 +3,8 @@
     python -m cp_packing report --synthetic lognormal --batch 8 --seqlen 4096 --seed 0 --cp 8 [--png out.png]
     python -m cp_packing report --doc-ids batch.pt --cp 8          # a saved [B, S] map (.pt or .npy)
     python -m cp_packing report --cp 8 --heads 32 --kv-heads 8     # + bytes per layer per backend
+    python -m cp_packing report --cp 8 --window 512                # costs under a sliding window of 512
+    python -m cp_packing report --cp 8 --window 4096,none          # per layer (none = a global layer), summed
 
 The one place the tools use the report module (``balance_report`` / ``plot_balance``).
 """
@@ -34,8 +36,26 @@ def add_parser(sub) -> None:
                      help="query heads: also print the bytes per layer of every attention backend for these heads")
     rep.add_argument("--head-dim", type=positive_int, default=128)
     rep.add_argument("--dtype-bytes", type=positive_int, default=2)
+    rep.add_argument("--window", type=window_arg, default=None,
+                     help="the model's sliding window: every cost becomes sum min(p + 1, W) and balanced / auto plan "
+                          "for it; an int, or one entry per layer separated by commas (none = a global layer)")
     rep.add_argument("--png", help="also write a bar chart PNG (needs matplotlib: the 'plot' extra)")
     rep.set_defaults(func=run)
+
+
+def window_arg(text: str) -> int | tuple[int | None, ...]:
+    """``--window``: ``512`` or a per-layer ``4096,none,4096`` (``none`` = a global layer), each window ``>= 1``."""
+    parts = [p.strip().lower() for p in text.split(",")]
+    try:
+        values = [None if p in ("none", "full", "global") else int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--window {text!r}: expected an int or comma-separated ints / 'none' (one per layer)") from None
+    if any(v is not None and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--window {text!r}: every window must be >= 1 (or 'none' for a global layer)")
+    if len(values) == 1 and values[0] is not None:
+        return values[0]
+    return tuple(values)
 
 
 def run(args) -> int:
@@ -58,7 +78,7 @@ def run(args) -> int:
           f"{args.dtype_bytes} bytes\n")
     kwargs = {"layouts": tuple(args.layouts.split(","))} if args.layouts else {}
     print(balance_report(params, cp_size=args.cp, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                         dtype_bytes=args.dtype_bytes, **kwargs))
+                         dtype_bytes=args.dtype_bytes, window=args.window, **kwargs))
     if args.heads:
         from cp_packing.report import backend_bytes_table
 
@@ -70,6 +90,6 @@ def run(args) -> int:
         print(backend_bytes_table(T_local=T_local, cp_size=args.cp, num_heads=args.heads,
                                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes))
     if args.png:
-        plot_balance(params, cp_size=args.cp, path=args.png, **kwargs)
+        plot_balance(params, cp_size=args.cp, path=args.png, window=args.window, **kwargs)
         print(f"\nwrote {args.png}")
     return 0

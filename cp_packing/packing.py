@@ -1,0 +1,725 @@
+"""Neat packing of tokenized documents into fixed-shape steps, balanced across data-parallel replicas.
+
+``pack_documents(documents, seq_len=, rows=, dp_size=)`` turns a stream of tokenized documents into *steps*. A step
+is a list of ``dp_size`` dicts, one per DP replica, each ``{"input_ids", "labels", "doc_ids"}`` of shape
+``[rows, seq_len]``: the global batch a replica's CP group shards (``doc_ids`` is the 1-based doc map,
+``labels`` are already shifted on the global stream as :func:`cp_packing.next_token_labels` shifts them).
+
+How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` documents):
+
+1. **fill**: read documents until ``buffer_size`` are held (documents carried over from the last round count). A
+   document longer than ``seq_len`` is split into pieces of ``seq_len`` tokens (and one shorter tail), truncated to
+   ``seq_len``, or refused, as ``long_documents`` says.
+2. **how many steps**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into
+   the open row with the least room that still fits it) gives ``R`` rows; the round yields ``n = R // (rows *
+   dp_size)`` steps (when the source is exhausted, also a last, smaller step: ``ceil(left rows / dp_size)`` rows per
+   replica, the same on every replica, or, with ``drop_last=True``, nothing, counted in
+   :attr:`PackingStats.dropped_tokens` and logged).
+3. **balanced packing** into those ``n`` steps (``balanced_pack``): the cost of a replica is the causal attention
+   work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over the segments of its rows (documents and padding runs,
+   which the varlen kernel attends like documents). A piece that costs more than a replica's fair share cannot be
+   balanced against the mean, so such pieces anchor steps ``dp_size`` at a time (similar pieces wait for each
+   other); then, longest first, every piece goes to the replica furthest below its target that has a row where it
+   fits, and the short pieces that hold the last 2% of the work close the gaps by best fit. It is used when it is as
+   full as best fit (it leaves no more tokens over); else the fullest best-fit rows are dealt to replicas
+   (``form_steps``). Then ``polish_step`` exchanges pieces (one, or a row's shortest few together) between the
+   busiest replica and the others while that lowers the busiest. Pieces left over are carried to the next round,
+   where new documents can fill the room they left.
+4. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last), the rows of a
+   replica shuffled too. A split document's pieces are cut at emit time in stream order, so they are consecutive
+   slices of the document in the order they are yielded (step, then replica, then row).
+
+Every token of every document is yielded exactly once (``truncate`` drops what is past ``seq_len``, counted;
+``drop_last`` drops the last step, counted). Labels: ``labels[t] = input_ids[t + 1]`` inside a document segment,
+``-100`` at its last token (a split piece's last token too: attention cannot cross rows), on padding, and where the
+caller's unshifted labels were ``-100`` at ``t + 1`` (prompt masking). See docs/packing.md for the benchmark against
+TRL's ``pack_dataset(strategy="bfd")``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from cp_packing._checks import INTEGER_DTYPES, check_bool, check_choice, check_int, check_number
+
+__all__ = ["LONG_DOCUMENTS", "DocumentPacker", "PackingStats", "pack_documents"]
+
+logger = logging.getLogger("cp_packing")
+
+#: What ``pack_documents`` does with a document longer than ``seq_len``.
+LONG_DOCUMENTS = ("split", "truncate", "error")
+
+IGNORE_INDEX = -100
+_KEY = 1 << 32  # best-fit keys: room * _KEY + row (rows < 2**32)
+
+
+@dataclass
+class PackingStats:
+    """What the packer has done so far; updated as steps are yielded.
+
+    Attributes:
+        seq_len: the row length.
+        documents: source documents read.
+        steps: steps yielded.
+        rows: rows yielded, over all replicas (empty rows of a step the buffer could not fill included).
+        empty_rows: rows yielded that hold only padding.
+        tokens: real (document) tokens yielded.
+        split_documents: documents longer than ``seq_len`` split into pieces (``long_documents="split"``).
+        split_pieces: the pieces those documents were split into.
+        truncated_documents, truncated_tokens: documents cut to ``seq_len`` and the tokens cut off (``"truncate"``).
+        dropped_documents, dropped_tokens: documents (or pieces of them) and tokens of the last step that
+            ``drop_last=True`` did not yield.
+        step_imbalance: per yielded step, the busiest replica's cost over the mean replica cost (1.0 is perfect).
+    """
+
+    seq_len: int
+    documents: int = 0
+    steps: int = 0
+    rows: int = 0
+    empty_rows: int = 0
+    tokens: int = 0
+    split_documents: int = 0
+    split_pieces: int = 0
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+    dropped_documents: int = 0
+    dropped_tokens: int = 0
+    step_imbalance: list[float] = field(default_factory=list)
+
+    @property
+    def fill(self) -> float:
+        """Real tokens / all token slots yielded (``rows * seq_len``); 1.0 before any row."""
+        return self.tokens / (self.rows * self.seq_len) if self.rows else 1.0
+
+    @property
+    def max_imbalance(self) -> float:
+        """The largest per-step busiest / mean replica cost so far (1.0 before any step)."""
+        return max(self.step_imbalance, default=1.0)
+
+
+@dataclass
+class _Doc:
+    """A source document held in the buffer until all its tokens are yielded."""
+
+    index: int  # position in the source
+    ids: np.ndarray  # int64 [L]
+    keep: np.ndarray | None  # bool [L]: False where the caller's unshifted label is -100; None: all kept
+    cursor: int = 0  # tokens already placed (split documents give their pieces in stream order)
+    left: int = 0  # pieces not yet placed
+
+
+class DocumentPacker:
+    """Iterator over packed, DP-balanced steps of tokenized documents; see :func:`pack_documents` (the same
+    arguments) and the module docstring for how a step is formed. ``.stats`` (:class:`PackingStats`) is updated as
+    steps are yielded.
+
+    >>> packer = DocumentPacker([[5, 6, 7], [8, 9], [3, 4, 5, 6]], seq_len=5, rows=1, dp_size=2)
+    >>> [[d["doc_ids"].tolist() for d in step] for step in packer]
+    [[[[1, 1, 1, 1, 0]], [[1, 1, 2, 2, 2]]]]
+    >>> packer.stats.fill, packer.stats.steps
+    (0.9, 1)
+    """
+
+    def __init__(
+        self,
+        documents: Iterable[Any],
+        *,
+        seq_len: int,
+        rows: int,
+        dp_size: int = 1,
+        long_documents: str = "split",
+        buffer_size: int = 4096,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        drop_last: bool = False,
+        attention_weight: float = 1.0,
+        token_weight: float = 0.0,
+    ) -> None:
+        self.seq_len = check_int(seq_len, "seq_len", min=1, hint="the row length in tokens")
+        self.rows = check_int(rows, "rows", min=1, hint="rows per replica per step")
+        self.dp_size = check_int(dp_size, "dp_size", min=1, hint="the number of data-parallel replicas")
+        self.long_documents = check_choice(long_documents, "long_documents", LONG_DOCUMENTS)
+        self.buffer_size = check_int(buffer_size, "buffer_size", min=1, hint="documents held at most")
+        self.seed = check_int(seed, "seed")
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0, max=2**63 - 1)
+        self.drop_last = check_bool(drop_last, "drop_last")
+        self.attention_weight = check_number(attention_weight, "attention_weight", min=0.0)
+        self.token_weight = check_number(token_weight, "token_weight", min=0.0)
+        if isinstance(documents, (str, bytes, dict)) or not hasattr(documents, "__iter__"):
+            raise TypeError(f"documents must be an iterable of documents (lists of token ids, 1-D int tensors or dicts "
+                            f"with 'input_ids'), got {type(documents).__name__}")
+        self.stats = PackingStats(seq_len=self.seq_len)
+        self._source = iter(documents)
+        self._exhausted = False
+        self._held: dict[int, _Doc] = {}  # source index -> document with tokens not yet yielded
+        self._carry: list[tuple[int, int]] = []  # (length, source index) pieces carried to the next round
+        self._rng = np.random.default_rng(self.seed)
+        self._warned_small_buffer = False
+        self._steps = self._generate()
+
+    def __iter__(self) -> DocumentPacker:
+        return self
+
+    def __next__(self) -> list[dict[str, torch.Tensor]]:
+        return next(self._steps)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # reading
+
+    def _read(self) -> list[tuple[int, int]]:
+        """Read documents until ``buffer_size`` are held; return the new pieces ``(length, source index)``."""
+        pieces: list[tuple[int, int]] = []
+        while not self._exhausted and len(self._held) < self.buffer_size:
+            try:
+                raw = next(self._source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            index = self.stats.documents
+            self.stats.documents += 1
+            ids, keep = _as_document(raw, index)
+            n = ids.size
+            lengths = [n]
+            if n > self.seq_len:
+                if self.long_documents == "error":
+                    raise ValueError(
+                        f"document {index} has {n} tokens, more than seq_len={self.seq_len}; pass "
+                        f"long_documents='split' (pieces in separate rows) or 'truncate', or raise seq_len")
+                if self.long_documents == "truncate":
+                    self.stats.truncated_documents += 1
+                    self.stats.truncated_tokens += n - self.seq_len
+                    ids, keep, lengths = ids[: self.seq_len], None if keep is None else keep[: self.seq_len], [self.seq_len]
+                else:
+                    lengths = [self.seq_len] * (n // self.seq_len) + ([n % self.seq_len] if n % self.seq_len else [])
+                    self.stats.split_documents += 1
+                    self.stats.split_pieces += len(lengths)
+            self._held[index] = _Doc(index, ids, keep, left=len(lengths))
+            pieces.extend((length, index) for length in lengths)
+        return pieces
+
+    # ------------------------------------------------------------------------------------------------------------
+    # rounds
+
+    def _generate(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        step_rows = self.rows * self.dp_size
+        while True:
+            pieces = self._carry + self._read()
+            self._carry = []
+            if not pieces:
+                return
+            rows = [[pieces[i] for i in row] for row in best_fit_decreasing([p[0] for p in pieces], self.seq_len)]
+            rows.sort(key=lambda row: -sum(p[0] for p in row))  # fullest first (stable)
+            n_full = len(rows) // step_rows
+            if n_full == 0 and not self._exhausted:  # the buffer cannot fill a step: yield what it holds
+                self._warn_small_buffer(len(rows), step_rows)
+                rows += [[] for _ in range(step_rows - len(rows))]
+                n_full = 1
+            steps, rest = self._steps_of(pieces, rows, n_full)
+            steps = [steps[i] for i in self._rng.permutation(len(steps))]
+            if not self._exhausted:
+                self._carry = [p for row in rest for p in row]
+            elif rest:  # the last, smaller step
+                k_last = -(-len(rest) // self.dp_size)
+                rest += [[] for _ in range(k_last * self.dp_size - len(rest))]
+                last = self._balance(rest, 1, k_last)[0]
+                if self.drop_last:
+                    self._drop(last)
+                else:
+                    steps.append(last)
+            for step in steps:
+                yield self._emit(step)
+            if self._exhausted:
+                return
+
+    def _steps_of(self, pieces: list[tuple[int, int]], rows: list[list[tuple[int, int]]], n_full: int):
+        """``n_full`` steps from a round's pieces, and the rows left over (best-fit rows of the rest).
+
+        Balanced packing (``balanced_pack``) when it is as full as best fit (the pieces it leaves need no more
+        rows, or, mid-stream, no more tokens, than the best-fit rows left over); else the fullest best-fit rows
+        dealt to replicas (``form_steps``). Either way each step is polished (``polish_step``).
+        """
+        step_rows = self.rows * self.dp_size
+        rest = rows[n_full * step_rows:]
+        if n_full and self.dp_size > 1:
+            packed, left = balanced_pack(pieces, n_steps=n_full, dp_size=self.dp_size, per_replica=self.rows,
+                                         seq_len=self.seq_len)
+            left_rows = [[left[i] for i in row] for row in best_fit_decreasing([p[0] for p in left], self.seq_len)]
+            if self._exhausted:
+                as_full = len(left_rows) <= len(rest)
+            else:
+                as_full = sum(p[0] for p in left) <= sum(p[0] for row in rest for p in row)
+            if as_full:
+                return self._polished(packed), left_rows
+        return self._balance(rows[:n_full * step_rows], n_full, self.rows), rest
+
+    def _warn_small_buffer(self, n_rows: int, step_rows: int) -> None:
+        if not self._warned_small_buffer:
+            self._warned_small_buffer = True
+            logger.warning(
+                "pack_documents: buffer_size=%d documents fill only %d of the %d rows of a step (rows * dp_size); "
+                "yielding steps with empty rows: raise buffer_size", self.buffer_size, n_rows, step_rows)
+
+    def _row_costs(self, rows: list[list[tuple[int, int]]]) -> np.ndarray:
+        """float64 ``[R]``: ``attention_weight * sum L(L+1)/2`` (segments and the padding run) ``+ token_weight * S``."""
+        costs = np.empty(len(rows), dtype=np.float64)
+        for r, row in enumerate(rows):
+            pad = self.seq_len - sum(p[0] for p in row)
+            costs[r] = sum(p[0] * (p[0] + 1) // 2 for p in row) + pad * (pad + 1) // 2
+        return self.attention_weight * costs + self.token_weight * self.seq_len
+
+    def _balance(self, rows: list[list[tuple[int, int]]], n_steps: int, k: int) -> list[list[list[list[tuple[int, int]]]]]:
+        """Deal ``n_steps * dp_size * k`` rows into ``n_steps`` steps of ``dp_size`` replicas of ``k`` rows, then
+        move documents between the replicas of each step while that lowers its busiest replica."""
+        costs = self._row_costs(rows)
+        steps = []
+        for group in form_steps(costs, n_steps=n_steps, dp_size=self.dp_size, per_replica=k):
+            step = [[list(rows[i]) for i in b] for b in group]
+            polish_step(step, self.seq_len)
+            steps.append([[step_rows[i] for i in self._rng.permutation(len(step_rows))] for step_rows in step])
+        return steps
+
+    def _polished(self, steps: list[list[list[list[tuple[int, int]]]]]) -> list[list[list[list[tuple[int, int]]]]]:
+        """Each step polished (``polish_step``), its rows shuffled within each replica."""
+        out = []
+        for step in steps:
+            polish_step(step, self.seq_len)
+            out.append([[rows[i] for i in self._rng.permutation(len(rows))] for rows in step])
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # emitting
+
+    def _emit(self, step: list[list[list[tuple[int, int]]]]) -> list[dict[str, torch.Tensor]]:
+        out, costs = [], []
+        for replica_rows in step:
+            out.append(self._tensors(replica_rows))
+            costs.append(float(self._row_costs(replica_rows).sum()))
+        mean = sum(costs) / len(costs)
+        self.stats.steps += 1
+        self.stats.step_imbalance.append(max(costs) / mean if mean > 0 else 1.0)
+        return out
+
+    def _tensors(self, rows: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+        k, S = len(rows), self.seq_len
+        input_ids = np.full((k, S), self.pad_token_id, dtype=np.int64)
+        labels = np.full((k, S), IGNORE_INDEX, dtype=np.int64)
+        doc_ids = np.zeros((k, S), dtype=np.int32)
+        for r, row in enumerate(rows):
+            pos = 0
+            for d, (length, index) in enumerate(row, start=1):
+                x, keep = self._take(index, length)
+                input_ids[r, pos:pos + length] = x
+                doc_ids[r, pos:pos + length] = d
+                lab = labels[r, pos:pos + length - 1]
+                lab[:] = x[1:]
+                if keep is not None:
+                    lab[~keep[1:]] = IGNORE_INDEX
+                pos += length
+            self.stats.tokens += pos
+            self.stats.empty_rows += pos == 0
+        self.stats.rows += k
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                "doc_ids": torch.from_numpy(doc_ids)}
+
+    def _take(self, index: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The next ``length`` tokens of document ``index`` (pieces are cut in the order they are yielded)."""
+        doc = self._held[index]
+        a = doc.cursor
+        doc.cursor += length
+        doc.left -= 1
+        if doc.left == 0:
+            del self._held[index]
+        return doc.ids[a:a + length], None if doc.keep is None else doc.keep[a:a + length]
+
+    def _drop(self, step: list[list[list[tuple[int, int]]]]) -> None:
+        pieces = [p for replica_rows in step for row in replica_rows for p in row]
+        for length, index in pieces:
+            self._take(index, length)
+        self.stats.dropped_tokens += sum(p[0] for p in pieces)
+        self.stats.dropped_documents += len({p[1] for p in pieces})
+        if pieces:
+            logger.warning("pack_documents: drop_last=True dropped the last, smaller step: %d tokens of %d documents",
+                           self.stats.dropped_tokens, self.stats.dropped_documents)
+
+
+def pack_documents(
+    documents: Iterable[Any],
+    *,
+    seq_len: int,
+    rows: int,
+    dp_size: int = 1,
+    long_documents: str = "split",
+    buffer_size: int = 4096,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    drop_last: bool = False,
+    attention_weight: float = 1.0,
+    token_weight: float = 0.0,
+) -> DocumentPacker:
+    """Pack tokenized documents into steps of ``dp_size`` replica batches ``[rows, seq_len]``, balanced across DP.
+
+    How steps are formed, how documents flow between them and what the cost is: the module docstring and
+    docs/packing.md. Reads ``documents`` lazily: at most ``buffer_size`` documents are held at any time.
+
+    Args:
+        documents: an iterable (a list, a generator, a HF ``datasets.Dataset``) of documents, each a sequence of
+            non-negative int token ids, a 1-D integer tensor or array, or a dict with ``"input_ids"`` and optional
+            ``"labels"`` (HF's unshifted convention: the input ids with ``-100`` where a token is not a target, e.g.
+            the prompt; same length). Other keys are ignored.
+        seq_len: tokens per row.
+        rows: rows per replica per step.
+        dp_size: data-parallel replicas; a step is a list of ``dp_size`` dicts.
+        long_documents: a document longer than ``seq_len`` is ``"split"`` into pieces of ``seq_len`` (each a new
+            document segment in its own row; :attr:`PackingStats.split_documents`), ``"truncate"``\\ d to
+            ``seq_len`` (:attr:`PackingStats.truncated_tokens`), or refused (``"error"``: a ValueError).
+        buffer_size: documents held at most (best-fit-decreasing works over them); larger packs fuller.
+        seed: the order of a round's steps and of the rows within a replica (deterministic for a seed).
+        pad_token_id: the input id of padding tokens (their label is -100 and doc id 0 whatever it is).
+        drop_last: drop the last, smaller step (counted in :attr:`PackingStats.dropped_tokens`, logged) instead of
+            yielding it with ``ceil(remaining rows / dp_size)`` rows per replica.
+        attention_weight, token_weight: the row cost ``attention_weight * sum L(L+1)/2 + token_weight * seq_len``.
+            Every replica gets ``rows * seq_len`` tokens, so the linear part is the same on each and cannot move the
+            assignment; with the default 0 :attr:`PackingStats.step_imbalance` is the strict attention-only figure.
+
+    Returns:
+        A :class:`DocumentPacker`: iterate it for steps, each a list of ``dp_size`` dicts ``{"input_ids": int64,
+        "labels": int64, "doc_ids": int32}`` of shape ``[rows, seq_len]``; its ``.stats`` is a :class:`PackingStats`.
+
+    Raises:
+        TypeError: a bad argument type; while iterating, a document (or token) that is not an int sequence.
+        ValueError: a non-positive ``seq_len`` / ``rows`` / ``dp_size`` / ``buffer_size``, an unknown
+            ``long_documents``; while iterating, an empty document, a negative token, labels of another length or
+            that are neither -100 nor the input id, or a document longer than ``seq_len`` under ``"error"``.
+
+    >>> step = next(pack_documents([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, [4, 5]], seq_len=6, rows=1))
+    >>> step[0]["input_ids"].tolist(), step[0]["labels"].tolist(), step[0]["doc_ids"].tolist()
+    ([[1, 2, 3, 4, 5, 0]], [[2, 3, -100, 5, -100, -100]], [[1, 1, 1, 2, 2, 0]])
+    """
+    return DocumentPacker(
+        documents, seq_len=seq_len, rows=rows, dp_size=dp_size, long_documents=long_documents,
+        buffer_size=buffer_size, seed=seed, pad_token_id=pad_token_id, drop_last=drop_last,
+        attention_weight=attention_weight, token_weight=token_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure pieces: document checks, best-fit-decreasing, assignment to replicas
+
+
+def _as_tokens(x: Any, what: str) -> np.ndarray:
+    """``x`` as a 1-D int64 array, or a TypeError / ValueError naming ``what``."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"{what} must hold integer token ids, got a {x.dtype} tensor; convert with .long()")
+        arr = x.detach().cpu().numpy()
+    elif isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {type(x).__name__}; tokenize it first"
+                        + (" (documents is a list of documents, not one document)" if isinstance(x, int) else ""))
+    else:
+        arr = np.asarray(x)
+        if arr.dtype.kind not in "iu" and arr.size:
+            flat = x if arr.ndim == 1 else np.ravel(arr)
+            bad = next((v for v in flat if not isinstance(v, (int, np.integer)) or isinstance(v, bool)), arr.dtype)
+            raise TypeError(f"{what} must hold int token ids, got {bad!r} ({type(bad).__name__}) in it")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D (one document), got shape {tuple(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 2**63 - 1:
+        raise ValueError(f"{what} has a token id above int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_document(raw: Any, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(ids int64 [L], keep bool [L] or None)`` of one source document; ``keep`` False where its label is -100."""
+    labels = None
+    if isinstance(raw, dict) or (hasattr(raw, "keys") and hasattr(raw, "__getitem__") and not isinstance(raw, torch.Tensor)):
+        if "input_ids" not in raw:
+            raise ValueError(f"document {index} is a dict without 'input_ids' (keys: {sorted(raw.keys())})")
+        labels = raw.get("labels")
+        raw = raw["input_ids"]
+    ids = _as_tokens(raw, f"document {index}")
+    if ids.size == 0:
+        raise ValueError(f"document {index} is empty; filter empty documents out before packing")
+    if int(ids.min()) < 0:
+        raise ValueError(f"document {index} has a negative token id {int(ids.min())}; token ids are >= 0")
+    if labels is None:
+        return ids, None
+    lab = _as_tokens(labels, f"labels of document {index}")
+    if lab.size != ids.size:
+        raise ValueError(f"labels of document {index} have {lab.size} tokens but input_ids {ids.size}; labels must "
+                         "be the unshifted input ids with -100 where a token is not a target")
+    keep = lab != IGNORE_INDEX
+    bad = np.flatnonzero(keep & (lab != ids))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(f"labels of document {index} at position {t} is {int(lab[t])}, neither -100 nor the input id "
+                         f"{int(ids[t])}: pass HF-style unshifted labels (the packer shifts them)")
+    return ids, None if keep.all() else keep
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of ``capacity``: each length, longest first, into the open bin with the least room that fits it.
+
+    Ties keep the input order (a stable sort; the lowest bin on equal room). Every length must be ``<= capacity``.
+
+    Returns:
+        One list of indices into ``lengths`` per bin, in the order they were placed.
+
+    >>> best_fit_decreasing([3, 5, 2, 4], 7)
+    [[1, 2], [3, 0]]
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    bins: list[list[int]] = []
+    used: list[int] = []
+    room: list[int] = []  # sorted keys room * _KEY + bin of the open bins
+    for i in order:
+        length = lengths[i]
+        j = bisect.bisect_left(room, length * _KEY)
+        if j < len(room):
+            b = room.pop(j) % _KEY
+        else:
+            b = len(bins)
+            bins.append([])
+            used.append(0)
+        bins[b].append(i)
+        used[b] += length
+        if used[b] < capacity:
+            bisect.insort(room, (capacity - used[b]) * _KEY + b)
+    return bins
+
+
+def form_steps(costs: np.ndarray, *, n_steps: int, dp_size: int, per_replica: int) -> list[list[list[int]]]:
+    """Group rows into ``n_steps`` steps of ``dp_size`` replicas of ``per_replica`` rows, so that the replicas of a
+    step cost about the same.
+
+    Steps are formed heaviest first: the ``dp_size`` costliest rows left anchor the replicas; then, slot by slot, the
+    costliest replica takes the cheapest row left and every other replica (neediest first) the row whose cost is
+    closest to its share of the gap to the costliest one. Returns row indices per replica per step.
+
+    >>> form_steps(np.array([9., 1., 5., 4., 2., 2.]), n_steps=1, dp_size=2, per_replica=3)
+    [[[0, 1, 4], [2, 5, 3]]]
+    """
+    if costs.size != n_steps * dp_size * per_replica:
+        raise ValueError(f"form_steps needs n_steps * dp_size * per_replica = {n_steps * dp_size * per_replica} "
+                         f"rows, got {costs.size}")
+    order = np.argsort(costs, kind="stable")
+    pool_cost = costs[order].tolist()  # ascending
+    pool_row = order.tolist()
+    steps = []
+    for _ in range(n_steps):
+        bins = [[pool_row.pop()] for _ in range(dp_size)]
+        totals = [pool_cost.pop() for _ in range(dp_size)]
+        for slot in range(1, per_replica):
+            top = max(range(dp_size), key=totals.__getitem__)
+            bins[top].append(pool_row.pop(0))
+            totals[top] += pool_cost.pop(0)
+            left = per_replica - slot
+            for b in sorted((b for b in range(dp_size) if b != top), key=totals.__getitem__):
+                want = (totals[top] - totals[b]) / left
+                j = bisect.bisect_left(pool_cost, want)
+                if j == len(pool_cost) or (j > 0 and want - pool_cost[j - 1] <= pool_cost[j] - want):
+                    j -= 1
+                bins[b].append(pool_row.pop(j))
+                totals[b] += pool_cost.pop(j)
+        steps.append(bins)
+    return steps
+
+
+_GROUP = 16  # polish_step also exchanges the m smallest pieces of a row together, m = 2 .. _GROUP
+
+
+def _f(x):
+    """``x (x + 1) / 2``: the causal cost of a segment of ``x`` tokens (ints or int64 arrays)."""
+    return x * (x + 1) // 2
+
+
+def _candidates(rows: list[list[tuple[int, int]]], seq_len: int):
+    """What a replica's rows can give away: every piece, the ``m`` smallest pieces of a row together, or nothing
+    (a move rather than a swap). Returns ``(row, m or -index, length, cost, padding)`` lists; ``m > 0`` means the
+    ``m`` smallest pieces of the row, ``-1 - i`` the single piece ``i``, ``0`` nothing."""
+    out = []
+    for q, pieces in enumerate(rows):
+        pieces.sort()
+        pad = seq_len - sum(p[0] for p in pieces)
+        out.append((q, 0, 0, 0, pad))
+        length = cost = 0
+        for i, (x, _) in enumerate(pieces):
+            out.append((q, -1 - i, x, _f(x), pad))
+            length, cost = length + x, cost + _f(x)
+            if 1 <= i < _GROUP:
+                out.append((q, i + 1, length, cost, pad))
+    return out
+
+
+def _give(rows: list[list[tuple[int, int]]], q: int, which: int) -> list[tuple[int, int]]:
+    """Remove and return the pieces a candidate names (see ``_candidates``)."""
+    pieces = rows[q]
+    if which > 0:
+        taken, rows[q] = pieces[:which], pieces[which:]
+        return taken
+    return [pieces.pop(-1 - which)] if which < 0 else []
+
+
+def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves: int = 256, tol: float = 2e-3) -> None:
+    """In place: exchange pieces between a row of the busiest replica and a row of another replica while that lowers
+    the busiest replica's cost; every row keeps ``<= seq_len`` tokens, so the step's fill is unchanged.
+
+    ``step[replica][row]`` is a list of ``(length, source)`` pieces. What is exchanged on each side: one piece, the
+    ``m`` smallest pieces of the row together (one long document against several short ones moves the most work),
+    or nothing (a move). The cost of a row is ``sum f(L)`` over its pieces plus ``f(padding)``, ``f(L) = L(L+1)/2``,
+    so a piece moved into a padded row also shortens its padding run. Stops at a local optimum, after ``max_moves``
+    exchanges, or once the busiest replica is within ``tol`` of the mean.
+    """
+    dp = len(step)
+    if dp < 2:
+        return
+    for _ in range(max_moves):
+        cands = [_candidates(rows, seq_len) for rows in step]
+        totals = np.array([sum(c[3] for c in cs if c[1] < 0) + sum(_f(c[4]) for c in cs if c[1] == 0) for cs in cands],
+                          dtype=np.float64)
+        busiest = int(np.argmax(totals))
+        if totals[busiest] <= (1 + tol) * totals.mean():
+            return
+        mine = np.array(cands[busiest], dtype=np.int64)  # [na, 5]
+        others = [(r, c) for r in range(dp) if r != busiest for c in cands[r]]
+        theirs = np.array([c for _, c in others], dtype=np.int64)  # [nb, 5]
+        owner = np.array([r for r, _ in others])
+        la, ca, pa = (mine[:, i, None] for i in (2, 3, 4))
+        lb, cb, pb = (theirs[None, :, i] for i in (2, 3, 4))
+        diff = la - lb  # [na, nb] tokens the busiest row gives away
+        fits = (pa + diff >= 0) & (pb - diff >= 0) & ((la > 0) | (lb > 0))
+        work = cb - ca  # [na, nb] piece cost the busiest replica gains
+        new_a = totals[busiest] + (work + _f(pa + diff) - _f(pa))
+        new_b = totals[owner][None, :] + (_f(pb - diff) - _f(pb) - work)
+        worst = np.where(fits, np.maximum(new_a, new_b), np.inf)
+        i, j = np.unravel_index(np.argmin(worst), worst.shape)
+        if not worst[i, j] < totals[busiest] * (1 - 1e-9):
+            return
+        other = int(owner[j])
+        x = _give(step[busiest], int(mine[i, 0]), int(mine[i, 1]))
+        y = _give(step[other], int(theirs[j, 0]), int(theirs[j, 1]))
+        step[busiest][int(mine[i, 0])] += y
+        step[other][int(theirs[j, 0])] += x
+
+
+def step_costs(step: list[list[list[tuple[int, int]]]], seq_len: int) -> list[int]:
+    """Attention cost of every replica of a step: ``sum L(L+1)/2`` over its pieces and every row's padding run."""
+    out = []
+    for rows in step:
+        total = 0
+        for pieces in rows:
+            pad = seq_len - sum(p[0] for p in pieces)
+            total += sum(p[0] * (p[0] + 1) // 2 for p in pieces) + pad * (pad + 1) // 2
+        out.append(total)
+    return out
+
+
+def _spread(costs: list[int]) -> float:
+    """busiest / mean (1.0 with no work)."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0
+
+
+
+def _heavy_targets(costs: list[int], n_steps: int, dp_size: int) -> tuple[int, list[float]]:
+    """How many steps the costliest pieces anchor, and every bin's target cost.
+
+    A piece that costs more than a bin's fair share ``T`` cannot be balanced against the mean, so its step must hold
+    ``dp_size`` such pieces: the ``h`` costliest pieces anchor the first ``ceil(h / dp_size)`` steps, ``dp_size``
+    consecutive ones per step; every bin of such a step targets its step's costliest anchor, the other bins share
+    the rest (``T``, recomputed until no more pieces exceed it). ``costs`` is sorted in decreasing order.
+    """
+    total, n_bins = sum(costs), n_steps * dp_size
+    heavy_steps = 0
+    while heavy_steps < n_steps:
+        anchored = heavy_steps * dp_size
+        reserved = sum(costs[j * dp_size] * dp_size for j in range(heavy_steps))
+        share = (total - reserved) / max(n_bins - anchored, 1)
+        if anchored >= len(costs) or costs[anchored] <= share:
+            break
+        heavy_steps += 1
+    targets = [float(costs[(b // dp_size) * dp_size]) if b < heavy_steps * dp_size else share for b in range(n_bins)]
+    return heavy_steps, targets
+
+
+def balanced_pack(pieces: list[tuple[int, int]], *, n_steps: int, dp_size: int, per_replica: int, seq_len: int,
+                  tail_share: float = 0.02) -> tuple[list[list[list[list[tuple[int, int]]]]], list[tuple[int, int]]]:
+    """Pack pieces into ``n_steps`` steps of ``dp_size`` replicas of ``per_replica`` rows, the replicas of a step
+    costing about the same (cost ``sum L(L+1)/2``).
+
+    The costliest pieces anchor steps ``dp_size`` at a time (see ``_heavy_targets``); then, longest first, each
+    piece goes to the replica furthest below its target that has a row where it fits (the row with the least room
+    that fits). Once the pieces left hold less than ``tail_share`` of the total cost, each goes to the row with the
+    least room that fits it anywhere (best fit: short pieces close the gaps). The non-anchored replicas are grouped
+    into steps by cost. Returns the steps and the pieces that fit nowhere.
+
+    >>> steps, left = balanced_pack([(4, 0), (4, 1), (2, 2), (2, 3), (3, 4)], n_steps=1, dp_size=2, per_replica=1,
+    ...                             seq_len=6)
+    >>> steps, left
+    ([[[[(4, 0), (2, 2)]], [[(4, 1), (2, 3)]]]], [(3, 4)])
+    """
+    order = sorted(pieces, key=lambda p: -p[0])
+    n_bins = n_steps * dp_size
+    costs = [_f(p[0]) for p in order]
+    heavy_steps, target = _heavy_targets(costs, n_steps, dp_size)
+    bins: list[list[list[tuple[int, int]]]] = [[[] for _ in range(per_replica)] for _ in range(n_bins)]
+    room = [[seq_len] * per_replica for _ in range(n_bins)]
+    cost = [0.0] * n_bins
+    left: list[tuple[int, int]] = []
+
+    def put(piece, b, q):
+        bins[b][q].append(piece)
+        room[b][q] -= piece[0]
+        cost[b] += _f(piece[0])
+
+    n_anchors = min(heavy_steps * dp_size, len(order))
+    for j in range(n_anchors):
+        put(order[j], j, 0)
+    cost_left = sum(costs[n_anchors:])
+    tail = tail_share * sum(costs)
+    heap = [(cost[b] - target[b], b) for b in range(n_bins)]  # most below target first
+    heapq.heapify(heap)
+    n = n_anchors
+    while n < len(order) and cost_left >= tail:
+        piece = order[n]
+        skipped, placed = [], False
+        while heap:
+            key, b = heapq.heappop(heap)
+            rb = room[b]
+            q = min((q for q in range(per_replica) if rb[q] >= piece[0]), key=rb.__getitem__, default=None)
+            if q is None:
+                if max(rb) > 0:
+                    skipped.append((key, b))
+                continue
+            put(piece, b, q)
+            heapq.heappush(heap, (cost[b] - target[b], b))
+            placed = True
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        if not placed:
+            left.append(piece)
+        cost_left -= costs[n]
+        n += 1
+    # the tail: best fit over every row
+    keys = sorted(room[b][q] * _KEY + b * per_replica + q
+                  for b in range(n_bins) for q in range(per_replica) if room[b][q] > 0)
+    for piece in order[n:]:
+        j = bisect.bisect_left(keys, piece[0] * _KEY)
+        if j == len(keys):
+            left.append(piece)
+            continue
+        b, q = divmod(keys.pop(j) % _KEY, per_replica)
+        put(piece, b, q)
+        if room[b][q] > 0:
+            bisect.insort(keys, room[b][q] * _KEY + b * per_replica + q)
+    anchored = heavy_steps * dp_size
+    rest = sorted(range(anchored, n_bins), key=lambda b: -cost[b])
+    groups = [list(range(s * dp_size, (s + 1) * dp_size)) for s in range(heavy_steps)]
+    groups += [rest[i:i + dp_size] for i in range(0, len(rest), dp_size)]
+    return [[bins[b] for b in g] for g in groups], left
