@@ -41,7 +41,7 @@ from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import device_for_backend
 from cp_packing.hf import check_cp_model, check_transformers_version, cp_model_inputs, register_cp_attention
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loss import next_token_labels
+from cp_packing.loss import next_token_labels, packed_cross_entropy
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import pad_segments
 from cp_packing.sharding import shard_packed_seq_params
@@ -371,9 +371,10 @@ class CPTrainerMixin:
         local_labels = sharded.shard(labels).to(logits.device)  # [T_local]
         if num_items_in_batch is None:  # a micro-batch on its own: its count over the DP replicas
             num_items_in_batch = self._get_num_items_in_batch([inputs], logits.device)
-        total = torch.as_tensor(num_items_in_batch, device=logits.device).to(torch.float32).clamp_min(1)
-        ce_sum = F.cross_entropy(logits.float(), local_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = ce_sum / total * self._gradient_average_factor(model)
+        # local CE sum / the step's count; checked, and the same count on every rank (packed_cross_entropy agrees)
+        share = packed_cross_entropy(logits, local_labels, group=mesh.cp_group, dp_group=mesh.dp_group,
+                                     sharded=sharded, num_items_in_batch=num_items_in_batch)
+        loss = share * self._gradient_average_factor(model)
         return (loss, outputs) if return_outputs else loss
 
 
