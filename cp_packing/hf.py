@@ -50,6 +50,7 @@ Supported transformers: ``>=5.0,<6`` (:data:`SUPPORTED_TRANSFORMERS`), tested wi
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -61,6 +62,8 @@ from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 __all__ = [
     "CP_ATTENTION_NAME",
     "SUPPORTED_TRANSFORMERS",
+    "CPTrainer",
+    "check_cp_model",
     "check_transformers_version",
     "cp_attention_forward",
     "cp_model_inputs",
@@ -258,6 +261,7 @@ def cp_attention_forward(
             "group as cp_group=... (the world is never assumed to be the CP group)"
         )
 
+    _ATTENTION_RUNS[cp_sharded] = _ATTENTION_RUNS.get(cp_sharded, 0) + 1  # checked by the model guard (check_cp_model)
     from cp_packing.attention.dispatch import context_parallel_attention
 
     # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D], so these are usually already contiguous
@@ -337,6 +341,7 @@ def cp_model_inputs(
     ulysses_size: int | None = None,
     input_key: str = "input_ids",
     compiled: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``model(**kwargs)`` for one CP rank's step.
 
@@ -356,22 +361,27 @@ def cp_model_inputs(
             call custom ops and break no graph. All-gather backend only (``backend`` ``"auto"`` or
             ``"allgather"``; the returned ``cp_backend`` is ``"allgather"``, so an eager call gives the same
             result). See docs/compile.md.
+        model: the model these inputs are for (optional, recommended): :func:`check_cp_model` checks that its
+            attention implementation is cp_packing's and installs the guards that raise when a call with
+            ``cp_sharded`` runs without cp_packing's attention or with ``labels=`` (HF's built-in loss).
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus ``"cp_ulysses_size"`` when given and ``"cp_plan"`` with
-        ``compiled=True``. No
-        ``attention_mask`` (never pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard,
-        which is wrong under CP; compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
+        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus
+        ``"cp_ulysses_size"`` when given and ``"cp_plan"`` with ``compiled=True``. No ``attention_mask`` (never
+        pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard, which is wrong under CP;
+        compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
         from ``cp_packing.next_token_labels`` (shifted on the global stream).
 
     Raises:
         TypeError: wrong types. ValueError: a missing key, a token count that does not match ``sharded``, a missing
-        group with ``cp_size > 1``; with ``compiled=True`` also another backend, or ranks that disagree (raised
-        on every rank).
+        group with ``cp_size > 1``; with ``model``, a model whose attention is not cp_packing's; with
+        ``compiled=True`` also another backend, or ranks that disagree (raised on every rank).
     """
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled must be a bool, got {type(compiled).__name__}")
+    if model is not None:
+        check_cp_model(model)
     call = lambda: _model_inputs(local_batch, sharded, group=group, backend=backend, kernel=kernel,  # noqa: E731
                                  ulysses_size=ulysses_size, input_key=input_key)
     if not compiled:
@@ -443,3 +453,113 @@ def _model_inputs(local_batch, sharded, *, group, backend, kernel, ulysses_size,
         "cp_backend": backend,
         "cp_kernel": kernel,
     } | ({} if ulysses_size is None else {"cp_ulysses_size": ulysses_size})
+
+
+# ------------------------------------------------------------------------------------------------------ model guards
+
+# How many times cp_attention_forward ran on each shard (weak: a shard's entry goes with the shard). The guard's
+# forward pre-hook sets it to 0, the attention function counts up, the forward hook checks it.
+_ATTENTION_RUNS: "weakref.WeakKeyDictionary[ShardedPackedSeqParams, int]" = weakref.WeakKeyDictionary()
+_GUARDED = "_cp_packing_guard_handles"  # attribute of a guarded module: its two hook handles
+_SHARED_CONFIG_FIX = (
+    "transformers shares the config object between models built from it, so building another model from the same "
+    "config with attn_implementation='sdpa' (e.g. a reference model) switches this one too: give each model its own "
+    "copy, from_config(copy.deepcopy(config), ...), and set model.set_attn_implementation("
+    "cp_packing.hf.register_cp_attention())"
+)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside DDP / FSDP-style wrappers (``.module``)."""
+    while not hasattr(model, "config") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _attention_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _runs_cp_attention(name: object) -> bool:
+    if not isinstance(name, str):
+        return False
+    from transformers import AttentionInterface
+
+    return AttentionInterface().get(name) is cp_attention_forward
+
+
+def _check_implementation(model: torch.nn.Module) -> None:
+    name = _attention_implementation(model)
+    if not _runs_cp_attention(name):
+        raise ValueError(
+            f"{type(model).__name__} runs attention implementation {name!r}, not cp_packing's: a call with "
+            f"cp_sharded would attend across documents and shards, silently. {_SHARED_CONFIG_FIX}"
+        )
+
+
+def _guard_pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    sharded = kwargs.get("cp_sharded")
+    if sharded is None or torch.compiler.is_compiling():
+        # Under torch.compile the hooks are skipped (no Python state in the graph); cp_model_inputs(model=...)
+        # still checks the implementation before every call.
+        return
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            "the model was called with labels= and cp_sharded: HF's built-in loss shifts the labels on this rank's "
+            "LOCAL shard (wrong at every shard and document edge) and divides by a local count. Call the model "
+            "without labels and compute the loss from the logits: cp_packing.packed_cross_entropy(logits, "
+            "local_labels, group=cp_group) on labels from cp_packing.next_token_labels (shifted on the global stream)"
+        )
+    _check_implementation(module)
+    if isinstance(sharded, ShardedPackedSeqParams):
+        _ATTENTION_RUNS[sharded] = 0
+
+
+def _guard_post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    sharded = kwargs.get("cp_sharded")
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(sharded, ShardedPackedSeqParams) and not _ATTENTION_RUNS.get(sharded):
+        raise ValueError(
+            f"{type(module).__name__} was called with cp_sharded but none of its attention layers ran cp_packing's "
+            f"attention (implementation now {_attention_implementation(module)!r}); its output is wrong. "
+            f"{_SHARED_CONFIG_FIX}"
+        )
+
+
+def check_cp_model(model: torch.nn.Module) -> None:
+    """Check that ``model`` runs cp_packing's attention, and guard its calls; idempotent, no communication.
+
+    Raises now when the model's attention implementation (``model.config._attn_implementation``) is not a name
+    registered by :func:`register_cp_attention`, and installs two forward hooks on the (unwrapped) model that raise,
+    for every later call with ``cp_sharded``, BEFORE the forward when it also passes ``labels=`` (HF's built-in loss
+    shifts labels on the local shard) or the implementation has changed since, and AFTER it when no attention layer
+    ran cp_packing's attention (e.g. a model whose layers pick their attention elsewhere). The usual cause is a
+    second model built from the same config object (transformers shares it): build each from
+    ``copy.deepcopy(config)``. :func:`cp_model_inputs` calls this when given ``model=``; :class:`CPTrainer` always.
+
+    Args:
+        model: an HF model, or a DDP / FSDP wrapper of one (``.module``).
+
+    Raises:
+        TypeError: not a ``torch.nn.Module``. ValueError: its attention implementation is not cp_packing's.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (an HF model), got {type(model).__name__}")
+    model = _unwrapped(model)
+    _check_implementation(model)
+    if getattr(model, _GUARDED, None) is None:
+        handles = (
+            model.register_forward_pre_hook(_guard_pre_forward, with_kwargs=True),
+            model.register_forward_hook(_guard_post_forward, with_kwargs=True),
+        )
+        object.__setattr__(model, _GUARDED, handles)
+
+
+def __getattr__(name: str) -> Any:
+    """``cp_packing.hf.CPTrainer`` (and ``CPSFTTrainer``), imported on first use: they import transformers (and TRL)."""
+    if name in ("CPTrainer", "CPSFTTrainer", "CPTrainerMixin"):
+        from cp_packing import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

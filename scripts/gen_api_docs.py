@@ -45,6 +45,7 @@ SECTIONS = [
     ("cp_packing.testing", "Test and benchmark scaffolding"),
     ("cp_packing.loader", "DP x CP data loader"),
     ("cp_packing.hf", "HuggingFace integration"),
+    ("cp_packing.trainer", "HF Trainer and TRL SFTTrainer with CP"),
 ]
 
 

@@ -111,7 +111,8 @@ def test_readme_hf_example_runs_on_a_cp_group_and_matches_no_cp():
                                     "cp_packing.attention.dispatch", "cp_packing.attention.ulysses",
                                     "cp_packing.loader",
                                     "cp_packing.attention.hybrid", "cp_packing.layouts.work",
-                                    "cp_packing.attention.ops", "cp_packing.report", "cp_packing.packing"])
+                                    "cp_packing.attention.ops", "cp_packing.report", "cp_packing.packing",
+                                    "cp_packing.trainer"])
 def test_docstring_examples_run(module):
     """The ``>>>`` examples in the public docstrings are what the code does."""
     import doctest

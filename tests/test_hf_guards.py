@@ -1,0 +1,88 @@
+"""Guards on the HF paths that used to train silently wrong (issue 11): each raises before a wrong number exists.
+
+- A model called with ``cp_sharded`` whose attention is not cp_packing's (the shared-config switch: building a second
+  model from the same config object with ``attn_implementation="sdpa"`` switches the first one too).
+- HF's built-in loss (``labels=``) together with ``cp_sharded``: it would shift labels on the local shard.
+
+Single process (cp_size 1 with a ``PackedSeqParams``): the guards are local checks, no communication.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from cp_packing import next_token_labels, packed_seq_params_from_doc_ids  # noqa: E402
+from cp_packing.hf import check_cp_model, cp_model_inputs, register_cp_attention  # noqa: E402
+
+NAME = register_cp_attention()
+DOC = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 0]])
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, max_position_embeddings=32)
+
+
+def model_from(cfg: LlamaConfig, attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float()
+
+
+def test_shared_config_switch_is_refused():
+    cfg = config()
+    model = model_from(cfg, NAME)
+    params = packed_seq_params_from_doc_ids(DOC)
+    guarded = model(**cp_model_inputs(IDS, params, model=model)).logits  # guards installed, attention is cp's
+    model_from(cfg, "sdpa")  # the trap: the SAME config object, now switched to sdpa for both models
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"deepcopy\(config\)"):  # the static check
+        cp_model_inputs(IDS, params, model=model)
+    with pytest.raises(ValueError, match=r"'sdpa', not cp_packing's"):  # a call without model=: the installed hook
+        model(**cp_model_inputs(IDS, params))
+    # the fix: each model its own config copy; the CP model is unaffected and gives the same logits as before
+    fixed = model_from(copy.deepcopy(config()), NAME)
+    model_from(copy.deepcopy(fixed.config), "sdpa")
+    torch.testing.assert_close(fixed(**cp_model_inputs(IDS, params, model=fixed)).logits, guarded)
+
+
+def test_layers_that_do_not_run_cp_attention_are_caught_after_the_forward():
+    """The config says cp_packing but the layers read another config (as in composite models): no CP attention
+    runs; the forward hook raises instead of returning the logits."""
+    model = model_from(config(), NAME)
+    params = packed_seq_params_from_doc_ids(DOC)
+    check_cp_model(model)
+    sdpa_config = copy.deepcopy(model.config)
+    sdpa_config._attn_implementation = "sdpa"
+    for layer in model.model.layers:
+        layer.self_attn.config = sdpa_config
+    with pytest.raises(ValueError, match="none of its attention layers ran cp_packing's attention"):
+        model(**cp_model_inputs(IDS, params, model=model))
+
+
+def test_hf_builtin_loss_with_cp_sharded_is_refused():
+    model = model_from(config(), NAME)
+    params = packed_seq_params_from_doc_ids(DOC)
+    labels = next_token_labels(IDS, DOC).reshape(1, -1)
+    with pytest.raises(ValueError, match="packed_cross_entropy"):
+        model(**cp_model_inputs(IDS, params, model=model), labels=labels)
+    with pytest.raises(ValueError, match="labels="):  # also once guarded, without model= in this call
+        model(**cp_model_inputs(IDS, params), labels=labels)
+
+
+def test_guard_is_idempotent_and_unwraps():
+    model = model_from(config(), NAME)
+    check_cp_model(model)
+    check_cp_model(torch.nn.Sequential(model)[0])
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # a DDP-like wrapper
+    check_cp_model(wrapper)
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        check_cp_model("model")

@@ -1,0 +1,257 @@
+"""CPTrainer: HF's Trainer with context parallelism trains exactly like a one-process Trainer.
+
+What a user relies on: on 2 ranks (cp 2) and 4 ranks (dp 2 x cp 2), with gradient accumulation 2 and 3 optimizer
+steps, the logged loss of every step and the final weights equal those of a plain one-process ``transformers.Trainer``
+on the same packed rows (same order), within float32 rounding.
+
+The reference is independent of cp_packing: HF's sdpa attention with an explicit block-diagonal causal 4-D mask per
+row and per-document position ids, HF's own loss on HF's unshifted labels (-100 at every document's first token and
+on padding), all built here in plain Python; its micro-batch holds the rows of every DP replica, so an optimizer step
+sees the same rows. Both runs use the same sampler permutation (``DistributedSampler`` with the seed: over the DP
+replicas in CPTrainer, over one replica in the reference).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import tempfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments  # noqa: E402
+
+from cp_packing.testing import run_distributed, synthetic_doc_ids  # noqa: E402
+from cp_packing.trainer import cp_batch  # noqa: E402
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+VOCAB, SEQ, ROWS = 64, 24, 12
+STEPS, ACCUM = 3, 2
+# Plain SGD without clipping: the update is lr * gradient, so the final weights check the gradients' scale too
+# (AdamW and clipping would hide a gradient off by a constant factor, e.g. DDP's average over the world); the
+# pre-clipping gradient norm HF logs is compared as well (max_grad_norm far above it: it never clips).
+OPTIM = dict(optim="sgd", learning_rate=0.1, weight_decay=0.0, max_grad_norm=1e9, ddp_find_unused_parameters=False)
+RTOL, ATOL = 1e-4, 1e-6
+CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+
+
+def make_model(attn: str) -> torch.nn.Module:
+    """Tiny random-init float32 Llama; the same weights on every call. Each model gets its OWN config copy
+    (transformers shares a config object between the models built from it)."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation=attn).float()
+
+
+def packed_rows() -> list[dict[str, torch.Tensor]]:
+    """Neat-packed rows: documents of lognormal length (median 6), up to 25% tail padding; documents cross the
+    cp=2 shard edge (position 12 of a row)."""
+    doc = synthetic_doc_ids("lognormal", ROWS, SEQ, median=6, sigma=1.0, pad=0.25, seed=3)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(4))
+    return [{"input_ids": ids[r], "doc_ids": doc[r]} for r in range(ROWS)]
+
+
+def reference_row(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF inputs for one row, from a plain-Python segmentation: unshifted labels, positions, block-diagonal mask."""
+    doc, ids = row["doc_ids"].tolist(), row["input_ids"].tolist()
+    seg, pos, labels = [], [], []
+    for s, d in enumerate(doc):
+        new = s == 0 or d != doc[s - 1]
+        seg.append(s if new else seg[-1])
+        pos.append(0 if new else pos[-1] + 1)
+        labels.append(-100 if new or d == 0 else ids[s])
+    seg_t, t = torch.tensor(seg), torch.arange(len(doc))
+    mask = (seg_t[:, None] == seg_t[None, :]) & (t[:, None] >= t[None, :])  # [S, S] True = attend
+    return {"input_ids": row["input_ids"], "labels": torch.tensor(labels), "position_ids": torch.tensor(pos),
+            "attention_mask": mask[None]}  # [1, S, S] -> collated [B, 1, S, S]
+
+
+def training_args(out: str, batch_size: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                             max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
+                             report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
+                             **OPTIM)
+
+
+def use_world_env(rank: int, world: int) -> None:
+    """What torchrun would set, for accelerate's state in a run_ranks rank (the gloo group already exists).
+
+    OMP_NUM_THREADS=1: otherwise accelerate raises the rank's intra-op threads to the physical cores, and an OpenMP
+    parallel region in a process forked from a parent that used OpenMP can hang (seen in TRL's collator)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                      HF_HUB_DISABLE_TELEMETRY="1")
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
+def losses_and_weights(trainer: Trainer) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    """The (loss, gradient norm) HF logged at every optimizer step, and the final weights."""
+    logged = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
+    return logged, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+class ReferenceTrainer(Trainer):
+    """A plain Trainer whose sampler is CPTrainer's permutation over one replica."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True,
+                                                   seed=self.args.seed)
+
+
+def _reference(rank: int, world: int, dp_sizes: tuple[int, ...]):
+    """One process: the plain Trainer for each DP size (its micro-batch = every replica's rows)."""
+    results = {}
+    for dp in dp_sizes:
+        use_world_env(0, 1)
+        with tempfile.TemporaryDirectory() as out:
+            trainer = ReferenceTrainer(model=make_model("sdpa"), args=training_args(out, dp),
+                                       train_dataset=[reference_row(r) for r in packed_rows()])
+            trainer.train()
+        results[dp] = losses_and_weights(trainer)
+    return results
+
+
+def _cp_run(rank: int, world: int, cp: int, layout: str):
+    from cp_packing.hf import CPTrainer
+
+    use_world_env(rank, world)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = CPTrainer(model=make_model("sdpa"), args=training_args(out, 1), train_dataset=packed_rows(),
+                            cp_size=cp, layout=layout)  # an sdpa model: CPTrainer switches it to cp_packing
+        trainer.train()
+    return losses_and_weights(trainer)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.distributed
+def test_cp_trainer_equals_one_process_trainer():
+    """cp 2 (layout balanced) and dp 2 x cp 2 (layout zigzag: documents padded in the collator) against the plain
+    Trainer; one test, so the reference runs once (pytest-xdist would run a shared fixture in every worker)."""
+    cp = 2
+    reference = run_distributed(_reference, 1, (1, 2))[0]
+    init = make_model("sdpa").state_dict()
+    for world, layout in ((2, "balanced"), (4, "zigzag")):
+        ref_logged, ref_weights = reference[world // cp]
+        results = run_distributed(_cp_run, world, cp, layout)
+        for rank, (logged, weights) in enumerate(results):
+            assert len(logged) == STEPS == len(ref_logged)
+            torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"world {world} rank {rank}, (loss, grad norm) per step: {m}")
+            for name, w in weights.items():
+                torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"world {world} rank {rank} {name}: {m}")
+        # the run trained: weights moved by far more than the tolerance
+        assert _max_diff(ref_weights, init) > 100 * ATOL
+        print(f"world {world} ({layout}): max loss diff "
+              f"{max(abs(a[0] - b[0]) for a, b in zip(results[0][0], ref_logged)):.3g}, grad norm diff "
+              f"{max(abs(a[1] - b[1]) for a, b in zip(results[0][0], ref_logged)):.3g}, "
+              f"max weight diff {max(_max_diff(w, ref_weights) for _, w in results):.3g}")
+
+
+# ------------------------------------------------------------------------------------------------ cp_batch
+
+
+def test_cp_batch_from_position_ids_and_hf_labels():
+    """TRL padding-free batch: position_ids restart per document, HF labels (unshifted, prompt-masked)."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    batch = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+             "labels": torch.tensor([[-100, -100, 7, 8, -100, 10, 11]])}  # prompt 5, 6 masked in document 1
+    out = cp_batch(batch, cp_size=2, layout="contiguous")
+    assert out["doc_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 0]]
+    # target at t is the label at t+1 inside the document; the last token of each document and padding get -100
+    assert out["shift_labels"].tolist() == [[-100, 7, 8, -100, 10, 11, -100, -100]]
+    assert out["input_ids"].shape == (1, 8)
+
+
+def test_cp_batch_refuses_labels_shifted_already():
+    ids = torch.tensor([[5, 6, 7, 8]])
+    doc = torch.tensor([[1, 1, 1, 1]])
+    shifted = torch.tensor([[6, 7, 8, -100]])
+    with pytest.raises(ValueError, match="shift_labels"):
+        cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted})
+    out = cp_batch({"input_ids": ids, "doc_ids": doc, "shift_labels": shifted})
+    assert out["shift_labels"].tolist() == shifted.tolist()
+
+
+def test_cp_batch_zigzag_pads_every_document():
+    out = cp_batch({"input_ids": torch.arange(6)[None], "doc_ids": torch.tensor([[1, 1, 1, 2, 2, 0]])}, cp_size=2,
+                   layout="zigzag")
+    runs = torch.unique_consecutive(out["doc_ids"][0], return_counts=True)[1]
+    assert all(int(n) % 4 == 0 for n in runs)
+    valid = out["shift_labels"][out["shift_labels"] != -100].tolist()
+    assert valid == [1, 2, 4]  # the same targets as without padding
+
+
+# ------------------------------------------------------------------------------------------------- TRL SFTTrainer
+
+TRL_STEPS = 2
+
+
+def _tiny_tokenizer():
+    """A word-level tokenizer over VOCAB tokens, built here (nothing downloaded); TRL needs a pad token."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<eos>")
+
+
+def _documents():
+    """Tokenized documents of 3..15 tokens, for TRL's best-fit-decreasing packer (packing=True, max_length=SEQ)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 16, (20,), generator=g).tolist()
+    return datasets.Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (n,), generator=g).tolist()
+                                                     for n in lengths]})
+
+
+def _sft_args(out: str, batch_size: int):
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                     max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
+                     report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
+                     packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+
+
+def _sft_run(rank: int, world: int, cp: int):
+    from trl import SFTTrainer
+
+    from cp_packing.trainer import CPSFTTrainer
+
+    use_world_env(rank, world)
+    with tempfile.TemporaryDirectory() as out:
+        if cp == 0:  # the reference: TRL's own padding-free path, one process
+            trainer = SFTTrainer(model=make_model("sdpa"), args=_sft_args(out, 1), train_dataset=_documents(),
+                                 processing_class=_tiny_tokenizer())
+        else:
+            trainer = CPSFTTrainer(model=make_model("sdpa"), args=_sft_args(out, 1), train_dataset=_documents(),
+                                   processing_class=_tiny_tokenizer(), cp_size=cp)
+        trainer.train()
+    return losses_and_weights(trainer)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+def test_cp_sft_trainer_equals_trl_sft_trainer():
+    """TRL's packing (best-fit decreasing) and padding-free collator ([1, T] rows, position_ids restarting per
+    document): CPSFTTrainer at cp 2 gives TRL's own one-process SFTTrainer's losses and weights (HF sdpa, which
+    finds the documents from the position ids; TRL's default gradient checkpointing on in both)."""
+    (ref_logged, ref_weights), = run_distributed(_sft_run, 1, 0)
+    for logged, weights in run_distributed(_sft_run, 2, 2):
+        torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0)
+        for name, w in weights.items():
+            torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL, msg=name)
