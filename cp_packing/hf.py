@@ -331,6 +331,36 @@ def _compiled_attention_forward(query, key, value, attention_mask, dropout, scal
     return out.unsqueeze(0), None  # [1, T_local, H, D]
 
 
+def model_windows(config: Any) -> int | tuple[int | None, ...] | None:
+    """The sliding windows of a model's attention layers, for window-aware planning (``window=`` of
+    ``distribute_batch`` / ``shard_packed_seq_params`` / ``cost.layout_cost``).
+
+    Reads ``config.sliding_window`` and, where the config lists them, ``config.layer_types`` (``"sliding_attention"``
+    layers get the window, the others ``None``: Gemma 2/3, Qwen2, gpt-oss); a config without ``layer_types`` (Mistral,
+    Phi-3) uses its window on every layer unless ``use_sliding_window`` is False. Only load balance depends on it:
+    the attention itself takes each layer's window from the model, so a wrong guess here never changes a result.
+
+    Returns:
+        ``None`` (no window), an int (the same window on every layer) or a per-layer tuple.
+
+    >>> from types import SimpleNamespace as C
+    >>> model_windows(C(sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    (4, None)
+    >>> model_windows(C(sliding_window=None)) is None
+    True
+    """
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types:
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+        return None if all(w is None for w in windows) else windows
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
 def cp_model_inputs(
     local_batch: Mapping[str, torch.Tensor] | torch.Tensor,
     sharded: ShardedPackedSeqParams | PackedSeqParams,

@@ -39,7 +39,13 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from cp_packing._checks import check_choice, check_int
 from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import device_for_backend
-from cp_packing.hf import check_cp_model, check_transformers_version, cp_model_inputs, register_cp_attention
+from cp_packing.hf import (
+    check_cp_model,
+    check_transformers_version,
+    cp_model_inputs,
+    model_windows,
+    register_cp_attention,
+)
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
@@ -362,7 +368,12 @@ class CPTrainerMixin:
         mesh = self.cp_mesh
         doc, input_ids, labels = (inputs[key] for key in ("doc_ids", "input_ids", "shift_labels"))
         params = packed_seq_params_from_doc_ids(doc)
-        sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout)
+        inner = model
+        while not hasattr(inner, "config") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module  # DDP / FSDP wrappers
+        windows = model_windows(getattr(inner, "config", None))  # sliding layers: plan the windowed cost
+        sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
+                                          window=windows)
         model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
                                        backend=self.cp_backend, kernel=self.cp_kernel,
                                        ulysses_size=self.cp_ulysses_size, model=model)

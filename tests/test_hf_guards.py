@@ -86,3 +86,20 @@ def test_guard_is_idempotent_and_unwraps():
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     with pytest.raises(TypeError, match="torch.nn.Module"):
         check_cp_model("model")
+
+
+def test_model_windows_reads_the_layer_kinds_of_real_configs():
+    """The per-layer windows the launcher and CPTrainer plan with come from the model's own config."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from cp_packing.hf import model_windows
+
+    assert model_windows(LlamaConfig(num_hidden_layers=2)) is None
+    assert model_windows(MistralConfig(num_hidden_layers=2, sliding_window=64)) == 64
+    assert model_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) is None
+    gemma = Gemma2Config(num_hidden_layers=4, sliding_window=32)
+    assert model_windows(gemma) == tuple(32 if t == "sliding_attention" else None for t in gemma.layer_types)
+    assert set(model_windows(gemma)) == {32, None}
+    qwen = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert model_windows(qwen) == tuple(16 if t == "sliding_attention" else None for t in qwen.layer_types)
+    assert model_windows(Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=16)) is None

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from cp_packing.cost import layout_cost
 from cp_packing.distributed import distribute_batch
-from cp_packing.hf import cp_model_inputs, register_cp_attention
+from cp_packing.hf import cp_model_inputs, model_windows, register_cp_attention
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
@@ -316,7 +316,8 @@ def lay_out(batch: dict, args, cp: int) -> tuple[dict[str, torch.Tensor], str]:
         costs = {}
         for name in args.layouts:
             try:
-                costs[name] = layout_cost(batch["doc_ids"], cp_size=cp, layout=name).busiest_cost
+                costs[name] = layout_cost(batch["doc_ids"], cp_size=cp, layout=name,
+                                          window=getattr(args, "windows", None)).busiest_cost
             except ValueError:  # contiguous / balanced on a batch not divisible by cp
                 pass
         layout = min(costs, key=costs.__getitem__)
@@ -550,7 +551,8 @@ class Parity:
 def progress_line(step: int, args, loss: float, dt: float, laid: list, cp: int, peak: float, dp_rank: int) -> str:
     """One plain progress line (see docs/launcher.md): imbalance = busiest / mean causal cost over the CP ranks of
     the layout each replica used (``cp_packing.cost.layout_cost``), the worst replica; tok/s counts real tokens."""
-    costs = [layout_cost(b["doc_ids"], cp_size=cp, layout=name) for b, name in laid]
+    costs = [layout_cost(b["doc_ids"], cp_size=cp, layout=name, window=getattr(args, "windows", None))
+             for b, name in laid]
     imbalance = max(c.imbalance for c in costs)
     real = sum(int(b["real"].sum()) for b, _ in laid)
     return (f"step {step + 1:>4}/{args.steps}  loss {loss:.4f}  time {dt * 1e3:,.0f} ms  tok/s {real / dt:,.0f}  "
@@ -564,7 +566,7 @@ def _cp_step(model, opt, batch: dict, layout: str, args, groups: Groups, device:
     if args.local_data or groups.cp_rank == 0:
         payload = {k: v.to(device) for k, v in batch.items() if k != "real"}
     local, sharded = distribute_batch(payload, None, group=groups.cp, src=None if args.local_data else 0,
-                                      layout=layout)
+                                      layout=layout, window=getattr(args, "windows", None))
     inputs = cp_model_inputs(local, sharded, group=groups.cp, backend=args.attn_backend, kernel=args.kernel)
     logits = model(**inputs).logits[0]  # [T_local, V]
     share = packed_cross_entropy(logits, local["labels"][0], group=groups.cp, dp_group=groups.dp)
@@ -582,6 +584,7 @@ def _train(setup: Setup, args, rank: int, device: torch.device, stop: SigtermSto
 
     hf_logging.disable_progress_bar()  # plain lines only: HF's loading / saving bars are tqdm
     model = build_model(args, register_cp_attention(), DTYPES[args.dtype], setup.config).to(device).train()
+    args.windows = model_windows(model.config)  # sliding layers: plan and report the windowed cost
     parity = Parity(model, args, min(args.parity_steps, args.steps)) if args.check_parity else None
     if args.fsdp:
         shard_with_fsdp2(model, groups.mesh)
