@@ -249,18 +249,21 @@ def test_auto_logs_its_bytes_choice_once(caplog):
     assert "auto by forward bytes per layer and rank: allgather 0, ulysses 0" in lines[0], lines
 
 
-@pytest.mark.parametrize("backend, extra", [("ulysses", {}), ("hybrid", {"ulysses_size": 1})])
-def test_a_window_is_refused_by_the_head_sharded_backends(backend, extra):
-    """The sliding window runs on the all-gather backend; Ulysses and hybrid refuse it instead of ignoring it."""
+def test_a_window_runs_on_ulysses_and_is_refused_by_hybrid():
+    """The sliding window runs on the all-gather and Ulysses backends (equal results); hybrid refuses it instead of
+    ignoring it."""
     from cp_packing import context_parallel_attention, packed_seq_params_from_doc_ids, shard_packed_seq_params
 
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]])),
                                       cp_size=1, cp_rank=0)
     q = torch.randn(6, 2, 8)
-    with pytest.raises(NotImplementedError, match=f"backend='{backend}' cannot run window=3"):
-        context_parallel_attention(q, q, q, sharded, backend=backend, window=3, **extra)
-    out = context_parallel_attention(q, q, q, sharded, window=3)  # auto: the all-gather backend
-    assert out.shape == q.shape
+    with pytest.raises(NotImplementedError, match="backend='hybrid' cannot run window=3"):
+        context_parallel_attention(q, q, q, sharded, backend="hybrid", window=3, ulysses_size=1)
+    out = context_parallel_attention(q, q, q, sharded, window=2)  # auto: the all-gather backend
+    ulysses = context_parallel_attention(q, q, q, sharded, window=2, backend="ulysses")
+    full = context_parallel_attention(q, q, q, sharded, backend="ulysses")
+    torch.testing.assert_close(ulysses, out)
+    assert not torch.allclose(ulysses, full)  # the window reached the kernel (document 1 is 3 tokens: token 2)
 
 
 def test_backends_benchmark_quick_runs():

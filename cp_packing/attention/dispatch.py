@@ -32,7 +32,8 @@ What each backend runs (``kernel`` = the varlen kernel of allgather / ulysses / 
 | backend | window | softcap | sinks |
 |---|---|---|---|
 | ``allgather`` | yes | yes | yes (each rank: its queries' share of the gradient) |
-| ``ulysses``, ``hybrid`` | refused | yes | yes (each rank: its head slice's gradient) |
+| ``ulysses`` | yes (explicit; ``auto`` keeps the all-gather for a window) | yes | yes (each rank: its head slice's gradient) |
+| ``hybrid`` | refused | yes | yes (each rank: its head slice's gradient) |
 | ``ring_flash_attn`` | refused | refused | refused (ring-flash-attn 0.1.8 passes neither) |
 
 Kernels: ``softcap`` runs on ``"torch"`` and ``"flash_attn"`` (flash-attn >= 2.6), not ``"torch_varlen"`` (``"auto"``
@@ -139,10 +140,10 @@ def select_backend(
         return _auto_bytes_choice(q, sharded, window, num_kv_heads)[0], resolve_kernel(kernel, q, softcap=softcap)
     if backend == "allgather":
         return "allgather", resolve_kernel(kernel, q, softcap=softcap)
-    if window is not None and backend in ("ulysses", "hybrid"):
+    if window is not None and backend == "hybrid":
         raise NotImplementedError(
-            f"backend={backend!r} cannot run window={window} yet (the sliding window runs on the all-gather "
-            "backend); use backend='allgather' (or 'auto', which picks it for a window)"
+            f"backend={backend!r} cannot run window={window} yet (the sliding window runs on the all-gather and "
+            "Ulysses backends); use backend='allgather' or 'ulysses' (or 'auto')"
         )
     if backend == "ulysses":
         check_ulysses_heads(q.shape[1], sharded.cp_size)  # rank-local, so it runs before the agreement
@@ -269,8 +270,8 @@ def context_parallel_attention(
             ``"flash_attn"``, ``"torch_varlen"`` (``cp_packing.attention.kernels``).
         ulysses_size: ``backend="hybrid"`` only: ranks per Ulysses group (divides ``cp_size`` and H).
         window: sliding window per segment (``None``: none; needs ``causal=True``): a token at in-segment
-            position ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``). allgather backend only
-            (``"auto"`` then always picks it).
+            position ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``). allgather and ulysses
+            backends (``"auto"`` then picks the all-gather, whose key index shrinks with the window).
         softcap: logit soft-capping (``None``: none; a float > 0): scaled scores ``s`` become
             ``softcap * tanh(s / softcap)`` before the softmax (HF Gemma 2's ``attn_logit_softcapping``). allgather,
             ulysses and hybrid backends; kernels ``"torch"`` and ``"flash_attn"``.
@@ -287,7 +288,7 @@ def context_parallel_attention(
             not match ``sharded``, an unknown backend or kernel, ``backend="ulysses"`` with a head count that
             ``cp_size`` does not divide.
         NotImplementedError: ``backend="ring_flash_attn"`` with ``causal=False``, a ``window``, ``softcap`` or
-            ``sinks``; ``backend="ulysses"``/``"hybrid"`` with a ``window``.
+            ``sinks``; ``backend="hybrid"`` with a ``window``.
         ImportError: ``backend="ring_flash_attn"`` without ring-flash-attn / flash_attn installed.
 
     Every rank must call it with the same backend, kernel and flags (they decide which collectives run); an
@@ -332,7 +333,7 @@ def context_parallel_attention(
     if chosen == "ulysses":
         return ulysses_attention(
             q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale, kernel=kernel_name,
-            softcap=softcap, sinks=sinks,
+            softcap=softcap, sinks=sinks, window=window,
         )
     if chosen == "hybrid":
         return hybrid_attention(

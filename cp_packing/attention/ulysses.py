@@ -25,7 +25,7 @@ from the saved head-shard ``q, k, v, out, lse`` (no recomputation; ``O(T * H / c
 Bytes per layer and rank: forward ``(2H + 2 H_kv rep) * T_local * D`` elements through all-to-alls, of which
 ``(cp-1)/cp`` leave the rank; see docs/attention.md for when that is cheaper than the all-gather backend.
 
-Logit soft-capping (``softcap``) is elementwise and goes to the kernel. Attention sinks (``sinks [H]``): rank r's
+A sliding ``window`` and logit soft-capping (``softcap``) go to the kernel unchanged (it sees whole segments). Attention sinks (``sinks [H]``): rank r's
 kernel uses the sinks of its own query heads, ``sinks[r * H/cp : (r+1) * H/cp]``, and in backward returns a ``[H]``
 gradient that is zero outside that slice: summed over the CP group it is the whole batch's gradient.
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_packing._checks import check_softcap
+from cp_packing._checks import check_softcap, check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
@@ -148,13 +148,13 @@ def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Te
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, meta):
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine = meta
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = meta
         k, v = replicate_kv(k, v, rep)  # [T_local, H_kv * rep, D]
         heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
         qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
         out, lse = kernels.varlen_attention_forward(
             qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
-            kernel=kernel, softcap=softcap, sinks=None if sinks is None else sinks[heads_mine],
+            kernel=kernel, window=window, softcap=softcap, sinks=None if sinks is None else sinks[heads_mine],
         )  # [T, H/cp, D], [H/cp, T]
         ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
         ctx.meta = meta
@@ -164,11 +164,11 @@ class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         qh, kh, vh, sinks, out, lse = ctx.saved_tensors
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine = ctx.meta
+        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = ctx.meta
         (douth,) = _to_global(seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
         dqh, dkh, dvh = kernels.varlen_attention_backward(
             douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
-            causal=causal, kernel=kernel, softcap=softcap,
+            causal=causal, kernel=kernel, window=window, softcap=softcap,
         )
         dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
         dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
@@ -178,7 +178,7 @@ class _UlyssesAttention(torch.autograd.Function):
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *,
     group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
-    softcap: float | None = None, sinks: torch.Tensor | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Ulysses context-parallel attention for any layout (see module docstring). Differentiable.
 
@@ -188,6 +188,8 @@ def ulysses_attention(
             ``sharded``'s local order, one floating dtype, one device.
         sharded, group, causal, softmax_scale, kernel, softcap, sinks: as in ``allgather_attention`` (any layout;
             each rank's sinks gradient is non-zero only on its own head slice).
+        window: sliding window per segment (``causal=True`` only): every rank holds the whole stream for its
+            heads after the all-to-all, so the kernel applies the window on the global ``cu_seqlens`` exactly.
 
     Returns:
         ``[T_local, H, D]`` in q's dtype, contiguous: full attention per segment on the global stream, sharded.
@@ -208,6 +210,7 @@ def ulysses_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     cp_size = sharded.cp_size
     rep = kv_replication(q.shape[1], k.shape[1], cp_size)
+    check_window(window, causal)
     softcap = check_softcap(softcap)
     sinks = kernels.check_sinks(sinks, q)
     name = kernels.resolve_kernel(kernel, q, softcap=softcap)
@@ -216,5 +219,5 @@ def ulysses_attention(
     cu_seqlens = sharded.cached(("ulysses_cu_seqlens", str(q.device)),
                                 lambda: params.cu_seqlens.to(device=q.device, dtype=torch.int32))
     meta = (group, cp_size, rep, _global_permutation(sharded, q.device), cu_seqlens, int(params.max_seqlen),
-            softmax_scale, causal, name, softcap, head_slice(q.shape[1], cp_size, sharded.cp_rank))
+            softmax_scale, causal, name, softcap, head_slice(q.shape[1], cp_size, sharded.cp_rank), window)
     return _UlyssesAttention.apply(q, k, v, sinks, meta)
