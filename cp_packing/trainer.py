@@ -424,9 +424,11 @@ def _fsdp2_average_factor(model: torch.nn.Module, world: int) -> int:
             "(another parallelism_config, or parameters left out of fully_shard)"
         )
     # a custom divisor (FSDPModule.set_gradient_divide_factor, on any sharded submodule) changes the mean
+    # (torch's FSDP2 state is private: read defensively)
+    states = [getattr(module, "_get_fsdp_state", None) for module in model.modules() if _is_fsdp2(module)]
     factors = {getattr(group, "gradient_divide_factor", None)
-               for module in model.modules() if _is_fsdp2(module)
-               for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())} - {None}
+               for state in states if callable(state)
+               for group in getattr(state(), "_fsdp_param_groups", ())} - {None}
     if factors - {float(world)}:
         raise NotImplementedError(
             f"CPTrainer compensates FSDP2's default gradient average over {world} ranks; this model has a custom "
