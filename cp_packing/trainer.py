@@ -15,13 +15,16 @@ glue (docs/trainer.md has the whole script and what each step does):
 * DDP (which the Trainer / accelerate wraps the model in when the world has more than one rank) AVERAGES gradients
   over the world; the loss is multiplied by the world size, so the reduced gradient is the SUM of every rank's
   share: exactly the gradient of the whole step's mean loss (the factor HF's own ``Trainer.compute_loss`` applies
-  with ``average_tokens_across_devices``).
+  with ``average_tokens_across_devices``). FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``:
+  accelerate's ``fully_shard`` over the whole world) averages over its mesh the same way and gets the same factor
+  (its mesh must span the DP x CP world and keep FSDP2's default divisor; else NotImplementedError). Under FSDP2
+  every forward gathers the full parameters, which the CP attention and loss need.
 
 Labels: a batch's ``labels`` are HF's (unshifted: ``labels[t]`` is the token at ``t`` or -100; the shift happens
 here, on the global stream, inside each document); ``shift_labels`` are already shifted (cp-packing's
 ``next_token_labels`` convention, HF's name for it). No labels: every next token inside a document.
 
-Not supported (a clear error): FSDP via accelerate, evaluation (``evaluate``/``predict``), an iterable dataset with
+Not supported (a clear error): FSDP1, evaluation (``evaluate``/``predict``), an iterable dataset with
 more than one DP replica.
 """
 
@@ -256,7 +259,7 @@ def cp_mesh_from_world(cp_size: int) -> CPMesh:
 
 class CPTrainerMixin:
     """The CP part of :class:`CPTrainer`, for any ``transformers.Trainer`` subclass (``class X(CPTrainerMixin,
-    SomeTrainer)``): the mesh, the attention, the data split, the loss and the DDP factor (module docstring)."""
+    SomeTrainer)``): the mesh, the attention, the data split, the loss and the DDP / FSDP2 factor (module docstring)."""
 
     def __init__(self, *args: Any, cp_size: int = 1, layout: str = "auto", backend: str = "auto",
                  kernel: str = "auto", ulysses_size: int | None = None, **kwargs: Any) -> None:
@@ -264,11 +267,16 @@ class CPTrainerMixin:
         self.cp_layout = check_choice(layout, "layout", _LAYOUT_CHOICES)
         self.cp_backend, self.cp_kernel, self.cp_ulysses_size = backend, kernel, ulysses_size
         super().__init__(*args, **kwargs)  # builds the Accelerator: the process group exists after this
-        if getattr(self, "is_fsdp_enabled", False) or getattr(self.accelerator, "is_fsdp2", False):
+        if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError(
-                "CPTrainer does not support FSDP through accelerate yet (its gradient reduction is not compensated "
-                "here); use DDP (the default), or the FSDP2 recipe of docs/integration.md in your own loop"
+                "CPTrainer supports FSDP2 through accelerate, not FSDP1: pass fsdp_config={'version': 2} "
+                "(its gradient reduction is compensated here; FSDP1's is not)"
             )
+        if getattr(self.args, "fsdp_plugin_args", None) is not None and not getattr(self, "is_fsdp_enabled", False):
+            # accelerate (1.15, AcceleratorState.__init__) enables FSDP only for GPU-like distributed types: on
+            # MULTI_CPU it drops the plugin and the Trainer wraps the model in DDP (correct, but not sharded)
+            logger.warning("CPTrainer: FSDP was requested but accelerate runs %s without it (it enables FSDP on "
+                           "accelerators only); training with DDP instead", self.accelerator.distributed_type)
         self.cp_mesh = cp_mesh_from_world(self.cp_size)
         world = self.cp_mesh.cp_size * self.cp_mesh.dp_size
         if self.accelerator.num_processes != world:
@@ -346,23 +354,28 @@ class CPTrainerMixin:
     # ---- the step
 
     def _gradient_average_factor(self, model: torch.nn.Module) -> int:
-        """The number of ranks the wrapper averages gradients over (1 without a wrapper in a one-process world)."""
+        """The number of ranks the wrapper averages gradients over (1 without a wrapper in a one-process world):
+        DDP's process group, or FSDP2's mesh (``fully_shard`` averages over every rank of its mesh by default)."""
         world = self.cp_mesh.cp_size * self.cp_mesh.dp_size
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return dist.get_world_size(model.process_group)
+        if _is_fsdp2(model):
+            return _fsdp2_average_factor(model, world)
         if world > 1 and torch.is_grad_enabled():
             raise RuntimeError(
-                f"CPTrainer runs on {world} ranks but the model is not wrapped in DistributedDataParallel "
+                f"CPTrainer runs on {world} ranks but the model is not wrapped in DistributedDataParallel or FSDP2 "
                 f"({type(model).__name__}): nothing would reduce the CP ranks' gradient shares"
             )
         return 1
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """This rank's share of the step's loss: CE SUM of its tokens / ``num_items_in_batch``, times the DDP factor.
+        """This rank's share of the step's loss: CE SUM of its tokens / ``num_items_in_batch``, times the number of
+        ranks DDP / FSDP2 average the gradients over.
 
         ``inputs`` is the global batch of this DP replica (the same on every CP rank); sharded here, locally.
         """
+        factor = self._gradient_average_factor(model)  # checked before any collective
         if any(key not in inputs for key in _BATCH_KEYS):
             inputs = cp_batch(inputs, cp_size=self.cp_size, layout=self.cp_layout)
         mesh = self.cp_mesh
@@ -385,8 +398,43 @@ class CPTrainerMixin:
         # local CE sum / the step's count; checked, and the same count on every rank (packed_cross_entropy agrees)
         share = packed_cross_entropy(logits, local_labels, group=mesh.cp_group, dp_group=mesh.dp_group,
                                      sharded=sharded, num_items_in_batch=num_items_in_batch)
-        loss = share * self._gradient_average_factor(model)
+        loss = share * factor
         return (loss, outputs) if return_outputs else loss
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # an older torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp2_average_factor(model: torch.nn.Module, world: int) -> int:
+    """The number of ranks FSDP2 (``fully_shard``) averages ``model``'s gradients over: its mesh, which must span
+    the whole DP x CP world (every CP rank's share summed) and keep FSDP2's default divisor (the mesh size)."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    sizes = {m.size() for m in meshes}
+    if sizes != {world}:
+        raise NotImplementedError(
+            f"CPTrainer needs FSDP2 to shard over the whole DP x CP world ({world} ranks), so that its gradient "
+            f"reduction sums every CP rank's share; the model's parameters live on meshes of {sorted(sizes)} ranks "
+            "(another parallelism_config, or parameters left out of fully_shard)"
+        )
+    # a custom divisor (FSDPModule.set_gradient_divide_factor, on any sharded submodule) changes the mean
+    # (torch's FSDP2 state is private: read defensively)
+    states = [getattr(module, "_get_fsdp_state", None) for module in model.modules() if _is_fsdp2(module)]
+    factors = {getattr(group, "gradient_divide_factor", None)
+               for state in states if callable(state)
+               for group in getattr(state(), "_fsdp_param_groups", ())} - {None}
+    if factors - {float(world)}:
+        raise NotImplementedError(
+            f"CPTrainer compensates FSDP2's default gradient average over {world} ranks; this model has a custom "
+            f"gradient divide factor {sorted(factors)} (set_gradient_divide_factor): leave the default"
+        )
+    return world
 
 
 def _is_hf_dataset(dataset: Any) -> bool:
@@ -415,7 +463,7 @@ class CPTrainer(CPTrainerMixin, Trainer):
     Raises:
         ValueError: the world size is not a multiple of ``cp_size``, a bad layout, accelerate not running on the
             whole world (on CPU-only machines pass ``TrainingArguments(use_cpu=True)``).
-        NotImplementedError: FSDP through accelerate; ``evaluate`` / ``predict``.
+        NotImplementedError: FSDP1, or FSDP2 over a mesh smaller than the world; ``evaluate`` / ``predict``.
     """
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 import tempfile
 
@@ -70,11 +71,11 @@ def reference_row(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "attention_mask": mask[None]}  # [1, S, S] -> collated [B, 1, S, S]
 
 
-def training_args(out: str, batch_size: int) -> TrainingArguments:
+def training_args(out: str, batch_size: int, **extra) -> TrainingArguments:
     return TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
                              max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
                              report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
-                             **OPTIM)
+                             **OPTIM, **extra)
 
 
 def use_world_env(rank: int, world: int) -> None:
@@ -91,10 +92,34 @@ def use_world_env(rank: int, world: int) -> None:
     PartialState._reset_state()
 
 
+def enable_fsdp_on_cpu() -> None:
+    """Let accelerate set up FSDP on CPU gloo (after :func:`use_world_env`; the TrainingArguments then need
+    ``accelerator_config={"use_configured_state": True}`` so that they keep this state).
+
+    accelerate 1.15 enables FSDP only for accelerator distributed types (``AcceleratorState.__init__``,
+    accelerate/state.py: the ``elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`` branch that sets
+    ``DistributedType.FSDP``); on ``MULTI_CPU`` it drops the plugin and the Trainer uses DDP. Here the process state
+    is built for CPU (gloo, device cpu) and then labelled MULTI_GPU, so that branch runs: the rest (accelerate's
+    ``fsdp2_prepare_model`` -> ``fully_shard`` over the world, its ``no_sync`` under gradient accumulation, its
+    gradient clipping, the Trainer's FSDP paths) is the code a GPU run goes through."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True)
+    assert state.distributed_type == DistributedType.MULTI_CPU and state.device.type == "cpu"
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
 def losses_and_weights(trainer: Trainer) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
-    """The (loss, gradient norm) HF logged at every optimizer step, and the final weights."""
+    """The (loss, gradient norm) HF logged at every optimizer step, and the final weights (FSDP2's sharded
+    parameters gathered to full tensors: a collective, every rank calls it)."""
     logged = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
-    return logged, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    weights = {}
+    for k, v in trainer.model.state_dict().items():
+        if isinstance(v, torch.distributed.tensor.DTensor):
+            v = v.full_tensor()
+        weights[k] = v.detach().clone()
+    return logged, weights
 
 
 class ReferenceTrainer(Trainer):
@@ -118,15 +143,44 @@ def _reference(rank: int, world: int, dp_sizes: tuple[int, ...]):
     return results
 
 
-def _cp_run(rank: int, world: int, cp: int, layout: str):
+def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
+    """``mode``: "ddp"; "fsdp2" (FSDP2 through accelerate: fully_shard over the whole DP x CP world);
+    "fsdp2_on_cpu" (FSDP2 asked for, which accelerate drops on CPU: a warning, and DDP)."""
     from cp_packing.hf import CPTrainer
 
     use_world_env(rank, world)
+    fsdp = mode == "fsdp2"
     with tempfile.TemporaryDirectory() as out:
-        trainer = CPTrainer(model=make_model("sdpa"), args=training_args(out, 1), train_dataset=packed_rows(),
-                            cp_size=cp, layout=layout)  # an sdpa model: CPTrainer switches it to cp_packing
+        args = training_args(out, 1)
+        if mode == "fsdp2":
+            enable_fsdp_on_cpu()
+            args = training_args(out, 1, fsdp=True, fsdp_config={"version": 2},
+                                 accelerator_config={"use_configured_state": True})
+        elif mode == "fsdp2_on_cpu":
+            args = training_args(out, 1, fsdp=True, fsdp_config={"version": 2})
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("cp_packing").addHandler(handler)
+        try:
+            trainer = CPTrainer(model=make_model("sdpa"), args=args, train_dataset=packed_rows(),
+                                cp_size=cp, layout=layout)  # an sdpa model: CPTrainer switches it to cp_packing
+        finally:
+            logging.getLogger("cp_packing").removeHandler(handler)
+        assert trainer.accelerator.is_fsdp2 == fsdp
+        dropped = [r for r in records if "FSDP was requested" in r.getMessage()]
+        assert len(dropped) == (mode == "fsdp2_on_cpu"), [r.getMessage() for r in records]
         trainer.train()
-    return losses_and_weights(trainer)
+        wrapper = torch.distributed.fsdp.FSDPModule if fsdp else torch.nn.parallel.DistributedDataParallel
+        assert isinstance(trainer.model_wrapped, wrapper), type(trainer.model_wrapped)
+        if fsdp:  # FSDP2 with a custom gradient divisor: CPTrainer's factor would be wrong, so it refuses
+            assert trainer._gradient_average_factor(trainer.model) == world
+            for module in trainer.model.modules():  # the root holds no parameters: set it on every sharded module
+                if isinstance(module, torch.distributed.fsdp.FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+            with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
+                trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader())))
+        return losses_and_weights(trainer)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -135,24 +189,27 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.distributed
 def test_cp_trainer_equals_one_process_trainer():
-    """cp 2 (layout balanced) and dp 2 x cp 2 (layout zigzag: documents padded in the collator) against the plain
-    Trainer; one test, so the reference runs once (pytest-xdist would run a shared fixture in every worker)."""
+    """cp 2 (layout balanced; FSDP2 asked for, which accelerate drops on CPU: DDP) and dp 2 x cp 2 (layout zigzag:
+    documents padded in the collator) under DDP and under FSDP2 through accelerate, against the plain Trainer; one
+    test, so the reference runs once (pytest-xdist would run a shared fixture in every worker)."""
     cp = 2
     reference = run_distributed(_reference, 1, (1, 2))[0]
     init = make_model("sdpa").state_dict()
-    for world, layout in ((2, "balanced"), (4, "zigzag")):
+    for world, layout, mode in ((2, "balanced", "fsdp2_on_cpu"), (4, "zigzag", "ddp"), (4, "zigzag", "fsdp2")):
         ref_logged, ref_weights = reference[world // cp]
-        results = run_distributed(_cp_run, world, cp, layout)
+        results = run_distributed(_cp_run, world, cp, layout, mode)
+        run = f"world {world} {mode}"
         for rank, (logged, weights) in enumerate(results):
             assert len(logged) == STEPS == len(ref_logged)
+            assert weights.keys() == ref_weights.keys()
             torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0,
-                                       msg=lambda m: f"world {world} rank {rank}, (loss, grad norm) per step: {m}")
+                                       msg=lambda m: f"{run} rank {rank}, (loss, grad norm) per step: {m}")
             for name, w in weights.items():
                 torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"world {world} rank {rank} {name}: {m}")
+                                           msg=lambda m: f"{run} rank {rank} {name}: {m}")
         # the run trained: weights moved by far more than the tolerance
         assert _max_diff(ref_weights, init) > 100 * ATOL
-        print(f"world {world} ({layout}): max loss diff "
+        print(f"{run} ({layout}): max loss diff "
               f"{max(abs(a[0] - b[0]) for a, b in zip(results[0][0], ref_logged)):.3g}, grad norm diff "
               f"{max(abs(a[1] - b[1]) for a, b in zip(results[0][0], ref_logged)):.3g}, "
               f"max weight diff {max(_max_diff(w, ref_weights) for _, w in results):.3g}")
