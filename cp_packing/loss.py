@@ -116,15 +116,10 @@ def next_token_labels(
     if isinstance(doc_ids, PackedSeqParams):
         doc_ids = doc_ids.doc_ids
     check_doc_ids(doc_ids)
-    check_tensor(input_ids, "input_ids", "[batch, sequence]")
+    # the same global [B, S] batch as doc_ids: label BEFORE sharding
+    _check_same_batch(input_ids, "input_ids", doc_ids, "doc_ids (the global map: label before sharding)",
+                      "[batch, sequence]")
     ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
-    if input_ids.dtype not in INTEGER_DTYPES:
-        raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}; convert with .long()")
-    if input_ids.shape != doc_ids.shape:
-        raise ValueError(f"input_ids shape {tuple(input_ids.shape)} does not match doc_ids shape "
-                         f"{tuple(doc_ids.shape)}; both must be the same global [B, S] batch (label before sharding)")
-    if input_ids.device != doc_ids.device:
-        raise ValueError(f"input_ids is on {input_ids.device} but doc_ids on {doc_ids.device}; use one device")
     if token_mask is not None:
         check_tensor(token_mask, "token_mask", "(bool [B, S])")
         if token_mask.dtype != torch.bool:
