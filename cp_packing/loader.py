@@ -39,6 +39,7 @@ from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import GroupLike, as_process_group, resolve_group
 from cp_packing.loss import next_token_labels
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+from cp_packing.padding import pad_rows
 from cp_packing.sharding import ShardedPackedSeqParams, mark_shard, shard_packed_seq_params
 
 __all__ = [
@@ -245,15 +246,6 @@ def _as_batch(batch: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _pad_rows(batch: dict[str, torch.Tensor], multiple: int, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Every row padded at its end to a multiple of ``multiple`` tokens (doc id 0, label -100)."""
-    extra = -batch["doc_ids"].shape[1] % multiple
-    if extra == 0:
-        return batch
-    fill = {"input_ids": pad_token_id, "labels": _IGNORE}
-    return {key: torch.nn.functional.pad(x, (0, extra), value=fill.get(key, 0)) for key, x in batch.items()}
-
-
 def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: int, layout: str = "balanced",
                   step: int | None = None, pad_token_id: int = 0) -> CPBatch:
     """Everything one rank needs for a step, from one replica's packed batch (pure, no communication).
@@ -287,7 +279,8 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
     check_int(cp_size, "cp_size", min=1)
     if "labels" not in batch:
         batch["labels"] = next_token_labels(batch["input_ids"], batch["doc_ids"])
-    batch = _pad_rows(batch, cp_size, check_int(pad_token_id, "pad_token_id", min=0))
+    pad_id = check_int(pad_token_id, "pad_token_id", min=0)
+    batch = pad_rows(batch, cp_size, fill={"input_ids": pad_id, "labels": _IGNORE})  # doc id 0, other keys 0
     params = packed_seq_params_from_doc_ids(batch["doc_ids"])
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local]

@@ -25,7 +25,7 @@ import torch
 from cp_packing._checks import INT32_MAX, check_doc_ids, check_fits_dtype, check_int, check_tensor
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
-__all__ = ["PaddedBatch", "pad_segments"]
+__all__ = ["PaddedBatch", "pad_rows", "pad_segments"]
 
 # torch has no index_select / index_copy / comparisons for these: index their bits through a signed view.
 _SIGNED_VIEW = {getattr(torch, u): getattr(torch, s) for u, s in (("uint16", "int16"), ("uint32", "int32"),
@@ -369,3 +369,29 @@ def pad_segments(
         else:
             out[name] = batch.pad_tensor(x, pad_values.get(name, ignore_index if name in label_keys else 0), name=name)
     return dataclasses.replace(batch, tensors=out)
+
+
+def pad_rows(tensors: Mapping[str, torch.Tensor], multiple: int, *,
+             fill: Mapping[str, int | float] | None = None) -> dict[str, torch.Tensor]:
+    """Every ``[B, S, ...]`` tensor padded at the END of its rows to the next multiple of ``multiple`` tokens.
+
+    The simple padding for layouts that need ``S % cp == 0`` (contiguous, balanced): the tail is one more padding
+    segment of every row, so give the doc map fill 0 and labels ``-100``. ``fill`` maps a key to its pad value
+    (default 0). The tensors are returned as they are (no copy) when ``S`` is already a multiple.
+
+    >>> out = pad_rows({"doc_ids": torch.tensor([[1, 1, 2]]), "labels": torch.tensor([[5, -100, -100]])}, 2,
+    ...                fill={"labels": -100})
+    >>> out["doc_ids"].tolist(), out["labels"].tolist()
+    ([[1, 1, 2, 0]], [[5, -100, -100, -100]])
+    """
+    multiple = check_int(multiple, "multiple", min=1)
+    fill = {} if fill is None else fill
+    out = {}
+    for key, x in tensors.items():
+        extra = -x.shape[1] % multiple
+        if extra == 0:
+            out[key] = x
+            continue
+        tail = x.new_full((x.shape[0], extra, *x.shape[2:]), fill.get(key, 0))
+        out[key] = torch.cat([x, tail], dim=1)
+    return out

@@ -36,7 +36,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from cp_packing._checks import check_choice, check_int
@@ -52,7 +51,7 @@ from cp_packing.hf import (
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from cp_packing.padding import pad_segments
+from cp_packing.padding import pad_rows, pad_segments
 from cp_packing.sharding import shard_packed_seq_params
 
 check_transformers_version()
@@ -170,11 +169,8 @@ def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto"
                               label_keys=("shift_labels",))
         return {"input_ids": padded.tensors["input_ids"], "doc_ids": padded.doc_ids.to(torch.int64),
                 "shift_labels": padded.tensors["shift_labels"]}
-    extra = -input_ids.shape[1] % cp_size
-    if extra:
-        input_ids, doc = F.pad(input_ids, (0, extra), value=0), F.pad(doc, (0, extra), value=0)
-        labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
-    return {"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels}
+    return pad_rows({"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels}, cp_size,
+                    fill={"shift_labels": IGNORE_INDEX})  # the tail: doc 0, input 0, label -100
 
 
 @dataclass

@@ -485,3 +485,23 @@ def test_pad_positions_is_what_pad_segments_does_for_position_keys():
     assert torch.equal(out.pad_positions(pos), out.tensors["position_ids"])
     with pytest.raises(TypeError, match="position ids and cannot be bool"):
         out.pad_positions(pos > 0)
+
+
+def test_pad_rows_pads_the_tail_of_every_row_with_each_keys_fill():
+    """``pad_rows`` (the loader's and CPTrainer's row padding): the original tokens unchanged, the tail filled per key,
+    ``S`` a multiple afterwards; tensors already a multiple come back as they are; a bad multiple is refused."""
+    from cp_packing.padding import pad_rows
+
+    doc = torch.tensor([[1, 1, 2, 2, 2], [1, 1, 1, 0, 0]])
+    labels = torch.tensor([[7, -100, 8, 9, -100], [3, 4, -100, -100, -100]])
+    feats = torch.arange(20.0).view(2, 5, 2)
+    out = pad_rows({"doc_ids": doc, "labels": labels, "feats": feats}, 4, fill={"labels": -100, "feats": 0.5})
+    assert out["doc_ids"].shape == (2, 8) and out["feats"].shape == (2, 8, 2)
+    assert torch.equal(out["doc_ids"][:, :5], doc) and torch.equal(out["labels"][:, :5], labels)
+    assert torch.equal(out["feats"][:, :5], feats)
+    assert (out["doc_ids"][:, 5:] == 0).all() and (out["labels"][:, 5:] == -100).all()
+    assert (out["feats"][:, 5:] == 0.5).all() and out["labels"].dtype == labels.dtype
+    same = pad_rows({"doc_ids": doc}, 5)
+    assert same["doc_ids"] is doc
+    with pytest.raises(ValueError, match="multiple"):
+        pad_rows({"doc_ids": doc}, 0)
