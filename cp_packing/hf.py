@@ -335,6 +335,8 @@ def model_windows(config: Any) -> int | tuple[int | None, ...] | None:
     """The sliding windows of a model's attention layers, for window-aware planning (``window=`` of
     ``distribute_batch`` / ``shard_packed_seq_params`` / ``cost.layout_cost``).
 
+    ``config`` is the model's config, or the model itself (DDP / FSDP wrappers included).
+
     Reads ``config.sliding_window`` and, where the config lists them, ``config.layer_types`` (``"sliding_attention"``
     layers get the window, the others ``None``: Gemma 2/3, Qwen2, gpt-oss); a config without ``layer_types`` (Mistral,
     Phi-3) uses its window on every layer unless ``use_sliding_window`` is False. Only load balance depends on it:
@@ -349,6 +351,8 @@ def model_windows(config: Any) -> int | tuple[int | None, ...] | None:
     >>> model_windows(C(sliding_window=None)) is None
     True
     """
+    if isinstance(config, torch.nn.Module):
+        config = getattr(_unwrapped(config), "config", None)
     window = getattr(config, "sliding_window", None)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         return None

@@ -377,10 +377,7 @@ class CPTrainerMixin:
         mesh = self.cp_mesh
         doc, input_ids, labels = (inputs[key] for key in ("doc_ids", "input_ids", "shift_labels"))
         params = packed_seq_params_from_doc_ids(doc)
-        inner = model
-        while not hasattr(inner, "config") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-            inner = inner.module  # DDP / FSDP wrappers
-        windows = model_windows(getattr(inner, "config", None))  # sliding layers: plan the windowed cost
+        windows = model_windows(model)  # sliding layers: plan the windowed cost
         sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
                                           window=windows)
         model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,

@@ -103,3 +103,8 @@ def test_model_windows_reads_the_layer_kinds_of_real_configs():
     qwen = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
     assert model_windows(qwen) == tuple(16 if t == "sliding_attention" else None for t in qwen.layer_types)
     assert model_windows(Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=16)) is None
+    wrapper = torch.nn.Module()
+    wrapper.module = AutoModelForCausalLM.from_config(MistralConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=32, sliding_window=8))
+    assert model_windows(wrapper) == 8  # a model (through a DDP-style .module wrapper) reads its config
