@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "HALF_DTYPES",
+    "IGNORE_INDEX",
     "INTEGER_DTYPES",
     "INT32_MAX",
     "check_bool",
@@ -30,6 +31,9 @@ __all__ = [
     "check_tensor",
     "is_int",
 ]
+
+IGNORE_INDEX = -100
+"""The label value every cp-packing loss, packer, loader and trainer ignores (PyTorch's and HF's default)."""
 
 INT32_MAX = 2**31 - 1
 """The largest flat position an int32 ``cu_seqlens`` can hold."""

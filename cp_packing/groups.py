@@ -9,7 +9,7 @@ NCCL moves CUDA tensors only and gloo CPU ones: ``CPGroup.device`` is the device
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CPGroup",
+    "CPMesh",
     "GroupLike",
     "as_process_group",
     "backend_config",
@@ -183,3 +184,120 @@ def check_shard_in_group(cp_size: int, cp_rank: int, group_size: int, group_rank
             f"sharded.cp_rank={cp_rank} but this process is rank {group_rank} of the CP group; shard with "
             "cp_rank=torch.distributed.get_rank(group) (in a DP x CP mesh: mesh['cp'])"
         )
+
+
+# ------------------------------------------------------------------------------------------------ the DP x CP mesh
+
+
+@dataclass(frozen=True)
+class CPMesh:
+    """This process's place in a DP x CP grid: the one mesh type of the loader, the trainers and the CLI.
+
+    Build it with one of the constructors: :meth:`from_device_mesh` (a 2-D ``("dp", "cp")`` DeviceMesh, or a 1-D
+    ``"cp"`` one), :meth:`from_world` (the initialised world cut into CP groups of consecutive ranks),
+    :meth:`from_groups` (the two process groups) or :meth:`from_ints` (no torch.distributed: DataLoader workers,
+    tests). It pickles without its process groups (what a DataLoader worker needs are the ints).
+
+    Gradient convention (one for the whole library, docs/distributed.md): the loss of every rank is its SHARE of the
+    global mean (local sum / global count of valid labels), so the gradients are SUMMED over all ``dp_size *
+    cp_size`` ranks, never averaged. FSDP2 / DDP, which average by default, get a divide factor of 1 (or the loss is
+    multiplied by the world size where the divisor cannot be set).
+
+    Attributes:
+        dp_rank, dp_size: this process's data-parallel replica and the number of replicas.
+        cp_rank, cp_size: this process's rank in its replica's CP group, and the CP group size.
+        cp_group, dp_group: the ProcessGroups (``None`` where the size is 1 or without torch.distributed).
+        device_mesh: the ``("dp", "cp")`` DeviceMesh when the mesh was built from one (``None`` otherwise).
+
+    >>> CPMesh.from_ints(dp_rank=1, dp_size=2, cp_rank=0, cp_size=4).global_rank
+    4
+    """
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    cp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    device_mesh: Any = None
+
+    def __post_init__(self) -> None:
+        from cp_packing._checks import check_int
+
+        for name in ("dp_size", "cp_size"):
+            check_int(getattr(self, name), name, min=1)
+        check_int(self.dp_rank, "dp_rank", min=0, max=self.dp_size - 1, hint=f"a replica in [0, {self.dp_size})")
+        check_int(self.cp_rank, "cp_rank", min=0, max=self.cp_size - 1, hint=f"a CP rank in [0, {self.cp_size})")
+
+    @property
+    def world_size(self) -> int:
+        """``dp_size * cp_size``."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def global_rank(self) -> int:
+        """``dp_rank * cp_size + cp_rank`` (the rank in a world laid out replica after replica)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    def __getstate__(self) -> dict:
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "cp_rank": self.cp_rank, "cp_size": self.cp_size}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in {**state, "cp_group": None, "dp_group": None, "device_mesh": None}.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_ints(cls, *, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1) -> "CPMesh":
+        """A mesh of plain ints (no process groups)."""
+        return cls(dp_rank, dp_size, cp_rank, cp_size)
+
+    @classmethod
+    def from_groups(cls, cp_group: GroupLike, dp_group: GroupLike = None) -> "CPMesh":
+        """The mesh of a CP group (ProcessGroup or 1-D DeviceMesh) and an optional DP group (``None``: one
+        replica)."""
+        cp = resolve_group(cp_group, name="cp_group")
+        dp = resolve_group(dp_group, name="dp_group", optional=True)
+        return cls(0 if dp is None else dp.rank, 1 if dp is None else dp.size, cp.rank, cp.size,
+                   cp.group, None if dp is None else dp.group)
+
+    @classmethod
+    def from_device_mesh(cls, mesh: "DeviceMesh", dim_names: tuple[str, str] = ("dp", "cp")) -> "CPMesh":
+        """The mesh of a 2-D DeviceMesh with dims ``dim_names``, or of a 1-D mesh named like the CP dim."""
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        dp_name, cp_name = dim_names
+        if mesh.ndim == 1 and names in ((cp_name,), ()):
+            return cls(0, 1, mesh.get_local_rank(), mesh.size(), mesh.get_group(), None, mesh)
+        if mesh.ndim != 2 or dp_name not in names or cp_name not in names:
+            raise ValueError(
+                f"mesh has dims {names or None} (shape {tuple(mesh.mesh.shape)}); pass a 2-D DeviceMesh with dims "
+                f"{dim_names}, e.g. init_device_mesh('cuda', (dp, cp), mesh_dim_names={dim_names}), or dim_names= "
+                "the names of yours"
+            )
+        dp_size = mesh.size(names.index(dp_name))
+        return cls(mesh.get_local_rank(dp_name), dp_size, mesh.get_local_rank(cp_name),
+                   mesh.size(names.index(cp_name)), mesh[cp_name].get_group(),
+                   mesh[dp_name].get_group(), mesh)
+
+    @classmethod
+    def from_world(cls, cp_size: int, *, device_type: str | None = None) -> "CPMesh":
+        """The initialised world as ``(world // cp_size, cp_size)``: consecutive global ranks form a CP group
+        (``init_device_mesh``). Without torch.distributed, the one-process mesh (``cp_size`` must be 1)."""
+        from cp_packing._checks import check_int
+
+        cp_size = check_int(cp_size, "cp_size", min=1)
+        if not (dist.is_available() and dist.is_initialized()):
+            if cp_size > 1:
+                raise ValueError(f"cp_size={cp_size} needs a process group of a multiple of {cp_size} ranks; launch "
+                                 f"with torchrun --nproc-per-node {cp_size} (or more)")
+            return cls(0, 1, 0, 1)
+        world = dist.get_world_size()
+        if world % cp_size:
+            raise ValueError(f"the world has {world} ranks, not a multiple of cp_size={cp_size}; pick a cp_size "
+                             f"that divides {world}")
+        if world == 1:
+            return cls(0, 1, 0, 1)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = device_type or device_for_backend(str(dist.get_backend())).type
+        mesh = init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+        return cls.from_device_mesh(mesh)

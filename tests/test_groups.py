@@ -20,3 +20,22 @@ def test_shard_in_group_names_the_mismatch_and_the_fix():
 def test_backend_for_device_reads_per_device_configs():
     assert backend_for_device("cpu:gloo,cuda:nccl", "cpu") == "gloo"
     assert backend_for_device("cuda:nccl", "cpu") == ""
+
+
+def test_cp_mesh_from_ints_checks_and_pickles_without_groups():
+    import pickle
+
+    import pytest
+
+    from cp_packing.groups import CPMesh
+
+    mesh = CPMesh.from_ints(dp_rank=1, dp_size=2, cp_rank=1, cp_size=4)
+    assert (mesh.global_rank, mesh.world_size) == (5, 8)
+    assert pickle.loads(pickle.dumps(mesh)) == mesh
+    with pytest.raises(ValueError, match="cp_rank must be <= 3"):
+        CPMesh.from_ints(cp_rank=4, cp_size=4)
+    with pytest.raises(TypeError, match="dp_size must be an int"):
+        CPMesh.from_ints(dp_size="2")
+    assert CPMesh.from_world(1) == CPMesh.from_ints()  # no torch.distributed: the one-process mesh
+    with pytest.raises(ValueError, match="needs a process group"):
+        CPMesh.from_world(2)
