@@ -3,8 +3,8 @@
 Run:  .venv/bin/python benchmarks/bench_agreement.py            (full: S=2048, 3 layers, cp 2 and 4, 10 steps)
       .venv/bin/python benchmarks/bench_agreement.py --quick    (smoke run: S=512, 2 layers, cp 2, 3 steps)
 
-Every cp-packing call that communicates starts with ONE ``cp_packing.agreement.agree`` (an ``all_gather_object``
-of a small record per rank). This script runs ``cp`` forked gloo ranks (``cp_packing.testing.run_distributed``, one
+Every cp-packing call that communicates starts with ONE ``cp_packing.agreement.agree`` (a small record per rank
+posted to and read from the job's c10d store). This script runs ``cp`` forked gloo ranks (``cp_packing.testing.run_distributed``, one
 intra-op thread each) and times training steps of a tiny random-init HF Llama (``cp_packing.tools.train``'s model
 builder and synthetic batches: one row of ``--seq`` tokens, lognormal documents, up to 10% padding), where a step is
 
@@ -24,9 +24,9 @@ The agreements, measured two ways:
 - ``bare``: right after each step, behind a barrier, the same agreements (same group, call, fields and payload as
   recorded in the step) are replayed back to back: the cost of the exchanges themselves; the worst rank.
 
-Counts: ``torch.distributed.all_gather_object`` is wrapped too, and forward hooks count the attention layers run. The
+Counts: the store exchange (``agreement._exchange``) is wrapped too, and forward hooks count the attention layers run. The
 run fails (exit 1) unless every step made exactly one agreement each in ``distribute_batch``,
-``context_parallel_attention`` and ``packed_cross_entropy`` (3 exchanges, one ``all_gather_object`` each), and the
+``context_parallel_attention`` and ``packed_cross_entropy`` (3 exchanges, one store exchange each), and the
 attention ran once per layer: layers 2..N reuse the first layer's agreement (cached on the shard).
 """
 
@@ -46,7 +46,7 @@ _AGREE_MODULES = ("cp_packing.distributed", "cp_packing.loss", "cp_packing.atten
 
 
 class _Recorder:
-    """Wraps ``agree`` where the library calls it, and ``dist.all_gather_object``; records what a step did."""
+    """Wraps ``agree`` where the library calls it, and its store exchange; records what a step did."""
 
     def __init__(self):
         self.agreements: list[tuple[str, float, tuple, dict]] = []  # (call, seconds, args, kwargs)
@@ -74,13 +74,15 @@ class _Recorder:
             assert module.agree is real_agree, f"{name}.agree is not cp_packing.agreement.agree"
             module.agree = timed_agree
 
-        real_gather = dist.all_gather_object
+        from cp_packing import agreement
 
-        def counted_gather(*args, **kwargs):
+        real_exchange = agreement._exchange
+
+        def counted_exchange(*args, **kwargs):
             self.exchanges += 1
-            return real_gather(*args, **kwargs)
+            return real_exchange(*args, **kwargs)
 
-        dist.all_gather_object = counted_gather  # agreement.py calls it as dist.all_gather_object
+        agreement._exchange = counted_exchange  # agree() calls it once per exchange through the store
 
     def hook(self, module, inputs, output) -> None:
         self.attention_calls += 1
@@ -163,7 +165,7 @@ def run(cp: int, args, steps: int, warmup: int) -> dict:
                 problems.append(f"cp={cp} rank {r} step {i}: agreements {dict(counts)}, expected one each of "
                                 f"{', '.join(EXPECTED_CALLS)}")
             if res["exchanges"][i] != len(res["calls"][i]):
-                problems.append(f"cp={cp} rank {r} step {i}: {res['exchanges'][i]} all_gather_object calls for "
+                problems.append(f"cp={cp} rank {r} step {i}: {res['exchanges'][i]} store exchanges for "
                                 f"{len(res['calls'][i])} agreements")
             if res["attention"][i] != args.layers:
                 problems.append(f"cp={cp} rank {r} step {i}: attention ran {res['attention'][i]} times, expected one "
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     later = ("(one layer: run --layers 2+ to see the reuse)" if layers == 1 else "layer 2 added none" if layers == 2
              else f"layers 2..{layers} added none")
     print(f"counts ok: every step made {len(EXPECTED_CALLS)} agreements (one each in {', '.join(EXPECTED_CALLS)}; "
-          f"one all_gather_object each); attention ran once per layer, {later}")
+          f"one store exchange each); attention ran once per layer, {later}")
     return 0
 
 

@@ -1,24 +1,62 @@
-"""One agreement across a process group before its collectives: fail together, never hang, never abort.
+"""The fail-together protocol: one agreement across a group before its collectives; never a hang, never an abort.
 
 A collective that one rank skips (it raised on its own) leaves the others waiting until the process group times out;
 collectives whose sizes differ between ranks abort gloo (``EnforceNotMet``) or, when the byte counts happen to match,
-return garbage. So every cp-packing call that communicates starts with ``agree``: ONE ``all_gather_object`` of a
-small record per rank (which call, the fields every rank must share, and this rank's own error if its local checks
-failed). Every rank compares all records and raises the same error, naming the ranks and the field, before the
-first real collective. ``all_gather_object`` exchanges sizes first, so records of different sizes (even two different
-calls that meet, one rank in ``distribute_batch`` and another in attention) pair up safely.
+return garbage. So every cp-packing call that communicates starts with ``agree``: each rank posts a small record (which
+call, the fields every rank must share, this rank's own error if its local checks failed) and reads everyone's; every
+rank compares them and raises the same error, naming the ranks and the field, before the first real collective.
+
+The records travel through the job's c10d key-value store (the TCPStore torchrun or ``init_process_group`` set up),
+not through the group's collectives, so:
+
+* records of any size and of two different calls pair up safely (one rank in ``distribute_batch``, another in the
+  attention of a layer it added), and an NCCL group needs no device sync for them;
+* every group keeps a sequence number of its agreements: the k-th agreement of a rank meets the k-th of its peers,
+  so an extra or a missing call is an error naming both calls, never a hang;
+* a peer that never arrives (it raised in its own code, died, or took another branch) is a bounded wait: after
+  :func:`agreement_timeout` seconds (default 120, ``CP_PACKING_TIMEOUT``) every waiting rank raises
+  :class:`AgreementTimeout` naming the call and the ranks that did not arrive;
+* a rank that passed another group (``None`` on one rank, the DP group for the CP group) is found while waiting: a
+  waiting rank announces where it waits, and two ranks that wait for each other in different groups both raise,
+  naming the groups, within seconds.
+
+:func:`fail_together` is the one way call sites use it: local checks inside the ``with`` block, one agreement per
+group on exit, whatever the exception class.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import pickle
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AgreementError", "Record", "agree", "digest"]
+__all__ = [
+    "Agreement",
+    "AgreementError",
+    "AgreementTimeout",
+    "Record",
+    "agree",
+    "agreement_timeout",
+    "digest",
+    "fail_together",
+    "set_agreement_timeout",
+]
+
+TIMEOUT_ENV = "CP_PACKING_TIMEOUT"
+"""The environment variable that sets :func:`agreement_timeout` (seconds)."""
+
+DEFAULT_TIMEOUT = 120.0
+"""How long (seconds) a rank waits for its peers in one agreement before it raises :class:`AgreementTimeout`."""
+
+_timeout: float | None = None  # set_agreement_timeout's value; None: the environment or the default
 
 # Error classes a record may carry; anything else travels as RuntimeError (every rank must be able to build it).
 _ERROR_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, NotImplementedError, IndexError,
@@ -28,6 +66,42 @@ _ERROR_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeErro
 
 class AgreementError(ValueError):
     """The ranks of a group made different calls, or the same call with arguments that must match but do not."""
+
+
+class AgreementTimeout(RuntimeError):
+    """Some ranks of a group did not reach an agreement within :func:`agreement_timeout` seconds."""
+
+
+def agreement_timeout() -> float:
+    """The bounded wait of an agreement, in seconds: :func:`set_agreement_timeout`'s value, else
+    ``CP_PACKING_TIMEOUT``, else :data:`DEFAULT_TIMEOUT` (120).
+
+    >>> agreement_timeout() > 0
+    True
+    """
+    if _timeout is not None:
+        return _timeout
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a number of seconds > 0, e.g. {TIMEOUT_ENV}=300")
+    return value
+
+
+def set_agreement_timeout(seconds: float | None) -> None:
+    """Set how long an agreement waits for the other ranks (``None``: back to ``CP_PACKING_TIMEOUT`` / 120 s).
+    Every rank should set the same value."""
+    global _timeout
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise ValueError(f"the agreement timeout must be a number of seconds > 0, got {seconds!r}")
+        seconds = float(seconds)
+    _timeout = seconds
 
 
 @dataclass
@@ -115,6 +189,128 @@ def _raise_disagreement(records: list[Record], group_name: str) -> None:
             )
 
 
+class _Channel:
+    """One group's agreements in the store: its key prefix, its global ranks and its sequence number."""
+
+    def __init__(self, ranks: tuple[int, ...], store: Any):
+        self.ranks = ranks
+        self.name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+        self.store = store
+        self.seq = 0
+        self.me = ranks.index(dist.get_rank())
+
+
+# One per group (its global ranks) of the current world: the sequence numbers live here, as torch keeps its own per
+# process group. A new world (init_process_group again) starts new channels.
+_CHANNELS: dict[tuple[int, tuple[int, ...]], _Channel] = {}
+
+
+def _channel(group: dist.ProcessGroup) -> _Channel:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD), ranks)
+    channel = _CHANNELS.get(key)
+    if channel is None:
+        for stale in [k for k in _CHANNELS if k[0] != key[0]]:
+            del _CHANNELS[stale]
+        store = dist.PrefixStore("cp_packing/", dist.distributed_c10d._get_default_store())
+        channel = _CHANNELS[key] = _Channel(ranks, store)
+    return channel
+
+
+def _key(name: str, seq: int, rank: int) -> str:
+    return f"{name}/{seq}/{rank}"
+
+
+def _read(store: Any, key: str) -> Any:
+    """The unpickled value of ``key``, or None when it is absent (or was deleted meanwhile)."""
+    try:
+        return pickle.loads(store.get(key)) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - deleted between check and get
+        return None
+
+
+def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str] | None:
+    """``(global rank, description)`` of a missing peer that waits for this rank in ANOTHER group, or None."""
+    me_global = channel.ranks[channel.me]
+    for r in missing:
+        found = _read(channel.store, f"waiting/{channel.ranks[r]}")
+        if found is None:
+            continue
+        ranks, seq, call, group_name = found
+        if ranks == channel.ranks or me_global not in ranks:
+            continue
+        name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+        if channel.store.check([_key(name, seq, ranks.index(me_global))]):
+            continue  # this rank has posted there: the peer waits for someone else
+        return channel.ranks[r], (f"global rank {channel.ranks[r]} waits in {call} over its {group_name} of global "
+                                  f"ranks {list(ranks)}")
+    return None
+
+
+def _crossed_error(channel: _Channel, call: str, group_name: str, other: str) -> AgreementError:
+    return AgreementError(
+        f"{call}: this rank (global rank {channel.ranks[channel.me]}) waits over its {group_name} of global ranks "
+        f"{list(channel.ranks)}, but {other}: the ranks passed different groups. Every rank must pass the same group "
+        "(the CP group, e.g. mesh['cp'], on every rank; not None or the DP group on some)"
+    )
+
+
+def _missing(channel: _Channel, seq: int) -> list[int]:
+    return [r for r in range(len(channel.ranks)) if not channel.store.check([_key(channel.name, seq, r)])]
+
+
+def _exchange(channel: _Channel, data: bytes, call: str, group_name: str) -> list[bytes]:
+    """Post this rank's record for the group's next agreement and return every rank's, in group-rank order."""
+    channel.seq += 1
+    seq, store = channel.seq, channel.store
+    keys = [_key(channel.name, seq, r) for r in range(len(channel.ranks))]
+    store.set(keys[channel.me], data)
+    timeout = agreement_timeout()
+    deadline = time.monotonic() + timeout
+    wait, announced = 1.0, None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, timedelta(seconds=max(min(wait, left), 0.001)))
+                break
+            except dist.DistStoreError:
+                pass
+            if announced is None:  # the slow path: say where this rank waits, for a peer in another group
+                announced = f"waiting/{channel.ranks[channel.me]}"
+                store.set(announced, pickle.dumps((channel.ranks, seq, call, group_name)))
+            told = _read(store, f"crossed/{channel.ranks[channel.me]}")  # a peer found the crossing first
+            if told is not None:
+                store.delete_key(f"crossed/{channel.ranks[channel.me]}")
+                raise _crossed_error(channel, call, group_name, told)
+            missing = _missing(channel, seq)
+            if not missing:
+                continue
+            crossed = _waiting_for_me(channel, missing)
+            if crossed is not None:
+                peer, other = crossed
+                here = (f"global rank {channel.ranks[channel.me]} waits in {call} over its {group_name} of global "
+                        f"ranks {list(channel.ranks)}")
+                store.set(f"crossed/{peer}", pickle.dumps(here))  # the peer raises too, naming this rank's group
+                raise _crossed_error(channel, call, group_name, other)
+            if time.monotonic() >= deadline:
+                gone = ", ".join(str(channel.ranks[r]) for r in missing)
+                raise AgreementTimeout(
+                    f"{call}: {_ranks(missing)} of the {group_name} (global {gone}) did not arrive within "
+                    f"{timeout:g} s; they raised in their own code, died, or took another branch (every rank of the "
+                    f"group must make the same cp-packing calls). Set {TIMEOUT_ENV}=<seconds> (or cp_packing."
+                    "agreement.set_agreement_timeout) where a rank may legitimately lag longer, e.g. a long save"
+                )
+            wait = min(2 * wait, 10.0)
+        values = store.multi_get(keys)
+    finally:
+        if announced is not None:
+            store.delete_key(announced)
+    if seq > 1:
+        store.delete_key(_key(channel.name, seq - 1, channel.me))  # every peer has read it: they posted seq
+    return values
+
+
 def agree(
     group: dist.ProcessGroup | None,
     call: str,
@@ -131,7 +327,7 @@ def agree(
         call: the name of the call every rank must be in.
         fields: the values every rank must share.
         error: this rank's own failure from its local checks (it is raised on EVERY rank, with the rank named).
-        payload: anything else to send (not compared); returned in the records.
+        payload: anything else to send (not compared; picklable); returned in the records.
         group_name: how messages name the group.
 
     Returns:
@@ -139,15 +335,23 @@ def agree(
 
     Raises:
         The class of the lowest failing rank's error (ValueError, TypeError, ...; other classes as RuntimeError) on
-        every rank, or ``AgreementError`` (a ValueError) when the ranks differ in ``call`` or in a field.
+        every rank; ``AgreementError`` (a ValueError) when the ranks differ in ``call`` or in a field, or passed
+        different groups; ``AgreementTimeout`` (a RuntimeError) when a rank does not arrive in time.
+
+    >>> agree(None, "my_call", {"layout": "zigzag"})[0].fields
+    {'layout': 'zigzag'}
     """
     mine = Record(call=call, fields=dict(fields), error=_error_of(error), payload=payload)
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return [mine]
-    records: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(records, mine, group=group)
+    try:
+        data = pickle.dumps(mine)
+    except Exception:  # noqa: BLE001 - an unpicklable error argument: send its text
+        mine = Record(call=call, fields={k: repr(v) for k, v in mine.fields.items()}, error=mine.error)
+        data = pickle.dumps(mine)
+    records = [pickle.loads(v) for v in _exchange(_channel(group), data, call, group_name)]
     failed = [rank for rank, r in enumerate(records) if r.error is not None]
     if failed:
         name, message = records[failed[0]].error
@@ -157,3 +361,57 @@ def agree(
         raise exc from error
     _raise_disagreement(records, group_name)
     return records
+
+
+@dataclass
+class Agreement:
+    """What a :func:`fail_together` block sends, and (after the block) what every rank sent.
+
+    Attributes:
+        fields: the values every rank of every group must share (set inside the block).
+        payload: anything else this rank sends (not compared).
+        group_fields: per group name, fields sent to that group INSTEAD of ``fields`` (e.g. a DP group that must not
+            compare a per-replica value).
+        records: after the block, per group name, every rank's ``Record``.
+    """
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    payload: Any = None
+    group_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: dict[str, list[Record]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def fail_together(call: str, *groups: tuple[dist.ProcessGroup | None, str]) -> Iterator[Agreement]:
+    """Run a call's local checks inside the block, then ONE agreement per group: every rank raises any rank's error.
+
+    Args:
+        call: the call's name (every rank of a group must be in the same call).
+        groups: ``(process group or None, name)`` pairs, in the order to agree over (e.g. CP, then DP); a failure
+            in one group's agreement travels into the next one, so every rank of every group raises it.
+
+    Yields:
+        An :class:`Agreement`: set its ``fields`` / ``payload`` inside the block; its ``records`` are filled after.
+
+    Any ``Exception`` raised in the block is sent as this rank's error (and raised on every rank); a
+    ``BaseException`` (KeyboardInterrupt) is not caught: the peers then raise :class:`AgreementTimeout`.
+
+    >>> with fail_together("my_call", (None, "CP group")) as agreement:
+    ...     agreement.fields["layout"] = "zigzag"
+    >>> agreement.records["CP group"][0].fields
+    {'layout': 'zigzag'}
+    """
+    agreement = Agreement()
+    error: Exception | None = None
+    try:
+        yield agreement
+    except Exception as exc:  # noqa: BLE001 - every class travels through the agreement
+        error = exc
+    for group, name in groups:
+        try:
+            agreement.records[name] = agree(group, call, agreement.group_fields.get(name, agreement.fields),
+                                            error=error, payload=agreement.payload, group_name=name)
+        except Exception as exc:  # noqa: BLE001 - the next group must learn it
+            error = exc
+    if error is not None:
+        raise error

@@ -78,3 +78,90 @@ def test_bench_agreement_quick_counts_three_exchanges_per_step():
                        env={**os.environ, "PYTHONPATH": repo})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "counts ok: every step made 3 agreements" in r.stdout, r.stdout
+
+
+def _crossed_groups(rank, world):
+    """dp 2 x cp 2: rank 0 passes the world as its CP group, the others their CP group."""
+    import time
+
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = cp_groups[rank // 2]
+    t0 = time.monotonic()
+    result = _catch(lambda: agree(dist.group.WORLD if rank == 0 else mine, "attention", {"n": 1}))
+    return result, time.monotonic() - t0
+
+
+def test_ranks_that_pass_different_groups_both_raise_within_seconds():
+    from cp_packing.agreement import agreement_timeout
+
+    results = run_distributed(_crossed_groups, 4, timeout=120)
+    (r0, s0), (r1, s1), (r2, _), (r3, _) = results
+    assert r0[0] == r1[0] == "AgreementError", results
+    assert "passed different groups" in r0[1] and "global ranks [0, 1]" in r0[1], r0
+    assert "global ranks [0, 1, 2, 3]" in r1[1], r1
+    assert max(s0, s1) < agreement_timeout() / 4  # found while waiting, not at the timeout
+    assert r2[0] == r3[0] == "ok", results  # the other CP group is not involved
+
+
+def _one_rank_absent(rank, world):
+    import time
+
+    from cp_packing.agreement import set_agreement_timeout
+
+    set_agreement_timeout(3.0)
+    if rank == 1:
+        time.sleep(5.0)  # busy elsewhere: never reaches the agreement within the bound
+        return ("absent", 0.0)
+    t0 = time.monotonic()
+    return _catch(lambda: agree(dist.group.WORLD, "packed_cross_entropy", {})), time.monotonic() - t0
+
+
+def test_a_peer_that_never_arrives_is_a_bounded_wait_naming_it():
+    results = run_distributed(_one_rank_absent, 3, timeout=120)
+    for rank in (0, 2):
+        (kind, message), seconds = results[rank]
+        assert kind == "AgreementTimeout", results[rank]
+        assert "rank 1 of the CP group" in message and "packed_cross_entropy" in message and "3 s" in message
+        assert 2.5 < seconds < 20
+
+
+def _fail_together_classes(rank, world):
+    from cp_packing.agreement import fail_together
+
+    out = {}
+    for name, exc in (("runtime", RuntimeError("kernel said no")), ("key", KeyError("k")), ("index", IndexError(3))):
+        def block():
+            with fail_together("f", (dist.group.WORLD, "CP group")) as agreement:
+                agreement.fields["n"] = 1
+                if rank == 1:
+                    raise exc
+        out[name] = _catch(block)
+    out["after"] = _catch(lambda: len(agree(dist.group.WORLD, "g", {})))
+    return out
+
+
+def test_fail_together_raises_every_exception_class_on_every_rank():
+    results = run_distributed(_fail_together_classes, 2, timeout=120)
+    assert results[0] == results[1], results
+    assert results[0]["runtime"][0] == "RuntimeError" and "kernel said no" in results[0]["runtime"][1]
+    assert results[0]["key"][0] == "KeyError" and results[0]["index"][0] == "IndexError"
+    assert results[0]["after"] == ("ok", 2)
+
+
+def test_the_timeout_is_configurable_and_checked(monkeypatch):
+    from cp_packing.agreement import DEFAULT_TIMEOUT, TIMEOUT_ENV, agreement_timeout, set_agreement_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert agreement_timeout() == DEFAULT_TIMEOUT == 120.0
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert agreement_timeout() == 7.5
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="CP_PACKING_TIMEOUT='soon'"):
+        agreement_timeout()
+    set_agreement_timeout(2)
+    try:
+        assert agreement_timeout() == 2.0
+        with pytest.raises(ValueError, match="got 0"):
+            set_agreement_timeout(0)
+    finally:
+        set_agreement_timeout(None)
