@@ -55,8 +55,9 @@ import torch
 
 from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
-from cp_packing.layouts import LAYOUTS
-from cp_packing.layouts.balanced import balanced_plan
+from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
+from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
+from cp_packing.layouts.need import need_tokens
 from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
@@ -233,26 +234,26 @@ def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, lengt
     return rank_cost, tokens, runs, needed - tokens
 
 
-def _layout_ranges(cu: np.ndarray, cp: int, layout: str, rows: tuple[int, int] | None, window: Window = None):
-    """``(rank, start, length)`` ranges of every rank (may cross segments for contiguous / rowzigzag)."""
-    total = int(cu[-1])
+def _rowzigzag_ranges(cu: np.ndarray, cp: int, rows: tuple[int, int]):
+    """``(rank, start, length)`` ranges of the whole-row reference (they may cross segments)."""
     ranks = np.arange(cp, dtype=np.int64)
-    if layout == "contiguous":
-        t_local = total // cp
-        return ranks, ranks * t_local, np.full(cp, t_local, dtype=np.int64)
-    if layout == "rowzigzag":
-        B, S = rows
-        bounds = (np.arange(2 * cp + 1, dtype=np.int64) * S) // (2 * cp)  # chunk bounds inside a row
-        chunk = np.stack([ranks, 2 * cp - 1 - ranks], axis=1)  # [cp, 2]
-        lo = bounds[chunk][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]  # [B, cp, 2]
-        hi = bounds[chunk + 1][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]
-        rank = np.broadcast_to(ranks[None, :, None], lo.shape)
-        return rank.reshape(-1), lo.reshape(-1), (hi - lo).reshape(-1)
-    if layout == "balanced":
-        offsets, run_start, run_len = balanced_plan(torch.from_numpy(cu.copy()), cp_size=cp, window=window)
-        rank = np.repeat(ranks, np.diff(offsets.numpy()))
-        return rank, run_start.numpy(), run_len.numpy()
-    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(COST_LAYOUTS)}")
+    B, S = rows
+    bounds = (np.arange(2 * cp + 1, dtype=np.int64) * S) // (2 * cp)  # chunk bounds inside a row
+    chunk = np.stack([ranks, 2 * cp - 1 - ranks], axis=1)  # [cp, 2]
+    lo = bounds[chunk][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]  # [B, cp, 2]
+    hi = bounds[chunk + 1][None] + (np.arange(B, dtype=np.int64) * S)[:, None, None]
+    rank = np.broadcast_to(ranks[None, :, None], lo.shape)
+    return rank.reshape(-1), lo.reshape(-1), (hi - lo).reshape(-1)
+
+
+def _plan_figures(cu: np.ndarray, cp: int, layout: str, window: Window = None):
+    """Per-rank cost, tokens, runs and keys needed from other ranks, priced on the layout's plan."""
+    plan = layout_plan(torch.from_numpy(cu.copy()), cp_size=cp, layout=layout,
+                       window=window if layout in WINDOWED_LAYOUTS else None)
+    run_rank = plan.run_rank()
+    tokens = np.bincount(run_rank, weights=plan.run_len, minlength=cp).astype(np.int64)
+    runs = np.bincount(run_rank, minlength=cp).astype(np.int64)
+    return plan_rank_cost(plan, cu, window), tokens, runs, need_tokens(plan, cu)
 
 
 def _zigzag_figures(lengths: np.ndarray, cp: int, window: Window = None):
@@ -327,9 +328,10 @@ def _rank_figures(cu: np.ndarray, cp: int, layout: str, doc_ids: torch.Tensor, w
             lengths, added, real = _padded_lengths(cu, doc_ids, 2 * cp)
             overhead = added / real if real else 0.0
         return (*_zigzag_figures(lengths, cp, window), overhead)
-    rows = tuple(doc_ids.shape) if layout == "rowzigzag" else None
-    rank, start, length = _layout_ranges(cu, cp, layout, rows, window)
-    return (*_figures(cu, cp, rank, start, length, window), 0.0)
+    if layout == "rowzigzag":
+        rank, start, length = _rowzigzag_ranges(cu, cp, tuple(doc_ids.shape))
+        return (*_figures(cu, cp, rank, start, length, window), 0.0)
+    return (*_plan_figures(cu, cp, layout, window), 0.0)
 
 
 def layout_cost(
@@ -445,40 +447,7 @@ def choose_layout(
             f"params must be PackedSeqParams, got {type(params).__name__}; build it with "
             "packed_seq_params_from_doc_ids(doc_ids)"
         )
-    check_cp(cp_size)
-    rtol = check_number(rtol, "rtol", min=0.0)
-    window = check_windows(window)
-    cu = check_cu_seqlens(params.cu_seqlens)
-    total = _check_tokens(int(cu[-1]), window)
-    if total % cp_size:
-        raise ValueError(
-            f"no CP layout is valid: the batch has T = B*S = {total} tokens, not divisible by cp_size={cp_size} "
-            f"(every layout gives each rank T / cp_size tokens); pad the rows to a multiple of {cp_size} (or of "
-            f"{2 * cp_size} for zigzag: cp_packing.pad_segments(doc_ids, multiple={2 * cp_size}))"
-        )
-    name, table = _cached_choice(cu.tobytes(), cp_size, rtol, window)
-    if logger.isEnabledFor(logging.DEBUG):
-        rows = ", ".join(f"{k}: busiest/mean {im:.4f}, kv {kv / 2**20:.1f} MiB" for k, _, im, kv in table)
-        logger.debug("layout='auto' with cp_size=%d picks %r (%s)", cp_size, name, rows)
-    return name
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_choice(
-    cu_bytes: bytes, cp: int, rtol: float, window: Window = None
-) -> tuple[str, tuple[tuple[str, int, float, int], ...]]:
-    cu = np.frombuffer(cu_bytes, dtype=np.int64)
-    candidates = [name for name in AUTO_LAYOUTS if name != "zigzag" or not np.any(np.diff(cu) % (2 * cp))]
-    table = []  # (name, busiest cost, busiest / mean, K/V bytes received under all-gather, summed over ranks)
-    for name in candidates:
-        rank_cost, _, _, kv_tokens, _ = _rank_figures(cu, cp, name, None, window)
-        mean = rank_cost.sum() / cp
-        busiest = int(rank_cost.max())
-        table.append((name, busiest, busiest / mean if mean > 0 else 1.0, int(kv_tokens.sum()) * 2 * 8 * 128 * 2))
-    lowest = min(busiest for _, busiest, _, _ in table)
-    tied = [row for row in table if row[1] <= lowest * (1.0 + rtol)]
-    best = min(tied, key=lambda row: (row[3], AUTO_LAYOUTS.index(row[0])))
-    return best[0], tuple(table)
+    return choose_layout_of_cu(params.cu_seqlens, cp_size=cp_size, rtol=rtol, window=window)
 
 
 # -------------------------------------------------------------------------------------- bytes per backend

@@ -17,8 +17,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cp_packing._checks import check_bool, check_cp, check_tensor, check_windows
-from cp_packing.cost import choose_layout
-from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_runs
+from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_plan
+from cp_packing.layouts.choose import choose_layout_of_cu
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
 __all__ = ["ShardedPackedSeqParams", "as_signed", "mark_shard", "shard_origin", "shard_packed_seq_params", "take_rows"]
@@ -211,10 +211,12 @@ def shard_packed_seq_params(
     check_cp(cp_size, cp_rank)
     window = check_windows(window)
     if layout == "auto":
-        layout = choose_layout(params, cp_size=cp_size, window=window)
+        layout = choose_layout_of_cu(params.cu_seqlens, cp_size=cp_size, window=window)
     check_layout(layout)
     cu = params.cu_seqlens.to(torch.int64)
-    run_start, run_len = layout_runs(cu, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
+    plan_start, plan_len = layout_plan(cu, cp_size=cp_size, layout=layout, window=window).runs(cp_rank)
+    run_start = torch.from_numpy(plan_start.copy()).to(cu.device)
+    run_len = torch.from_numpy(plan_len.copy()).to(cu.device)
     T_local = params.total_tokens // cp_size
 
     seg = torch.searchsorted(cu, run_start, right=True) - 1

@@ -21,34 +21,49 @@ balances ``sum min(p + 1, window)``; ``layouts/work.py`` has the closed forms). 
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
-from cp_packing.layouts.balanced import balanced_runs
-from cp_packing.layouts.contiguous import contiguous_runs
-from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_runs
+from cp_packing.layouts.balanced import balanced_plan_arrays, balanced_runs, planned_weights
+from cp_packing.layouts.contiguous import contiguous_plan, contiguous_runs
+from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan, zigzag_runs
 
 __all__ = [
     "LAYOUTS",
+    "PLANS",
     "RUNS",
+    "LayoutPlan",
     "check_layout",
     "check_zigzag_divisible",
-    "layout_runs",
     "expand_runs",
-    "layout_token_index",
     "global_token_order",
+    "layout_plan",
+    "layout_runs",
+    "layout_token_index",
 ]
 
 RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 
-#: Layout name -> pure runs function ``(cu_seqlens int64, *, cp_size, cp_rank, window) -> (run_start, run_len)``.
+#: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights) -> (offsets [cp + 1],
+#: run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by position. ``weights``
+#: is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``, else None.
+PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays}
+
+#: Layout name -> per-rank runs function ``(cu_seqlens, *, cp_size, cp_rank, window) -> (run_start, run_len)``
+#: (a slice of the layout's plan).
 RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
-LAYOUTS = tuple(RUNS)
+LAYOUTS = tuple(PLANS)
+
+#: Layouts whose placement depends on the sliding window.
+WINDOWED_LAYOUTS = ("balanced",)
 
 
 def check_layout(layout: object) -> str:
@@ -60,35 +75,109 @@ def check_layout(layout: object) -> str:
     return check_choice(layout, "layout", LAYOUTS)
 
 
+@dataclass(frozen=True, eq=False)
+class LayoutPlan:
+    """Every rank's runs of one layout on one batch (read-only NumPy int64; shared: hand out copies).
+
+    Attributes:
+        layout, cp_size: the layout and the CP group size.
+        offsets: ``[cp + 1]``: rank r's runs are ``[offsets[r], offsets[r + 1])``.
+        run_start, run_len: ``[R]``: global start and length of every run, each inside one segment, ranks in order,
+            a rank's runs ordered by position.
+        total: ``T``, the stream's length.
+    """
+
+    layout: str
+    cp_size: int
+    offsets: np.ndarray
+    run_start: np.ndarray
+    run_len: np.ndarray
+    total: int
+
+    @property
+    def t_local(self) -> int:
+        """Tokens per rank, ``T // cp_size``."""
+        return self.total // self.cp_size
+
+    def runs(self, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rank ``cp_rank``'s ``(run_start, run_len)`` (read-only views)."""
+        lo, hi = int(self.offsets[cp_rank]), int(self.offsets[cp_rank + 1])
+        return self.run_start[lo:hi], self.run_len[lo:hi]
+
+    def run_rank(self) -> np.ndarray:
+        """int64 ``[R]``: the rank of every run."""
+        return np.repeat(np.arange(self.cp_size, dtype=np.int64), np.diff(self.offsets))
+
+    def token_order(self) -> np.ndarray:
+        """int64 ``[cp, T_local]``: row r is rank r's ``token_index`` (one pass over T, all ranks at once)."""
+        out = expand_runs(torch.from_numpy(self.run_start.copy()), torch.from_numpy(self.run_len.copy()), self.total)
+        return out.numpy().reshape(self.cp_size, self.t_local)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_plan(cu_bytes: bytes, cp_size: int, layout: str, weights: object) -> LayoutPlan:
+    cu = np.frombuffer(cu_bytes, dtype=np.int64)
+    if int(cu[-1]) == 0:
+        z = np.zeros(0, dtype=np.int64)
+        offsets, run_start, run_len = np.zeros(cp_size + 1, dtype=np.int64), z, z
+    else:
+        offsets, run_start, run_len = PLANS[layout](cu, cp_size, weights)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, run_start, run_len)]
+    for a in arrays:
+        a.flags.writeable = False
+    return LayoutPlan(layout, cp_size, *arrays, int(cu[-1]))
+
+
+def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None) -> LayoutPlan:
+    """Every rank's runs of ``layout`` on this batch: validated once, planned once per ``(cu_seqlens values,
+    cp_size, layout, window)`` (cached), a host copy of ``cu_seqlens`` per call.
+
+    Args:
+        cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's; CPU or CUDA).
+        cp_size: the context-parallel group size.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+        window: the attention's sliding window(s) that window-aware layouts (``balanced``) plan for (``None``, an
+            int or a per-layer list of ``int | None``); the others do not depend on it.
+
+    Returns:
+        :class:`LayoutPlan`.
+
+    Raises:
+        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``layout`` or ``window``; ``T`` not divisible by
+        ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
+
+    >>> plan = layout_plan(torch.tensor([0, 4, 8]), cp_size=2, layout="zigzag")
+    >>> plan.offsets.tolist(), plan.run_start.tolist(), plan.run_len.tolist()
+    ([0, 4, 6], [0, 3, 4, 7, 1, 5], [1, 1, 1, 1, 2, 2])
+    """
+    check_cp(cp_size)
+    check_layout(layout)
+    window = check_windows(window)
+    cu = check_cu_seqlens(cu_seqlens)
+    check_divisible(int(cu[-1]), cp_size)
+    if layout == "zigzag":
+        check_zigzag_divisible(torch.from_numpy(cu), cp_size)
+    weights = planned_weights(cu, cp_size, window) if layout in WINDOWED_LAYOUTS else None
+    return _cached_plan(cu.tobytes(), cp_size, layout, weights)
+
+
 def layout_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The runs of global tokens that rank ``cp_rank`` holds, in local order.
-
-    Args:
-        cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's).
-        cp_size, cp_rank: the context-parallel group size and this rank.
-        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
-        window: the attention's sliding window (``None``, an int or a per-layer list of ``int | None``) that
-            ``balanced`` plans for; the other layouts do not depend on it. Every rank must pass the same.
+    """The runs of global tokens that rank ``cp_rank`` holds, in local order: a slice of :func:`layout_plan`.
 
     Returns:
         ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``: every run lies inside one segment and
         ``run_len.sum() == T // cp_size``.
 
-    Raises:
-        TypeError / ValueError: a bad ``cu_seqlens``, ``cp_size``, ``cp_rank``, ``layout`` or ``window``; ``T`` not
-        divisible by ``cp_size``; for zigzag, a segment not divisible by ``2 * cp_size``.
-
     >>> layout_runs(torch.tensor([0, 4, 8]), cp_size=2, cp_rank=0, layout="contiguous")
     (tensor([0]), tensor([4]))
     """
     check_cp(cp_size, cp_rank)
-    check_layout(layout)
-    window = check_windows(window)
-    total = int(check_cu_seqlens(cu_seqlens)[-1])
-    check_divisible(total, cp_size)
-    return RUNS[layout](cu_seqlens.to(torch.int64), cp_size=cp_size, cp_rank=cp_rank, window=window)
+    plan = layout_plan(cu_seqlens, cp_size=cp_size, layout=layout, window=window)
+    run_start, run_len = plan.runs(cp_rank)
+    device = cu_seqlens.device
+    return torch.from_numpy(run_start.copy()).to(device), torch.from_numpy(run_len.copy()).to(device)
 
 
 def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> torch.Tensor:
@@ -129,7 +218,7 @@ def layout_token_index(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
 ) -> torch.Tensor:
     """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order
-    (``window``: as in ``layout_runs``).
+    (``window``: as in ``layout_plan``).
 
     >>> layout_token_index(torch.tensor([0, 8]), cp_size=2, cp_rank=0, layout="zigzag")
     tensor([0, 1, 6, 7])
@@ -142,7 +231,8 @@ def layout_token_index(
 def global_token_order(
     cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None
 ) -> torch.Tensor:
-    """int64 ``[cp_size, T_local]``: row r is rank r's ``token_index`` (``window``: as in ``layout_runs``).
+    """int64 ``[cp_size, T_local]`` on ``cu_seqlens.device``: row r is rank r's ``token_index`` (``window``: as in
+    ``layout_plan``). One plan and one pass over T for all ranks.
 
     Every global token appears exactly once, so the flattened tensor is a permutation of ``range(T)``: the order of
     an all-gather over the CP group.
@@ -151,7 +241,5 @@ def global_token_order(
     tensor([[0, 3],
             [1, 2]])
     """
-    return torch.stack(
-        [layout_token_index(cu_seqlens, cp_size=cp_size, cp_rank=r, layout=layout, window=window)
-         for r in range(cp_size)]
-    )
+    plan = layout_plan(cu_seqlens, cp_size=cp_size, layout=layout, window=window)
+    return torch.from_numpy(plan.token_order()).to(cu_seqlens.device)

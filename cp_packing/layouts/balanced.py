@@ -50,7 +50,8 @@ import torch
 from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible, check_weighted_cost_tokens
 from cp_packing.layouts.work import WindowWeights, head_cost, range_cost, window_weights
 
-__all__ = ["balanced_plan", "balanced_runs", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
+__all__ = ["balanced_plan", "balanced_plan_arrays", "balanced_runs", "planned_weights", "MIN_CHUNK", "HEAVY",
+           "LPT_FRACTION", "LPT_ROUNDS"]
 
 #: The smallest piece the planner cuts on purpose. Short runs waste the tiles of a flash kernel.
 MIN_CHUNK = 32
@@ -344,15 +345,26 @@ def _cached_plan(cu_bytes: bytes, cp: int, weights: WindowWeights):
     return plan
 
 
+def planned_weights(cu: np.ndarray, cp_size: int, window: object) -> WindowWeights:
+    """The window weights the plan of ``cu`` (int64 NumPy, validated) balances: ``window_weights(window,
+    max_seqlen=, reduce=True)`` (a window at least as long as every segment is no window), checked to fit int64."""
+    max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
+    weights = window_weights(window, max_seqlen=max_seqlen, reduce=True)
+    check_weighted_cost_tokens(int(cu[-1]), sum(c for _, c in weights))
+    return weights
+
+
+def balanced_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights) -> tuple[np.ndarray, ...]:
+    """``(offsets, run_start, run_len)`` (read-only NumPy, cached) of a validated ``cu`` and ``planned_weights``."""
+    return _cached_plan(np.ascontiguousarray(cu, dtype=np.int64).tobytes(), cp_size, weights)
+
+
 def _plan_key(cu_seqlens: object, cp_size: int, window: object) -> tuple[np.ndarray, WindowWeights]:
     """Validated ``(cu int64, window weights)``: the plan's cache key with ``cp_size``."""
     check_cp(cp_size)
     cu = check_cu_seqlens(cu_seqlens)
     check_divisible(int(cu[-1]), cp_size)
-    max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
-    weights = window_weights(window, max_seqlen=max_seqlen, reduce=True)
-    check_weighted_cost_tokens(int(cu[-1]), sum(c for _, c in weights))
-    return cu, weights
+    return cu, planned_weights(cu, cp_size, window)
 
 
 def balanced_plan(

@@ -12,36 +12,48 @@ rank. Picture, ``T = 12``, ``cp = 3``, segments ``A`` (7 tokens), ``B`` (3), ``C
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["contiguous_runs"]
+__all__ = ["contiguous_plan", "contiguous_runs"]
+
+
+def contiguous_plan(cu: np.ndarray, cp_size: int, window: object = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's runs under ``contiguous``: the stream cut at the segment and rank boundaries.
+
+    Args:
+        cu: int64 ``[N + 1]`` global cumulative segment lengths, ``T = cu[-1]`` divisible by ``cp_size``.
+        cp_size: the CP group size.
+        window: ignored (a fixed placement; the plan functions share one signature).
+
+    Returns:
+        ``(offsets [cp + 1], run_start [R], run_len [R])`` int64: rank r's runs are ``[offsets[r], offsets[r + 1])``.
+
+    >>> [a.tolist() for a in contiguous_plan(np.array([0, 7, 10, 12]), 3)]
+    [[0, 1, 3, 5], [0, 4, 7, 8, 10], [4, 3, 1, 2, 2]]
+    """
+    total = int(cu[-1])
+    t_local = total // cp_size
+    bounds = np.arange(cp_size + 1, dtype=np.int64) * t_local
+    cuts = np.union1d(cu, bounds)
+    run_start, run_len = cuts[:-1], np.diff(cuts)
+    keep = run_len > 0
+    run_start, run_len = run_start[keep], run_len[keep]
+    offsets = np.searchsorted(run_start, bounds, side="left").astype(np.int64)
+    offsets[-1] = run_start.size
+    return offsets, run_start, run_len
 
 
 def contiguous_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``contiguous``: its flat range cut at the segment boundaries.
-
-    Args:
-        cu_seqlens: int64 ``[N + 1]`` global cumulative segment lengths, ``T = cu_seqlens[-1]`` divisible by
-            ``cp_size`` (checked by ``cp_packing.layouts.layout_runs``).
-        cp_size, cp_rank: the CP group size and this rank.
-        window: ignored: a fixed placement, whatever the cost (the runs functions share one signature).
-
-    Returns:
-        ``(run_start, run_len)``, int64 ``[R]`` each, in local order (= global order).
+    """Rank ``cp_rank``'s runs under ``contiguous`` (a slice of :func:`contiguous_plan`), int64 on
+    ``cu_seqlens.device``.
 
     >>> contiguous_runs(torch.tensor([0, 7, 10, 12]), cp_size=3, cp_rank=1)
     (tensor([4, 7]), tensor([3, 1]))
     """
-    cu = cu_seqlens
-    t_local = int(cu[-1]) // cp_size
-    if t_local == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=cu.device)
-        return empty, empty
-    lo, hi = cp_rank * t_local, (cp_rank + 1) * t_local
-    bounds = torch.tensor([lo, hi - 1], dtype=torch.int64, device=cu.device)
-    first, last = (torch.searchsorted(cu, bounds, right=True) - 1).tolist()  # segments holding the first/last token
-    run_start = cu[first : last + 1].clamp(min=lo)
-    run_len = cu[first + 1 : last + 2].clamp(max=hi) - run_start
-    return run_start, run_len
+    offsets, run_start, run_len = contiguous_plan(cu_seqlens.to("cpu", torch.int64).numpy(), cp_size)
+    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
+    return (torch.from_numpy(run_start[lo:hi].copy()).to(cu_seqlens.device),
+            torch.from_numpy(run_len[lo:hi].copy()).to(cu_seqlens.device))

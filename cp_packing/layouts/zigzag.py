@@ -13,9 +13,10 @@ TransformerEngine's THD context parallelism. Picture, one segment of 8 tokens, `
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["zigzag_runs", "check_zigzag_divisible"]
+__all__ = ["zigzag_plan", "zigzag_runs", "check_zigzag_divisible"]
 
 
 def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
@@ -36,32 +37,50 @@ def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
         )
 
 
+def zigzag_plan(cu: np.ndarray, cp_size: int, window: object = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's runs under ``zigzag``: chunks ``r`` and ``2cp-1-r`` of every segment, segment after segment
+    (one run per segment on the last rank, whose two chunks touch).
+
+    Args:
+        cu: int64 ``[N + 1]``; every segment length a multiple of ``2 * cp_size`` (checked by the caller,
+            ``check_zigzag_divisible``).
+        cp_size: the CP group size.
+        window: ignored (a fixed placement; the plan functions share one signature).
+
+    Returns:
+        ``(offsets [cp + 1], run_start [R], run_len [R])`` int64. Memory O(T / 2): a segment has >= 2cp tokens.
+
+    >>> [a.tolist() for a in zigzag_plan(np.array([0, 8]), 2)]
+    [[0, 2, 3], [0, 6, 2], [2, 2, 4]]
+    """
+    seg_start = cu[:-1][np.diff(cu) > 0]
+    chunk = np.diff(cu)[np.diff(cu) > 0] // (2 * cp_size)  # [N]
+    ranks = np.arange(cp_size, dtype=np.int64)
+    head = seg_start[None, :] + ranks[:, None] * chunk[None, :]  # [cp, N]
+    tail = seg_start[None, :] + (2 * cp_size - 1 - ranks)[:, None] * chunk[None, :]
+    pair_start = np.stack([head, tail], axis=2)  # [cp, N, 2]
+    pair_len = np.broadcast_to(chunk[None, :, None], pair_start.shape).copy()
+    pair_len[-1, :, 0] *= 2  # the last rank's two chunks touch: one run
+    keep = np.ones(pair_start.shape, dtype=bool)
+    keep[-1, :, 1] = False
+    keep &= pair_len > 0
+    counts = keep.reshape(cp_size, -1).sum(axis=1)
+    offsets = np.zeros(cp_size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets, pair_start[keep], pair_len[keep]
+
+
 def zigzag_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``zigzag``: chunks ``r`` and ``2cp-1-r`` of every segment (one run on the last
-    rank, whose two chunks touch).
-
-    Args:
-        cu_seqlens: int64 ``[N + 1]``; every segment length must be a multiple of ``2 * cp_size`` (else a ValueError
-            naming the first segment that is not).
-        cp_size, cp_rank: the CP group size and this rank.
-        window: ignored: a fixed placement, whatever the cost (the runs functions share one signature).
-
-    Returns:
-        ``(run_start, run_len)``, int64 ``[R]`` each, segment after segment.
+    """Rank ``cp_rank``'s runs under ``zigzag`` (a slice of :func:`zigzag_plan`), int64 on ``cu_seqlens.device``;
+    every segment length must be a multiple of ``2 * cp_size`` (else a ValueError naming the first that is not).
 
     >>> zigzag_runs(torch.tensor([0, 8]), cp_size=2, cp_rank=0)
     (tensor([0, 6]), tensor([2, 2]))
     """
     check_zigzag_divisible(cu_seqlens, cp_size)
-    cu = cu_seqlens
-    seg_start = cu[:-1]
-    chunk = (cu[1:] - seg_start) // (2 * cp_size)
-    head = seg_start + cp_rank * chunk
-    if cp_rank == cp_size - 1:  # chunks cp-1 and cp touch: one run per segment (runs are maximal pieces)
-        return head, 2 * chunk
-    tail = seg_start + (2 * cp_size - 1 - cp_rank) * chunk
-    run_start = torch.stack([head, tail], dim=1).reshape(-1)
-    run_len = torch.stack([chunk, chunk], dim=1).reshape(-1)
-    return run_start, run_len
+    offsets, run_start, run_len = zigzag_plan(cu_seqlens.to("cpu", torch.int64).numpy(), cp_size)
+    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
+    return (torch.from_numpy(run_start[lo:hi].copy()).to(cu_seqlens.device),
+            torch.from_numpy(run_len[lo:hi].copy()).to(cu_seqlens.device))

@@ -1,0 +1,130 @@
+"""What a rank needs from the others: the keys its queries attend that it does not hold. Pure NumPy index math.
+
+Under causal document attention a local run ``[s, s + L)`` of a segment starting at ``g`` attends the keys
+``[g, s + L)`` (``[max(g, s - w + 1), s + L)`` under a sliding window ``w``: its first query's window start; later
+queries see less far back, the kernel masks them); without causality the whole segment ``[g, e)``. A rank's NEED is
+the union of its runs' key ranges minus the tokens it holds, as disjoint ranges of global positions, and each needed
+range is held by one other rank (its *owner*) at known local rows::
+
+    global   0 ............................................ T
+    rank 1 holds   [====]          [==]           a run at [s, s+L): keys [g, s+L)
+    its need  [###]      [#########]              the rest of the key ranges, owned by ranks 0, 2, ...
+
+:func:`exchange_pieces` returns those pieces with their owner and the owner's local row: the send and receive
+tables of the exchange backend (``cp_packing.attention.exchange``) and the bytes of the cost model
+(``cp_packing.cost``) both come from here. Memory and time O(runs log runs); nothing is per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cp_packing.layouts import LayoutPlan
+
+__all__ = ["ExchangePieces", "exchange_pieces", "key_ranges", "need_tokens"]
+
+
+def key_ranges(plan: LayoutPlan, cu: np.ndarray, *, causal: bool = True, window: int | None = None):
+    """``(lo, hi)`` int64 ``[R]``: the global key range of every run of ``plan`` (see the module docstring).
+
+    >>> from cp_packing.layouts import layout_plan
+    >>> import torch
+    >>> plan = layout_plan(torch.tensor([0, 6]), cp_size=2, layout="contiguous")
+    >>> [a.tolist() for a in key_ranges(plan, np.array([0, 6]))]
+    [[0, 0], [3, 6]]
+    """
+    s, n = plan.run_start, plan.run_len
+    seg = np.searchsorted(cu, s, side="right") - 1
+    g = cu[seg]
+    if not causal:
+        return g.astype(np.int64), cu[seg + 1].astype(np.int64)
+    lo = g if window is None else np.maximum(g, s - (window - 1))
+    return lo.astype(np.int64), (s + n).astype(np.int64)
+
+
+def _need_intervals(plan: LayoutPlan, lo: np.ndarray, hi: np.ndarray):
+    """Per rank, the union of the key ranges minus the held runs: ``(rank, start, end)`` disjoint, sorted."""
+    rank = plan.run_rank()
+    # boundaries: key range +1 / -1 (overlapping ranges of one rank add up), held run -BIG / +BIG
+    big = np.int64(1) << 40
+    pos = np.concatenate([lo, hi, plan.run_start, plan.run_start + plan.run_len])
+    delta = np.concatenate([np.ones_like(lo), -np.ones_like(hi), np.full_like(lo, -big), np.full_like(hi, big)])
+    owner = np.concatenate([rank, rank, rank, rank])
+    o = np.lexsort((pos, owner))
+    pos, delta, owner = pos[o], delta[o], owner[o]
+    # net change per (rank, position); the level after it is the cumulative sum within the rank
+    first = np.ones(pos.size, dtype=bool)
+    first[1:] = (pos[1:] != pos[:-1]) | (owner[1:] != owner[:-1])
+    idx = np.flatnonzero(first)
+    net = np.add.reduceat(delta, idx) if idx.size else delta[:0]
+    pos, owner = pos[idx], owner[idx]
+    level = np.cumsum(net)  # every rank's deltas sum to 0: each rank's sweep starts at level 0
+    needed = level > 0  # covered by some key range and not held (held subtracts BIG)
+    keep = needed[:-1] & (owner[1:] == owner[:-1]) & (pos[1:] > pos[:-1])
+    return owner[:-1][keep], pos[:-1][keep], pos[1:][keep]
+
+
+def need_tokens(plan: LayoutPlan, cu: np.ndarray, *, causal: bool = True, window: int | None = None) -> np.ndarray:
+    """int64 ``[cp]``: how many keys every rank needs from the other ranks (the exchange's receive count).
+
+    >>> from cp_packing.layouts import layout_plan
+    >>> import torch
+    >>> need_tokens(layout_plan(torch.tensor([0, 8]), cp_size=2, layout="contiguous"), np.array([0, 8])).tolist()
+    [0, 4]
+    """
+    lo, hi = key_ranges(plan, cu, causal=causal, window=window)
+    rank, start, end = _need_intervals(plan, lo, hi)
+    return np.bincount(rank, weights=end - start, minlength=plan.cp_size).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ExchangePieces:
+    """The needed key ranges, cut at the owners' runs: what rank ``receiver`` gets from rank ``owner``.
+
+    Attributes:
+        receiver, owner: int64 ``[P]`` ranks.
+        start, length: int64 ``[P]`` global positions of each piece.
+        owner_row: int64 ``[P]`` the piece's first row in the owner's local stream.
+        Pieces are sorted by (receiver, owner, start): the order of an all-to-all's splits.
+    """
+
+    receiver: np.ndarray
+    owner: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    owner_row: np.ndarray
+
+
+def exchange_pieces(plan: LayoutPlan, cu: np.ndarray, *, causal: bool = True,
+                    window: int | None = None) -> ExchangePieces:
+    """Every rank's need, cut at the runs of its owners (see :class:`ExchangePieces`).
+
+    >>> from cp_packing.layouts import layout_plan
+    >>> import torch
+    >>> p = exchange_pieces(layout_plan(torch.tensor([0, 8]), cp_size=2, layout="contiguous"), np.array([0, 8]))
+    >>> p.receiver.tolist(), p.owner.tolist(), p.start.tolist(), p.length.tolist(), p.owner_row.tolist()
+    ([1], [0], [0], [4], [0])
+    """
+    lo, hi = key_ranges(plan, cu, causal=causal, window=window)
+    receiver, start, end = _need_intervals(plan, lo, hi)
+    run_rank = plan.run_rank()
+    csum = np.concatenate([[0], np.cumsum(plan.run_len)])
+    local_start = csum[:-1] - np.repeat(csum[plan.offsets[:-1]], np.diff(plan.offsets))  # row of each run's start
+    o = np.argsort(plan.run_start, kind="stable")  # the runs of all ranks partition [0, T)
+    r_start, r_end = plan.run_start[o], plan.run_start[o] + plan.run_len[o]
+    r_rank, r_row = run_rank[o], local_start[o]
+    first = np.searchsorted(r_start, start, side="right") - 1
+    last = np.searchsorted(r_start, end - 1, side="right") - 1
+    count = last - first + 1
+    piece = np.repeat(np.arange(start.size), count)
+    run = first[piece] + (np.arange(piece.size) - np.repeat(np.cumsum(count) - count, count))
+    p_start = np.maximum(start[piece], r_start[run])
+    p_end = np.minimum(end[piece], r_end[run])
+    keep = p_end > p_start
+    piece, run, p_start, p_end = piece[keep], run[keep], p_start[keep], p_end[keep]
+    p_recv, p_owner = receiver[piece], r_rank[run]
+    p_row = r_row[run] + (p_start - r_start[run])
+    o = np.lexsort((p_start, p_owner, p_recv))
+    return ExchangePieces(p_recv[o], p_owner[o], p_start[o], (p_end - p_start)[o], p_row[o])

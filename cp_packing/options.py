@@ -1,0 +1,100 @@
+"""The frozen options of CP attention: everything that shapes a step's attention, validated once.
+
+One :class:`AttentionOptions` travels from where a step is set up (``cp_packing.hf.cp_model_inputs``, the trainers,
+the CLI, ``cp_packing.attention.prepare_attention``) into the step's plan; the layers only read it. Per-layer values
+that HF passes to the attention function (a layer's ``sliding_window``, ``scaling``, soft-capping, sinks,
+``is_causal``) override the defaults here for that layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from cp_packing._checks import check_bool, check_choice, check_int, check_number, check_softcap, check_windows
+from cp_packing.capabilities import BACKENDS, KERNELS
+from cp_packing.layouts import LAYOUTS
+
+__all__ = ["AttentionOptions", "CHECKED_STEPS", "LAYOUT_CHOICES"]
+
+LAYOUT_CHOICES = ("auto", *LAYOUTS)
+"""The ``layout`` values (``"auto"``: chosen per batch by the cost model)."""
+
+CHECKED_STEPS = 2
+"""With ``check_layers=None``, the first this-many steps of a CP group check every layer against the other ranks."""
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What shapes a step's CP attention (validated in ``__post_init__``; hashable; compare with ``==``).
+
+    Attributes:
+        backend: ``"auto"`` (chosen per step, docs/attention.md), ``"allgather"``, ``"exchange"``, ``"ulysses"``,
+            ``"hybrid"`` (with ``ulysses_size``) or ``"ring_flash_attn"``.
+        kernel: the varlen kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"torch_varlen"``.
+        ulysses_size: ranks per Ulysses group of ``backend="hybrid"`` (and only with it).
+        layout: the layout a step is sharded with where the options shard it (``"auto"``: the cost model's choice).
+        window: the model's sliding window(s), ``None``, an int or a per-layer tuple of ``int | None``: the layout is
+            balanced for it and the step's key tables are prepared for each distinct window.
+        causal: causal attention within each document (a layer's ``is_causal`` overrides it).
+        softcap: logit soft-capping of layers that pass none (``None``: none).
+        sinks: whether the model's layers have attention sinks (rules out backends that cannot take them).
+        scale: softmax scale of layers that pass none (``None``: ``1 / sqrt(head_dim)``).
+        overlap: the exchange backend hides its transfer behind the local part of the attention.
+        check_layers: every layer's call checked against the other ranks (a small agreement per layer, so a per-layer
+            mistake on one rank raises everywhere): ``True``, ``False``, or ``None`` = the first
+            :data:`CHECKED_STEPS` steps of a CP group.
+
+    >>> AttentionOptions(backend="hybrid", ulysses_size=2).ulysses_size
+    2
+    >>> AttentionOptions(window=[4096, None]).window
+    (4096, None)
+    """
+
+    backend: str = "auto"
+    kernel: str = "auto"
+    ulysses_size: int | None = None
+    layout: str = "auto"
+    window: Any = None
+    causal: bool = True
+    softcap: float | None = None
+    sinks: bool = False
+    scale: float | None = None
+    overlap: bool = True
+    check_layers: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"unknown attention backend {self.backend!r}; choose one of "
+                             f"{', '.join(map(repr, ('auto', *BACKENDS)))}")
+        if self.kernel not in ("auto", *KERNELS):
+            raise ValueError(f"unknown attention kernel {self.kernel!r}; choose one of 'auto', "
+                             f"{', '.join(map(repr, KERNELS))}")
+        if (self.backend == "hybrid") != (self.ulysses_size is not None):
+            raise ValueError(
+                f"ulysses_size={self.ulysses_size!r} with backend={self.backend!r}: ulysses_size (ranks per Ulysses "
+                "group) goes with backend='hybrid' and only with it; use backend='ulysses' for Ulysses over the whole "
+                "CP group"
+            )
+        if self.ulysses_size is not None:
+            check_int(self.ulysses_size, "ulysses_size", min=1)
+        check_choice(self.layout, "layout", LAYOUT_CHOICES)
+        object.__setattr__(self, "window", check_windows(self.window))
+        check_bool(self.causal, "causal")
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        check_bool(self.sinks, "sinks")
+        object.__setattr__(self, "scale", check_number(self.scale, "softmax_scale", allow_none=True))
+        check_bool(self.overlap, "overlap")
+        if self.check_layers is not None:
+            check_bool(self.check_layers, "check_layers")
+
+    def replace(self, **changes: Any) -> "AttentionOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct per-layer windows, ``None`` (a global layer) included: the step's key tables to prepare."""
+        layers = self.window if isinstance(self.window, tuple) else (self.window,)
+        return tuple(dict.fromkeys(layers))
