@@ -216,6 +216,10 @@ def test_field_is_honoured(name):
         assert got["tokens"] == ref["tokens"], where
         torch.testing.assert_close(torch.tensor(got["evals"]), torch.tensor(ref["evals"]), rtol=1e-5, atol=0,
                                    msg=lambda m: f"{where}, (eval loss, accuracy) per evaluation: {m}")
+    got = ranks[0][name]
+    print(f"{name}: max loss diff {max(abs(a[0] - b[0]) for a, b in zip(got['logged'], ref['logged'])):.3g}, "
+          f"grad norm diff {max(abs(a[1] - b[1]) for a, b in zip(got['logged'], ref['logged'])):.3g}, weight diff "
+          f"{max(float((got['weights'][k] - w).abs().max()) for k, w in ref['weights'].items()):.3g}")
     if name == "include_num_input_tokens_seen":
         assert ref["tokens"] == STEPS * ACCUM * SEQ  # one-row micro-batches
     if name == "eval_strategy=steps":
@@ -240,6 +244,8 @@ def test_evaluate_and_predict_equal_one_process_trainer():
         torch.testing.assert_close(predictions[real], expected[real], rtol=1e-4, atol=1e-5)
         assert bool((predictions[~real] == 0).all())
         assert (got["label_ids"] == ref["label_ids"]).all()
+        print(f"rank {rank}: eval loss diff {abs(got['final_eval'][0] - ref['final_eval'][0]):.3g}, max logit diff "
+              f"{float((predictions[real] - expected[real]).abs().max()):.3g}")
 
 
 @pytest.mark.distributed
