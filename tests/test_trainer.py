@@ -73,11 +73,12 @@ def reference_row(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def training_args(out: str, batch_size: int, **extra) -> TrainingArguments:
-    return TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
-                             per_device_eval_batch_size=batch_size,
-                             max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
-                             report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
-                             **OPTIM, **extra)
+    """Plain SGD, no clipping, STEPS steps of ACCUM micro-batches of ``batch_size`` rows; ``extra`` on top."""
+    kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                  per_device_eval_batch_size=batch_size, max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant",
+                  save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                  dataloader_pin_memory=False, **OPTIM)
+    return TrainingArguments(**{**kwargs, **extra})
 
 
 def use_world_env(rank: int, world: int) -> None:
@@ -325,13 +326,14 @@ def _documents():
                                                      for n in lengths]})
 
 
-def _sft_args(out: str, batch_size: int):
+def _sft_args(out: str, batch_size: int, **extra):
     from trl import SFTConfig
 
-    return SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
-                     max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
-                     report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
-                     packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+    kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                  max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
+                  report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
+                  packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+    return SFTConfig(**{**kwargs, **extra})
 
 
 def _sft_run(rank: int, world: int, cp: int):

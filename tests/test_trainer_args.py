@@ -24,23 +24,25 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
 from cp_packing.testing import run_distributed  # noqa: E402
 from tests.test_trainer import (  # noqa: E402
     ACCUM,
     ATOL,
     HAS_TRL,
-    OPTIM,
     RTOL,
     SEQ,
     STEPS,
+    TRL_STEPS,
     VOCAB,
+    _sft_args,
     _tiny_tokenizer,
     losses_and_weights,
     make_model,
     packed_rows,
     reference_row,
+    training_args,
     use_world_env,
 )
 
@@ -104,15 +106,6 @@ REFUSED = {
 }
 
 
-def _training_args(out: str, **extra) -> TrainingArguments:
-    """tests/test_trainer.py's arguments (plain SGD, no clipping, 3 steps of 2 micro-batches), with ``extra`` on
-    top."""
-    kwargs = dict(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
-                  logging_steps=1, lr_scheduler_type="constant", save_strategy="no", report_to="none",
-                  disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False, **OPTIM)
-    return TrainingArguments(**{**kwargs, **extra})
-
-
 def _moe_model():
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -141,7 +134,7 @@ def _train(cp: bool, extra_args: dict, extra: dict) -> dict:
         extra["eval_dataset"] = _eval_rows(cp)
     rows = packed_rows() if cp else [reference_row(r) for r in packed_rows()]
     with tempfile.TemporaryDirectory() as out:
-        args = _training_args(out, **extra_args)
+        args = training_args(out, 1, **extra_args)
         if cp:
             trainer = CPTrainer(model=model, args=args, train_dataset=rows, cp_size=CP,
                                 layout="zigzag" if evaluating else "balanced", **extra)
@@ -168,7 +161,7 @@ def _construct(extra_args: dict, extra: dict) -> str:
     model = _moe_model() if extra.pop("model", None) == "moe" else make_model("sdpa")
     with tempfile.TemporaryDirectory() as out:
         try:
-            CPTrainer(model=model, args=_training_args(out, **extra_args), train_dataset=packed_rows(), cp_size=CP,
+            CPTrainer(model=model, args=training_args(out, 1, **extra_args), train_dataset=packed_rows(), cp_size=CP,
                       **extra)
         except ValueError as exc:
             return str(exc)
@@ -259,9 +252,6 @@ def test_field_is_refused_at_construction(name):
 
 # ------------------------------------------------------------------------------------------------- TRL SFTTrainer
 
-SFT_STEPS = 2
-
-
 def _sft_documents(mask: str | None = None):
     """Tokenized documents of 3..15 tokens (as tests/test_trainer.py), with a loss mask column where asked
     (``completion_mask`` / ``assistant_masks``: the first third of each document masked)."""
@@ -288,23 +278,13 @@ SFT_REFUSED = {"loss_type=dft": ({"loss_type": "dft"}, "loss_type"),
                "use_liger_kernel": ({"use_liger_kernel": True}, "use_liger_kernel")}
 
 
-def _sft_config(out: str, **extra):
-    from trl import SFTConfig
-
-    kwargs = dict(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=SFT_STEPS,
-                  logging_steps=1, lr_scheduler_type="constant", save_strategy="no", report_to="none",
-                  disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False, packing=True, max_length=SEQ,
-                  bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
-    return SFTConfig(**{**kwargs, **extra})
-
-
 def _sft_cases(rank: int, world: int, cp: bool) -> dict:
     use_world_env(rank, world)
     results = {}
     cases = {**SFT_HONOURED, **({name: (args, None, False) for name, (args, _) in SFT_REFUSED.items()} if cp else {})}
     for name, (extra, mask, evaluating) in cases.items():
         with tempfile.TemporaryDirectory() as out:
-            kwargs = dict(model=make_model("sdpa"), args=_sft_config(out, **extra), train_dataset=_sft_documents(mask),
+            kwargs = dict(model=make_model("sdpa"), args=_sft_args(out, 1, **extra), train_dataset=_sft_documents(mask),
                           processing_class=_tiny_tokenizer())
             if evaluating:
                 kwargs["eval_dataset"] = _sft_documents().select(range(6))
@@ -349,7 +329,7 @@ def test_sft_field_is_honoured(name):
         for key, w in ref["weights"].items():
             torch.testing.assert_close(got["weights"][key], w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} {key}: {m}")
         torch.testing.assert_close(torch.tensor(got["evals"]), torch.tensor(ref["evals"]), rtol=1e-5, atol=0)
-    assert len(ref["evals"]) == (SFT_STEPS if SFT_HONOURED[name][2] else 0)
+    assert len(ref["evals"]) == (TRL_STEPS if SFT_HONOURED[name][2] else 0)
 
 
 @pytest.mark.distributed
