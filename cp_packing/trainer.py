@@ -1,46 +1,52 @@
 """HF ``Trainer`` (and TRL ``SFTTrainer``) with context parallelism: :class:`CPTrainer`, :class:`CPSFTTrainer`.
 
 ``CPTrainer(model=..., args=..., train_dataset=..., cp_size=2)`` is a ``transformers.Trainer`` that does the CP
-glue (docs/trainer.md has the whole script and what each step does):
+glue (docs/trainer.md has the whole script, what each step does and a table of every ``TrainingArguments`` /
+``SFTConfig`` field that changes the math):
 
-* a DP x CP ``DeviceMesh`` ``("dp", "cp")`` from the world (consecutive ranks form a CP group);
+* the DP x CP mesh (:class:`cp_packing.groups.CPMesh`, ``CPMesh.from_world``: consecutive ranks form a CP group);
 * the model runs cp_packing's attention (registered, and set on the model when it runs another implementation),
   guarded by :func:`cp_packing.hf.check_cp_model`;
-* a DataLoader whose sampler splits the dataset over the DP replicas only, so every CP rank of a replica collates
-  the same packed batch (no scatter); the collator turns the batch into the global ``input_ids`` / ``doc_ids`` /
-  ``shift_labels`` (:func:`cp_batch`), padded for the CP layout;
-* each step shards that batch locally (``shard_packed_seq_params``), runs the model on this rank's tokens and takes
-  the cross-entropy SUM of its labels over ``num_items_in_batch``: the valid labels of the whole optimizer step
-  (every micro-batch of gradient accumulation, every DP replica, counted once per replica);
-* DDP (which the Trainer / accelerate wraps the model in when the world has more than one rank) AVERAGES gradients
-  over the world; the loss is multiplied by the world size, so the reduced gradient is the SUM of every rank's
-  share: exactly the gradient of the whole step's mean loss (the factor HF's own ``Trainer.compute_loss`` applies
-  with ``average_tokens_across_devices``). FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``:
-  accelerate's ``fully_shard`` over the whole world) averages over its mesh the same way and gets the same factor
-  (its mesh must span the DP x CP world and keep FSDP2's default divisor; else NotImplementedError). Under FSDP2
-  every forward gathers the full parameters, which the CP attention and loss need.
+* the Trainer's own DataLoader (its sampler: ``train_sampling_strategy``, ``data_seed``, ...) split over the DP
+  replicas only (accelerate's ``prepare_data_loader`` with ``num_processes = dp_size``), so every CP rank of a replica
+  collates the same rows, in the order a one-process Trainer would see them; the train collator turns each batch into
+  the global ``input_ids`` / ``doc_ids`` / ``shift_labels`` (:func:`cp_batch`), padded for the CP layout;
+* each step shards that batch locally, runs the model on this rank's tokens and returns this rank's SHARE of the
+  step's mean loss (cross-entropy, or label-smoothed cross-entropy, or a CP-aware ``compute_loss_func``: local sum
+  over ``num_items_in_batch``, the valid labels of the whole optimizer step);
+* the gradient convention of the library (``CPMesh``): gradients SUMMED over all DP x CP ranks. DDP and FSDP2 (the
+  wrappers the Trainer / accelerate put around the model) AVERAGE over the world, so each rank's share is multiplied
+  by the number of ranks they average over (the factor HF's own ``compute_loss`` applies with
+  ``average_tokens_across_devices``);
+* ``evaluate`` / ``predict``: the same sharded forward under ``no_grad``; the eval loss is the global loss of each
+  batch (every rank's share summed), the predictions are the logits gathered over the CP group and laid back in
+  the collated batch's ``[B, S, V]`` order; metrics gather over the DP replicas only.
 
 Labels: a batch's ``labels`` are HF's (unshifted: ``labels[t]`` is the token at ``t`` or -100; the shift happens
 here, on the global stream, inside each document); ``shift_labels`` are already shifted (cp-packing's
-``next_token_labels`` convention, HF's name for it). No labels: every next token inside a document.
+``next_token_labels`` convention). Either in the other convention is a ``ValueError``. No labels: every next token
+inside a document.
 
-Not supported (a clear error): FSDP1, evaluation (``evaluate``/``predict``), an iterable dataset with
-more than one DP replica.
+Refused at construction (a ``ValueError`` naming the field and the fix): the fields of docs/trainer.md's table
+that cannot be honoured under CP. Not supported (``NotImplementedError``): FSDP1, an iterable dataset with more than
+one DP replica.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
-from cp_packing._checks import check_choice, check_int
+from cp_packing._checks import IGNORE_INDEX, check_choice, check_int
 from cp_packing.formats import doc_ids_from_position_ids
-from cp_packing.groups import device_for_backend
+from cp_packing.groups import CPMesh, device_for_backend
 from cp_packing.hf import (
     check_cp_model,
     check_transformers_version,
@@ -49,10 +55,10 @@ from cp_packing.hf import (
     register_cp_attention,
 )
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loss import next_token_labels, packed_cross_entropy
+from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from cp_packing.padding import pad_rows, pad_segments
-from cp_packing.sharding import shard_packed_seq_params
+from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
+from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 check_transformers_version()
 from transformers import Trainer  # noqa: E402 - after the version check
@@ -61,7 +67,6 @@ __all__ = ["CPMesh", "CPTrainer", "CPTrainerMixin", "cp_batch", "cp_mesh_from_wo
 
 logger = logging.getLogger("cp_packing")
 
-IGNORE_INDEX = -100
 _LAYOUT_CHOICES = (*LAYOUTS, "auto")
 _BATCH_KEYS = ("input_ids", "doc_ids", "shift_labels")
 # Columns a datasets.Dataset keeps for the collator (Trainer drops the columns model.forward does not name).
@@ -103,27 +108,82 @@ def _doc_map(batch: Mapping[str, Any], input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _shifted_labels(batch: Mapping[str, Any], input_ids: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    if batch.get("shift_labels") is not None:
-        labels = _as_2d(batch["shift_labels"], "shift_labels").to(torch.int64)
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"shift_labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-        return labels.masked_fill(doc == 0, IGNORE_INDEX)
-    if batch.get("labels") is None:
+    """The batch's labels shifted on the global stream; a labels tensor in the other convention raises.
+
+    ``shift_labels`` never hold a valid label on the last token of a document (its next token is another document's
+    or padding: ``next_token_labels`` puts -100 there); HF's unshifted labels do (the token itself), and so do
+    labels shifted across documents. ``labels`` (HF's) hold the token itself or -100; anything else is most likely
+    labels shifted already, which a second shift would turn into the token after next.
+    """
+    key = "shift_labels" if batch.get("shift_labels") is not None else "labels"
+    if batch.get(key) is None:
         return next_token_labels(input_ids, doc)
-    labels = _as_2d(batch["labels"], "labels").to(torch.int64)
+    labels = _as_2d(batch[key], key).to(torch.int64)
     if labels.shape != input_ids.shape:
-        raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-    # HF's unshifted labels are the token itself or -100. Anything else is most likely labels shifted already (e.g.
-    # cp_packing.pack_documents' "labels"): shifting them again would train the token after next, silently.
-    wrong = (labels != IGNORE_INDEX) & (labels != input_ids) & (doc != 0)
+        raise ValueError(f"{key} has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+    valid = (labels != IGNORE_INDEX) & (doc != 0)  # [B, S]
+    if key == "shift_labels":
+        last = torch.ones_like(valid)
+        last[:, :-1] = doc[:, 1:] != doc[:, :-1]  # [B, S]: the last token of its document (or row)
+        wrong = valid & last
+        what, fix = ("a valid label on the last token of its document, where a shifted label would be the next "
+                     "document's first token"), (
+            "'shift_labels' are shifted on the global stream (cp_packing.next_token_labels: -100 on the last token "
+            "of every document). HF's UNSHIFTED labels (the token itself or -100) go under 'labels', where they are "
+            "shifted inside each document")
+    else:
+        wrong = valid & (labels != input_ids)
+        what, fix = "not the token at its position", (
+            "'labels' are HF's UNSHIFTED labels (the token itself or -100; the shift happens in the loss). Labels "
+            "already shifted (cp_packing.next_token_labels / pack_documents) go under 'shift_labels'")
     if bool(wrong.any()):
         b, s = (int(i) for i in wrong.nonzero()[0])
-        raise ValueError(
-            f"batch['labels'][{b}, {s}] = {int(labels[b, s])} but input_ids[{b}, {s}] = {int(input_ids[b, s])}: "
-            "'labels' are HF's UNSHIFTED labels (the token itself or -100; the shift happens in the loss). Labels "
-            "already shifted (cp_packing.next_token_labels / pack_documents) go under 'shift_labels'"
-        )
+        raise ValueError(f"batch[{key!r}][{b}, {s}] = {int(labels[b, s])} (input_ids[{b}, {s}] = "
+                         f"{int(input_ids[b, s])}) is {what}: {fix}")
+    if key == "shift_labels":
+        return labels.masked_fill(doc == 0, IGNORE_INDEX)
     return next_token_labels(labels, doc)  # target at t = labels[t + 1] inside the document, -100 kept
+
+
+@dataclass(frozen=True)
+class _GlobalBatch:
+    """A collated batch as the CP step takes it, and the way back to the collated layout.
+
+    Attributes:
+        tensors: int64 ``{"input_ids", "doc_ids", "shift_labels"}``, each ``[B, S']`` (padded for the layout).
+        doc_ids: int64 ``[B, S]``, the collated batch's doc map (0 = padding).
+        padded: the zigzag layout's per-document padding (``None``: rows padded at their tail only).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    doc_ids: torch.Tensor
+    padded: PaddedBatch | None
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S', ...]`` of the padded batch -> ``[B, S, ...]`` of the collated one; 0 on padding tokens."""
+        if self.padded is not None:
+            return self.padded.unpad(x, 0)
+        B, S = self.doc_ids.shape
+        keep = (self.doc_ids != 0).to(x.device).reshape(B, S, *([1] * (x.dim() - 2)))
+        return torch.where(keep, x[:, :S], torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _global_batch(batch: Mapping[str, Any], cp_size: int, layout: str) -> _GlobalBatch:
+    if not isinstance(batch, Mapping) or batch.get("input_ids") is None:
+        raise ValueError(f"the batch must be a dict with 'input_ids', got {type(batch).__name__} "
+                         f"{sorted(batch) if isinstance(batch, Mapping) else ''}")
+    input_ids = _as_2d(batch["input_ids"], "input_ids").to(torch.int64)
+    doc = _doc_map(batch, input_ids)
+    labels = _shifted_labels(batch, input_ids, doc)
+    if layout == "zigzag" and cp_size > 1:
+        padded = pad_segments(doc, multiple=2 * cp_size, tensors={"input_ids": input_ids, "shift_labels": labels},
+                              label_keys=("shift_labels",))
+        tensors = {"input_ids": padded.tensors["input_ids"], "doc_ids": padded.doc_ids.to(torch.int64),
+                   "shift_labels": padded.tensors["shift_labels"]}
+        return _GlobalBatch(tensors, doc, padded)
+    tensors = pad_rows({"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels}, cp_size,
+                       fill={"shift_labels": IGNORE_INDEX})  # the tail: doc 0, input 0, label -100
+    return _GlobalBatch(tensors, doc, None)
 
 
 def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto") -> dict[str, torch.Tensor]:
@@ -147,9 +207,10 @@ def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto"
         int64 ``{"input_ids": [B, S'], "doc_ids": [B, S'], "shift_labels": [B, S']}``.
 
     Raises:
-        ValueError: missing ``input_ids``, shapes that differ, ``labels`` that are not HF's unshifted labels (a
-        valid label that is not the token at its position: pass shifted labels as ``shift_labels``), or what the
-        doc-map converter refuses.
+        ValueError: missing ``input_ids``, shapes that differ, labels in the other convention (``labels`` holding a
+        valid label that is not the token at its position: shifted already, pass them as ``shift_labels``;
+        ``shift_labels`` holding a valid label on the last token of a document: HF's unshifted labels, pass them as
+        ``labels``), or what the doc-map converter refuses.
 
     >>> out = cp_batch({"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])},
     ...                cp_size=2, layout="contiguous")
@@ -158,96 +219,124 @@ def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto"
     """
     cp_size = check_int(cp_size, "cp_size", min=1)
     layout = check_choice(layout, "layout", _LAYOUT_CHOICES)
-    if not isinstance(batch, Mapping) or batch.get("input_ids") is None:
-        raise ValueError(f"the batch must be a dict with 'input_ids', got {type(batch).__name__} "
-                         f"{sorted(batch) if isinstance(batch, Mapping) else ''}")
-    input_ids = _as_2d(batch["input_ids"], "input_ids").to(torch.int64)
-    doc = _doc_map(batch, input_ids)
-    labels = _shifted_labels(batch, input_ids, doc)
-    if layout == "zigzag" and cp_size > 1:
-        padded = pad_segments(doc, multiple=2 * cp_size, tensors={"input_ids": input_ids, "shift_labels": labels},
-                              label_keys=("shift_labels",))
-        return {"input_ids": padded.tensors["input_ids"], "doc_ids": padded.doc_ids.to(torch.int64),
-                "shift_labels": padded.tensors["shift_labels"]}
-    return pad_rows({"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels}, cp_size,
-                    fill={"shift_labels": IGNORE_INDEX})  # the tail: doc 0, input 0, label -100
+    return _global_batch(batch, cp_size, layout).tensors
 
 
 @dataclass
 class _CPCollator:
-    """The Trainer's collator, then :func:`cp_batch` (runs in the DataLoader workers; picklable)."""
+    """The Trainer's collator, then :func:`cp_batch` (runs in the DataLoader workers; picklable). Adds
+    ``cp_num_tokens``: int64 ``[2]``, the collated batch's tokens and its non-padding tokens (``doc != 0``)."""
 
     inner: Callable[[list], Mapping[str, Any]]
     cp_size: int
     layout: str
 
     def __call__(self, features: list) -> dict[str, torch.Tensor]:
-        return cp_batch(self.inner(features), cp_size=self.cp_size, layout=self.layout)
-
-
-class _EpochDataLoader(DataLoader):
-    """A DataLoader whose ``set_epoch`` reaches its sampler (the Trainer calls it every epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        batch = _global_batch(self.inner(features), self.cp_size, self.layout)
+        counts = torch.tensor([batch.doc_ids.numel(), int((batch.doc_ids != 0).sum())], dtype=torch.int64)
+        return {**batch.tensors, "cp_num_tokens": counts}
 
 
 # -------------------------------------------------------------------------------------------------- the mesh
 
 
-@dataclass(frozen=True)
-class CPMesh:
-    """This process's place in a DP x CP world.
-
-    Attributes:
-        cp_size, dp_size: the group sizes (``cp_size * dp_size`` = world size).
-        cp_rank, dp_rank: this rank in its CP group / among the DP replicas (global rank = ``dp_rank * cp_size +
-            cp_rank``).
-        cp_group, dp_group: the ProcessGroups (``None`` in a one-process world).
-        mesh: the 2-D ``DeviceMesh`` ``("dp", "cp")`` (``None`` in a one-process world).
-    """
-
-    cp_size: int
-    dp_size: int
-    cp_rank: int
-    dp_rank: int
-    cp_group: Any = None
-    dp_group: Any = None
-    mesh: Any = None
-
-
 def cp_mesh_from_world(cp_size: int) -> CPMesh:
-    """The DP x CP mesh of the initialised world (``init_device_mesh``; consecutive global ranks form a CP group).
+    """``CPMesh.from_world(cp_size)``: the DP x CP mesh of the initialised world (consecutive global ranks form a CP
+    group; without a process group, the one-process mesh). Kept for callers of the trainer's former mesh type:
+    ``cp_packing.trainer.CPMesh`` is :class:`cp_packing.groups.CPMesh`.
 
-    Args:
-        cp_size: the CP group size; the world size must be a multiple of it.
-
-    Returns:
-        :class:`CPMesh`; without an initialised process group, the one-process mesh (``cp_size`` must be 1).
-
-    Raises:
-        ValueError: the world size is not a multiple of ``cp_size``, or ``cp_size > 1`` without a process group.
+    >>> cp_mesh_from_world(1).world_size  # no process group: one process
+    1
     """
-    cp_size = check_int(cp_size, "cp_size", min=1)
-    if not (dist.is_available() and dist.is_initialized()):
-        if cp_size > 1:
-            raise ValueError(f"cp_size={cp_size} needs a process group of a multiple of {cp_size} ranks; launch with "
-                             f"torchrun --nproc-per-node {cp_size} (or more)")
-        return CPMesh(cp_size=1, dp_size=1, cp_rank=0, dp_rank=0)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % cp_size:
-        raise ValueError(f"the world has {world} ranks, not a multiple of cp_size={cp_size}; pick a cp_size that "
-                         f"divides {world}")
-    dp_size = world // cp_size
-    if world == 1:
-        return CPMesh(cp_size=1, dp_size=1, cp_rank=0, dp_rank=0)
-    from torch.distributed.device_mesh import init_device_mesh
+    return CPMesh.from_world(cp_size)
 
-    device = device_for_backend(str(dist.get_backend()))
-    mesh = init_device_mesh(device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
-    return CPMesh(cp_size=cp_size, dp_size=dp_size, cp_rank=rank % cp_size, dp_rank=rank // cp_size,
-                  cp_group=mesh["cp"].get_group(), dp_group=mesh["dp"].get_group(), mesh=mesh)
+
+# ---------------------------------------------------------------------------------------------- the arguments
+
+
+def _takes_shift_labels(fn: Callable) -> bool:
+    try:
+        return "shift_labels" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: it cannot say it takes shifted labels
+        return False
+
+
+def _router_aux_loss(trainer: Any) -> bool:
+    """Whether the model returns a MoE router auxiliary loss meant to be added to the loss (TRL's flag, else the
+    model config's ``output_router_logits``)."""
+    enabled = getattr(trainer, "aux_loss_enabled", None)
+    if enabled is not None:
+        return bool(enabled)
+    config = getattr(trainer.model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "output_router_logits", False))
+
+
+def _refused_arguments(trainer: Any) -> Iterator[tuple[str, Any, str]]:
+    """``(field, value, why and fix)`` for every setting that would change the math under CP and cannot be honoured
+    (docs/trainer.md has the table of every field, honoured or refused)."""
+    args, mesh, acc = trainer.args, trainer.cp_mesh, trainer.accelerator
+    optim = str(getattr(args.optim, "value", args.optim))
+    if args.torch_compile:
+        yield "torch_compile", True, (
+            "accelerate would compile the wrapped model, whose CP attention needs each step's plan prepared before "
+            "the call; pass torch_compile=False (a compiled CP model: your own loop with cp_model_inputs(..., "
+            "compiled=True), docs/compile.md)")
+    if args.neftune_noise_alpha is not None:
+        yield "neftune_noise_alpha", args.neftune_noise_alpha, (
+            "NEFTune scales its embedding noise by the length of the sequence it sees (this rank's shard [1, "
+            "T_local] under CP) and every CP rank draws its own noise; pass neftune_noise_alpha=None")
+    if args.use_liger_kernel:
+        yield "use_liger_kernel", True, (
+            "Liger patches the model's forward and loss (its fused linear cross-entropy computes HF's loss on this "
+            "rank's shard); pass use_liger_kernel=False")
+    if optim in ("lomo", "adalomo") or optim.endswith("layerwise"):
+        yield "optim", optim, (
+            "it updates each parameter inside backward, from this rank's share of the gradient, before DDP / FSDP2 "
+            "sums the CP ranks' shares; pass another optim (e.g. adamw_torch)")
+    if args.label_names not in (None, ["labels"]):
+        yield "label_names", args.label_names, (
+            "the CP loss reads the batch's 'labels' (HF's, unshifted) or 'shift_labels'; pass label_names=None")
+    if trainer.is_deepspeed_enabled:
+        yield "deepspeed", args.deepspeed, (
+            "DeepSpeed reduces the gradients and scales the loss its own way (CPTrainer meets the gradient "
+            "convention under DDP and FSDP2); use FSDP2: fsdp=True, fsdp_config={'version': 2}")
+    config = args.parallelism_config or getattr(acc, "parallelism_config", None)
+    if config is not None:
+        yield "parallelism_config", config, (
+            "accelerate's own parallelism would shard the sequence without the document boundaries (cp_size) or "
+            "change the mesh CPTrainer builds; remove it (CPTrainer builds the DP x CP mesh from cp_size; FSDP2: "
+            "fsdp=True, fsdp_config={'version': 2})")
+    if acc.dispatch_batches:
+        yield "accelerator_config.dispatch_batches", True, (
+            "accelerate would load every batch on rank 0 and split it over all ranks, not over the DP replicas; "
+            "pass accelerator_config={'dispatch_batches': False}")
+    if mesh.dp_size > 1 and not acc.even_batches:
+        yield "accelerator_config.even_batches", False, (
+            "DP replicas could get different numbers of batches, and one would wait for the others in a "
+            "collective; pass accelerator_config={'even_batches': True}")
+    if trainer.compute_loss_func is not None and not _takes_shift_labels(trainer.compute_loss_func):
+        yield "compute_loss_func", trainer.compute_loss_func, (
+            "under CP it gets this rank's logits [1, T_local, V] and labels already shifted on the global stream; a "
+            "function that shifts labels itself would pair tokens across every shard edge. Give it a `shift_labels` "
+            "parameter: CPTrainer then calls compute_loss_func(outputs, None, num_items_in_batch=N, "
+            "shift_labels=labels) and it returns the SUM of its per-token losses / N, e.g. transformers' "
+            "ForCausalLMLoss(outputs.logits, labels, vocab_size, num_items_in_batch, shift_labels=shift_labels)")
+    if getattr(args, "loss_type", "nll") != "nll":
+        yield "loss_type", args.loss_type, (
+            "CPSFTTrainer computes the nll loss from this rank's logits; pass loss_type='nll'")
+    if _router_aux_loss(trainer):
+        yield "router_aux_loss_coef", getattr(args, "router_aux_loss_coef", None), (
+            "the model's MoE router auxiliary loss would be left out of the CP loss (computed from the logits); turn "
+            "it off: router_aux_loss_coef=0.0 (SFTConfig) or model.config.output_router_logits=False")
+
+
+def _check_arguments(trainer: Any) -> None:
+    """Raise a ValueError naming the first refused setting and its fix (the same on every rank: a pure function of
+    the arguments and the mesh sizes)."""
+    for field, value, why in _refused_arguments(trainer):
+        raise ValueError(f"{type(trainer).__name__}: {field}={value!r} is not supported under context parallelism: "
+                         f"{why}")
 
 
 # ----------------------------------------------------------------------------------------------- the trainer
@@ -255,7 +344,8 @@ def cp_mesh_from_world(cp_size: int) -> CPMesh:
 
 class CPTrainerMixin:
     """The CP part of :class:`CPTrainer`, for any ``transformers.Trainer`` subclass (``class X(CPTrainerMixin,
-    SomeTrainer)``): the mesh, the attention, the data split, the loss and the DDP / FSDP2 factor (module docstring)."""
+    SomeTrainer)``): the mesh, the attention, the data split, the loss, the DDP / FSDP2 factor and the evaluation
+    (module docstring)."""
 
     def __init__(self, *args: Any, cp_size: int = 1, layout: str = "auto", backend: str = "auto",
                  kernel: str = "auto", ulysses_size: int | None = None, **kwargs: Any) -> None:
@@ -273,18 +363,19 @@ class CPTrainerMixin:
             # MULTI_CPU it drops the plugin and the Trainer wraps the model in DDP (correct, but not sharded)
             logger.warning("CPTrainer: FSDP was requested but accelerate runs %s without it (it enables FSDP on "
                            "accelerators only); training with DDP instead", self.accelerator.distributed_type)
-        self.cp_mesh = cp_mesh_from_world(self.cp_size)
-        world = self.cp_mesh.cp_size * self.cp_mesh.dp_size
-        if self.accelerator.num_processes != world:
+        self.cp_mesh = CPMesh.from_world(self.cp_size)
+        if self.accelerator.num_processes != self.cp_mesh.world_size:
             raise ValueError(
-                f"the process group has {world} ranks but accelerate runs {self.accelerator.num_processes} "
-                f"process(es) ({self.accelerator.distributed_type}), so the Trainer would not wrap the model in DDP "
-                "and nothing would reduce the CP ranks' gradients; on a machine without GPUs pass "
-                "TrainingArguments(use_cpu=True), and launch with torchrun"
+                f"the process group has {self.cp_mesh.world_size} ranks but accelerate runs "
+                f"{self.accelerator.num_processes} process(es) ({self.accelerator.distributed_type}), so the Trainer "
+                "would not wrap the model in DDP and nothing would reduce the CP ranks' gradients; on a machine "
+                "without GPUs pass TrainingArguments(use_cpu=True), and launch with torchrun"
             )
+        _check_arguments(self)
         self._use_cp_attention()
         self.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's count (num_items_in_batch)
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch (our override below)
+        self._cp_eval_collator = self.data_collator  # eval / predict batches stay as collated (converted per step)
         self.data_collator = _CPCollator(self.data_collator, self.cp_size, self.cp_layout)
 
     def _use_cp_attention(self) -> None:
@@ -298,101 +389,262 @@ class CPTrainerMixin:
             model.set_attn_implementation(name)
         check_cp_model(model)
 
-    # ---- data: every CP rank of a DP replica collates the same batch
+    def get_cp_size(self) -> int:
+        """The CP group size: the Trainer's ``dp_world_size = world_size // cp_size`` (batch-size bookkeeping)."""
+        return self.cp_size
+
+    # ---- data: the Trainer's sampler, split over the DP replicas (every CP rank of a replica gets the same batches)
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *_DATA_COLUMNS]))
 
-    def get_train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        dataset, args, mesh = self.train_dataset, self.args, self.cp_mesh
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """The Trainer's sampler; ``train_sampling_strategy="batch_rebalance"`` balances over the DP replicas (the
+        Trainer's balances over every rank of the world)."""
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+        sampler = super()._get_train_sampler(train_dataset)
+        mesh = self.cp_mesh
+        if isinstance(sampler, BatchRebalanceSampler) and sampler.dp_size != mesh.dp_size:
+            sampler = BatchRebalanceSampler(
+                sampler.lengths, sampler.effective_batch_size // sampler.dp_size * mesh.dp_size, mesh.dp_size,
+                sampler.grad_accum, shuffle=sampler.shuffle, seed=sampler.seed, rank=mesh.dp_rank,
+                drop_last=sampler.drop_last)
+        return sampler
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Callable | None = None,
+                        is_training: bool = False, dataloader_key: str | None = None) -> DataLoader:
+        """``Trainer._get_dataloader`` with accelerate's ``prepare_data_loader`` over the DP replicas: batch ``k``
+        of replica ``i`` is batch ``k * dp + i`` of the Trainer's sampler, as on ``dp`` plain processes."""
+        from accelerate.data_loader import prepare_data_loader
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+        from transformers.trainer_utils import seed_worker
+
+        args, mesh, acc = self.args, self.cp_mesh, self.accelerator
+        collator = self.data_collator if is_training else self._cp_eval_collator
         if _is_hf_dataset(dataset):
-            dataset = self._remove_unused_columns(dataset, description="training")
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
+                  "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+                  "multiprocessing_context": args.dataloader_multiprocessing_context,
+                  "prefetch_factor": args.dataloader_prefetch_factor, "in_order": args.dataloader_in_order}
+        rebalanced = False
         if isinstance(dataset, IterableDataset):
             if mesh.dp_size > 1:
                 raise NotImplementedError(
                     f"CPTrainer splits a map-style dataset over the {mesh.dp_size} DP replicas; an iterable dataset "
-                    "would reach every rank whole. Use a map-style dataset, or one DP replica (world = cp_size)"
-                )
-            sampler = None
+                    "would reach every rank whole. Use a map-style dataset, or one DP replica (world = cp_size)")
         else:
-            seed = args.data_seed if args.data_seed is not None else args.seed
-            sampler = DistributedSampler(dataset, num_replicas=mesh.dp_size, rank=mesh.dp_rank, shuffle=True,
-                                         seed=seed, drop_last=args.dataloader_drop_last)
-        params = {"batch_size": self._train_batch_size, "collate_fn": self.data_collator,
-                  "num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory,
-                  "persistent_workers": args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-                  "drop_last": args.dataloader_drop_last}
-        if args.dataloader_num_workers > 0:
-            params["prefetch_factor"] = args.dataloader_prefetch_factor
-        return _EpochDataLoader(dataset, sampler=sampler, **params)
+            sampler = sampler_fn(dataset) if sampler_fn is not None else None
+            rebalanced = isinstance(sampler, BatchRebalanceSampler)  # a batch sampler that splits over DP itself
+            if rebalanced:
+                params["batch_sampler"] = sampler
+                del params["batch_size"]
+            else:
+                params.update({"sampler": sampler} if sampler is not None else {}, drop_last=args.dataloader_drop_last)
+            if is_training:  # the same worker seeds on the CP ranks of a replica (a random collator agrees)
+                params["worker_init_fn"] = functools.partial(seed_worker, num_workers=args.dataloader_num_workers,
+                                                             rank=mesh.dp_rank)
+        loader = prepare_data_loader(
+            DataLoader(dataset, **params), acc.device, num_processes=1 if rebalanced else mesh.dp_size,
+            process_index=0 if rebalanced else mesh.dp_rank, split_batches=acc.split_batches,
+            put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(), dispatch_batches=False,
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader)
+        acc._dataloaders.append(loader)  # as accelerator.prepare does
+        if dataloader_key is not None and args.dataloader_persistent_workers:
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: loader}
+        return loader
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        raise NotImplementedError("CPTrainer does not evaluate yet; evaluate with a separate non-CP model or loop")
-
-    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
-        raise NotImplementedError("CPTrainer does not predict yet; predict with a separate non-CP model or loop")
+    def _dp_sum(self, value: int) -> int:
+        """``value`` summed over the DP replicas (each replica's batch counted once, although all its CP ranks hold
+        it)."""
+        mesh = self.cp_mesh
+        if mesh.dp_group is None or mesh.dp_size == 1:
+            return value
+        count = torch.tensor([value], dtype=torch.int64, device=device_for_backend(str(dist.get_backend(
+            mesh.dp_group))))
+        dist.all_reduce(count, group=mesh.dp_group)
+        return int(count[0])
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
-        """The valid labels of the whole optimizer step: every micro-batch, every DP replica (each replica's batch
-        counted once, although all its CP ranks hold it)."""
+        """The valid labels of the whole optimizer step: every micro-batch of this replica, summed over the DP
+        replicas with ``average_tokens_across_devices`` (the default), else this replica's own."""
         if not batch_samples:
             return None
         count = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batch_samples)
-        count = torch.tensor([count], dtype=torch.int64)
-        if self.cp_mesh.dp_group is not None and self.cp_mesh.dp_size > 1:
-            count = count.to(device_for_backend(str(dist.get_backend(self.cp_mesh.dp_group))))
-            dist.all_reduce(count, group=self.cp_mesh.dp_group)
-        return count[0].to(device)
+        if self.args.average_tokens_across_devices:
+            count = self._dp_sum(count)
+        return torch.tensor(count, dtype=torch.int64, device=device)
+
+    def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
+        """``include_num_input_tokens_seen``: the collated batches' tokens (``"all"``) or non-padding tokens
+        (``"non_padding"``: ``doc_ids != 0``), each DP replica's counted once."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode in ("no", False, None):
+            return
+        counts = inputs.get("cp_num_tokens")
+        if counts is None:  # a batch that did not come through the CP collator: count the padded batch
+            doc = inputs["doc_ids"]
+            counts = torch.tensor([doc.numel(), int((doc != 0).sum())])
+        self.state.num_input_tokens_seen += self._dp_sum(int(counts[1 if mode == "non_padding" else 0]))
 
     # ---- the step
 
     def _gradient_average_factor(self, model: torch.nn.Module) -> int:
         """The number of ranks the wrapper averages gradients over (1 without a wrapper in a one-process world):
         DDP's process group, or FSDP2's mesh (``fully_shard`` averages over every rank of its mesh by default)."""
-        world = self.cp_mesh.cp_size * self.cp_mesh.dp_size
+        world = self.cp_mesh.world_size
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return dist.get_world_size(model.process_group)
         if _is_fsdp2(model):
             return _fsdp2_average_factor(model, world)
         if world > 1 and torch.is_grad_enabled():
+            compiled = " (torch.compile's wrapper: CPTrainer does not train a compiled model)" \
+                if hasattr(model, "_orig_mod") else ""
             raise RuntimeError(
                 f"CPTrainer runs on {world} ranks but the model is not wrapped in DistributedDataParallel or FSDP2 "
-                f"({type(model).__name__}): nothing would reduce the CP ranks' gradient shares"
+                f"({type(model).__name__}{compiled}): nothing would reduce the CP ranks' gradient shares"
             )
         return 1
 
+    def _cp_forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+                    ) -> tuple[Any, torch.Tensor, torch.Tensor, ShardedPackedSeqParams]:
+        """Shard the global batch locally and run the model on this rank's tokens.
+
+        Returns:
+            the model's outputs, this rank's logits ``[T_local, V]``, its labels ``[T_local]`` and its shard.
+        """
+        mesh = self.cp_mesh
+        doc, input_ids, labels = (batch[key] for key in ("doc_ids", "input_ids", "shift_labels"))
+        params = packed_seq_params_from_doc_ids(doc)
+        sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
+                                          window=model_windows(model))  # sliding layers: plan the windowed cost
+        model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
+                                       backend=self.cp_backend, kernel=self.cp_kernel,
+                                       ulysses_size=self.cp_ulysses_size, model=model)
+        outputs = model(**model_inputs)
+        logits = outputs.logits[0]  # [T_local, V]
+        return outputs, logits, sharded.shard(labels).to(logits.device), sharded
+
+    def _cp_share(self, outputs: Any, logits: torch.Tensor, labels: torch.Tensor, sharded: ShardedPackedSeqParams,
+                  num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global loss: the shares of every DP x CP rank sum to it.
+
+        Cross-entropy SUM of this rank's labels / ``num_items_in_batch`` (``packed_cross_entropy``: checked, the
+        same count on every rank); label smoothing as HF's ``LabelSmoother`` on the global batch, written as a sum
+        ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``, over the same count; or the user's CP-aware
+        ``compute_loss_func``. Without ``average_tokens_across_devices`` each replica's loss is its own mean and the
+        global loss their mean (HF's meaning on plain DP processes): a further ``/ dp_size``.
+        """
+        mesh, args = self.cp_mesh, self.args
+        if self.compute_loss_func is not None:  # its signature was checked at construction
+            share = self.compute_loss_func(outputs, None, num_items_in_batch=num_items_in_batch,
+                                           shift_labels=labels[None])
+        else:
+            share = packed_cross_entropy(logits, labels, group=mesh.cp_group,
+                                         dp_group=mesh.dp_group if args.average_tokens_across_devices else None,
+                                         sharded=sharded, num_items_in_batch=num_items_in_batch)
+            eps = float(args.label_smoothing_factor)
+            if eps:
+                smoothed = -torch.log_softmax(logits.float(), dim=-1).sum(-1)  # [T_local]
+                smoothed = smoothed.masked_fill(labels == IGNORE_INDEX, 0.0).sum()
+                count = torch.as_tensor(num_items_in_batch, device=logits.device).clamp_min(1).to(torch.float32)
+                share = (1 - eps) * share + eps * smoothed / (count * logits.shape[-1])
+        return share if args.average_tokens_across_devices else share / mesh.dp_size
+
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """This rank's share of the step's loss: CE SUM of its tokens / ``num_items_in_batch``, times the number of
-        ranks DDP / FSDP2 average the gradients over.
+        """This rank's share of the step's loss (:meth:`_cp_share`), times the number of ranks DDP / FSDP2 average
+        the gradients over, so that the reduced gradient is the SUM of every rank's share.
 
         ``inputs`` is the global batch of this DP replica (the same on every CP rank); sharded here, locally.
         """
         factor = self._gradient_average_factor(model)  # checked before any collective
         if any(key not in inputs for key in _BATCH_KEYS):
             inputs = cp_batch(inputs, cp_size=self.cp_size, layout=self.cp_layout)
-        mesh = self.cp_mesh
-        doc, input_ids, labels = (inputs[key] for key in ("doc_ids", "input_ids", "shift_labels"))
-        params = packed_seq_params_from_doc_ids(doc)
-        windows = model_windows(model)  # sliding layers: plan the windowed cost
-        sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
-                                          window=windows)
-        model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
-                                       backend=self.cp_backend, kernel=self.cp_kernel,
-                                       ulysses_size=self.cp_ulysses_size, model=model)
-        outputs = model(**model_inputs)
-        logits = outputs.logits[0]  # [T_local, V]
-        local_labels = sharded.shard(labels).to(logits.device)  # [T_local]
+        outputs, logits, labels, sharded = self._cp_forward(model, inputs)
         if num_items_in_batch is None:  # a micro-batch on its own: its count over the DP replicas
             num_items_in_batch = self._get_num_items_in_batch([inputs], logits.device)
-        # local CE sum / the step's count; checked, and the same count on every rank (packed_cross_entropy agrees)
-        share = packed_cross_entropy(logits, local_labels, group=mesh.cp_group, dp_group=mesh.dp_group,
-                                     sharded=sharded, num_items_in_batch=num_items_in_batch)
-        loss = share * factor
+        loss = self._cp_share(outputs, logits, labels, sharded, num_items_in_batch) * factor
         return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation: the same sharded forward; the loss summed over every rank, the logits gathered over CP
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One eval batch (as collated: :func:`cp_batch` runs here): ``(loss, logits, labels)``.
+
+        ``loss``: the batch's global loss (every DP x CP rank's share summed; equal on every rank). ``logits``:
+        ``[B, S, V]`` in the collated batch's order (gathered over the CP group and un-padded; 0 on padding tokens),
+        ``None`` with ``prediction_loss_only``. ``labels``: the batch's ``labels`` (else ``shift_labels``) as
+        collated, like the Trainer's.
+        """
+        inputs = self._prepare_inputs(inputs)
+        batch = _global_batch(inputs, self.cp_size, self.cp_layout)
+        mesh = self.cp_mesh
+        with torch.no_grad(), self.compute_loss_context_manager():
+            num_items = self._get_num_items_in_batch([batch.tensors], self.args.device)
+            outputs, logits, labels, sharded = self._cp_forward(model, batch.tensors)
+            share = self._cp_share(outputs, logits, labels, sharded, num_items)
+            loss = reduce_loss_for_logging(share, group=mesh.cp_group, dp_group=mesh.dp_group)
+        if prediction_loss_only:
+            return loss, None, None
+        parts = [logits]
+        if mesh.cp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(mesh.cp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=mesh.cp_group)
+        full = batch.unpad(sharded.unshard(parts))  # [B, S, V]
+        label_ids = inputs.get("labels", inputs.get("shift_labels"))
+        return loss, full, label_ids
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, with its metric gather over the DP replicas only (the CP ranks of a replica hold the
+        same predictions)."""
+        self.gather_function = functools.partial(self._gather_over_dp,
+                                                 use_gather_object=self.args.eval_use_gather_object)
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's ``gather_for_metrics`` over the DP group: concatenated in replica order, then the samples
+        ``even_batches`` repeated in the last batch dropped (its ``gradient_state.remainder``)."""
+        from accelerate.utils import recursively_apply
+
+        mesh = self.cp_mesh
+        try:
+            recursively_apply(lambda x: x, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if mesh.dp_size > 1 and use_gather_object:
+            parts = [None] * mesh.dp_size
+            dist.all_gather_object(parts, data, group=mesh.dp_group)
+            data = [x for part in parts for x in part]
+        elif mesh.dp_size > 1:
+            data = recursively_apply(functools.partial(_all_gather_rows, group=mesh.dp_group), data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            cut = lambda x: x[: state.remainder]  # noqa: E731
+            data = cut(data) if use_gather_object else recursively_apply(cut, data)
+        return data
+
+
+def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0 in rank order (their dim 0 may differ; the rest must not)."""
+    x = x.reshape(1) if x.dim() == 0 else x.contiguous()
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=group)
+    sizes = [int(s) for s in sizes]
+    if x.shape[0] < max(sizes):
+        x = torch.cat([x, x.new_zeros(max(sizes) - x.shape[0], *x.shape[1:])])
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:
@@ -439,7 +691,7 @@ def _is_hf_dataset(dataset: Any) -> bool:
 
 
 class CPTrainer(CPTrainerMixin, Trainer):
-    """A ``transformers.Trainer`` that trains with context parallelism over a DP x CP world.
+    """A ``transformers.Trainer`` that trains and evaluates with context parallelism over a DP x CP world.
 
     Takes every ``Trainer`` argument, plus:
 
@@ -449,14 +701,17 @@ class CPTrainer(CPTrainerMixin, Trainer):
             ``"balanced"``, ``"zigzag"``: documents padded to a multiple of ``2 * cp_size``).
         backend, kernel, ulysses_size: passed to ``context_parallel_attention`` (docs/attention.md).
 
-    The train dataset holds packed rows (``input_ids`` with ``doc_ids``, or ``position_ids`` restarting per
-    document, optional HF ``labels`` or shifted ``shift_labels``; see :func:`cp_batch`). Loss, gradients and every
-    optimizer step equal a one-process ``Trainer`` on the same rows with documents isolated (tests/test_trainer.py).
+    The datasets hold packed rows (``input_ids`` with ``doc_ids``, or ``position_ids`` restarting per document,
+    optional HF ``labels`` or shifted ``shift_labels``; see :func:`cp_batch`). Loss, gradients, every optimizer step,
+    the eval loss and the predictions equal a one-process ``Trainer`` on the same rows with documents isolated
+    (tests/test_trainer.py, tests/test_trainer_args.py). ``compute_loss_func`` must take ``shift_labels``
+    (docs/trainer.md).
 
     Raises:
         ValueError: the world size is not a multiple of ``cp_size``, a bad layout, accelerate not running on the
-            whole world (on CPU-only machines pass ``TrainingArguments(use_cpu=True)``).
-        NotImplementedError: FSDP1, or FSDP2 over a mesh smaller than the world; ``evaluate`` / ``predict``.
+            whole world (on CPU-only machines pass ``TrainingArguments(use_cpu=True)``), a ``TrainingArguments``
+            field that cannot be honoured under CP (the message names it and the fix; docs/trainer.md's table).
+        NotImplementedError: FSDP1, or FSDP2 over a mesh smaller than the world; an iterable dataset with DP > 1.
     """
 
 
@@ -472,4 +727,3 @@ def __getattr__(name: str) -> Any:
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -7,8 +7,9 @@ on the same packed rows (same order), within float32 rounding.
 The reference is independent of cp_packing: HF's sdpa attention with an explicit block-diagonal causal 4-D mask per
 row and per-document position ids, HF's own loss on HF's unshifted labels (-100 at every document's first token and
 on padding), all built here in plain Python; its micro-batch holds the rows of every DP replica, so an optimizer step
-sees the same rows. Both runs use the same sampler permutation (``DistributedSampler`` with the seed: over the DP
-replicas in CPTrainer, over one replica in the reference).
+sees the same rows. Both runs use the Trainer's own sampler (accelerate's seedable random sampler, seeded by
+``args.seed``): in CPTrainer split over the DP replicas, batch ``k`` of replica ``i`` being batch ``k * dp + i``, as
+on ``dp`` plain processes.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def reference_row(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def training_args(out: str, batch_size: int, **extra) -> TrainingArguments:
-    return TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
-                             max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
-                             report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
-                             **OPTIM, **extra)
+    """Plain SGD, no clipping, STEPS steps of ACCUM micro-batches of ``batch_size`` rows; ``extra`` on top."""
+    kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                  per_device_eval_batch_size=batch_size, max_steps=STEPS, logging_steps=1, lr_scheduler_type="constant",
+                  save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                  dataloader_pin_memory=False, **OPTIM)
+    return TrainingArguments(**{**kwargs, **extra})
 
 
 def use_world_env(rank: int, world: int) -> None:
@@ -122,12 +125,12 @@ def losses_and_weights(trainer: Trainer) -> tuple[list[tuple[float, float]], dic
     return logged, weights
 
 
-class ReferenceTrainer(Trainer):
-    """A plain Trainer whose sampler is CPTrainer's permutation over one replica."""
+EVAL_ROWS = 4  # a multiple of every DP size here: no global eval batch holds a repeated row
 
-    def _get_train_sampler(self, train_dataset=None):
-        return torch.utils.data.DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True,
-                                                   seed=self.args.seed)
+
+def _train_and_evaluate(trainer: Trainer, eval_rows: list) -> tuple:
+    trainer.train()
+    return (*losses_and_weights(trainer), trainer.evaluate(eval_rows)["eval_loss"])
 
 
 def _reference(rank: int, world: int, dp_sizes: tuple[int, ...]):
@@ -136,16 +139,27 @@ def _reference(rank: int, world: int, dp_sizes: tuple[int, ...]):
     for dp in dp_sizes:
         use_world_env(0, 1)
         with tempfile.TemporaryDirectory() as out:
-            trainer = ReferenceTrainer(model=make_model("sdpa"), args=training_args(out, dp),
-                                       train_dataset=[reference_row(r) for r in packed_rows()])
-            trainer.train()
-        results[dp] = losses_and_weights(trainer)
+            trainer = Trainer(model=make_model("sdpa"), args=training_args(out, dp),
+                              train_dataset=[reference_row(r) for r in packed_rows()])
+            results[dp] = _train_and_evaluate(trainer, [reference_row(r) for r in packed_rows()[:EVAL_ROWS]])
     return results
+
+
+def _plain_ddp(rank: int, world: int):
+    """The plain Trainer on ``world`` DDP processes with ``average_tokens_across_devices=False``: each process's loss
+    is its own batch's mean, DDP averages them (the reference of CPTrainer's DP replicas without token averaging)."""
+    use_world_env(rank, world)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(model=make_model("sdpa"), args=training_args(out, 1, average_tokens_across_devices=False),
+                          train_dataset=[reference_row(r) for r in packed_rows()])
+        return _train_and_evaluate(trainer, [reference_row(r) for r in packed_rows()[:EVAL_ROWS]])
 
 
 def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
     """``mode``: "ddp"; "fsdp2" (FSDP2 through accelerate: fully_shard over the whole DP x CP world);
-    "fsdp2_on_cpu" (FSDP2 asked for, which accelerate drops on CPU: a warning, and DDP)."""
+    "fsdp2_on_cpu" (FSDP2 asked for, which accelerate drops on CPU: a warning, and DDP); "ddp_replica_mean" (DDP,
+    ``average_tokens_across_devices=False``)."""
+    from cp_packing.groups import CPMesh
     from cp_packing.hf import CPTrainer
 
     use_world_env(rank, world)
@@ -158,6 +172,8 @@ def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
                                  accelerator_config={"use_configured_state": True})
         elif mode == "fsdp2_on_cpu":
             args = training_args(out, 1, fsdp=True, fsdp_config={"version": 2})
+        elif mode == "ddp_replica_mean":
+            args = training_args(out, 1, average_tokens_across_devices=False)
         records = []
         handler = logging.Handler()
         handler.emit = records.append
@@ -168,9 +184,11 @@ def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
         finally:
             logging.getLogger("cp_packing").removeHandler(handler)
         assert trainer.accelerator.is_fsdp2 == fsdp
+        mesh = trainer.cp_mesh  # the library's one mesh type
+        assert isinstance(mesh, CPMesh) and (mesh.dp_size, mesh.cp_size, mesh.global_rank) == (world // cp, cp, rank)
         dropped = [r for r in records if "FSDP was requested" in r.getMessage()]
         assert len(dropped) == (mode == "fsdp2_on_cpu"), [r.getMessage() for r in records]
-        trainer.train()
+        result = _train_and_evaluate(trainer, packed_rows()[:EVAL_ROWS])
         wrapper = torch.distributed.fsdp.FSDPModule if fsdp else torch.nn.parallel.DistributedDataParallel
         assert isinstance(trainer.model_wrapped, wrapper), type(trainer.model_wrapped)
         if fsdp:  # FSDP2 with a custom gradient divisor: CPTrainer's factor would be wrong, so it refuses
@@ -180,7 +198,7 @@ def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
                     module.set_gradient_divide_factor(1.0)
             with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
                 trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader())))
-        return losses_and_weights(trainer)
+        return result
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -190,16 +208,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.distributed
 def test_cp_trainer_equals_one_process_trainer():
     """cp 2 (layout balanced; FSDP2 asked for, which accelerate drops on CPU: DDP) and dp 2 x cp 2 (layout zigzag:
-    documents padded in the collator) under DDP and under FSDP2 through accelerate, against the plain Trainer; one
-    test, so the reference runs once (pytest-xdist would run a shared fixture in every worker)."""
+    documents padded in the collator) under DDP and under FSDP2 through accelerate, against the plain Trainer: the
+    loss and gradient norm of every step, the final weights and the eval loss after training. dp 2 x cp 2 without
+    token averaging (``average_tokens_across_devices=False``: each replica's own mean) against the plain Trainer on
+    2 DDP processes. One test, so the references run once (pytest-xdist would run a shared fixture in every
+    worker)."""
     cp = 2
     reference = run_distributed(_reference, 1, (1, 2))[0]
+    reference["replica_mean"] = run_distributed(_plain_ddp, 2)[0]
     init = make_model("sdpa").state_dict()
-    for world, layout, mode in ((2, "balanced", "fsdp2_on_cpu"), (4, "zigzag", "ddp"), (4, "zigzag", "fsdp2")):
-        ref_logged, ref_weights = reference[world // cp]
+    runs = ((2, "balanced", "fsdp2_on_cpu"), (4, "zigzag", "ddp"), (4, "zigzag", "fsdp2"),
+            (4, "zigzag", "ddp_replica_mean"))
+    for world, layout, mode in runs:
+        ref_logged, ref_weights, ref_eval = reference["replica_mean" if mode == "ddp_replica_mean" else world // cp]
         results = run_distributed(_cp_run, world, cp, layout, mode)
         run = f"world {world} {mode}"
-        for rank, (logged, weights) in enumerate(results):
+        for rank, (logged, weights, eval_loss) in enumerate(results):
             assert len(logged) == STEPS == len(ref_logged)
             assert weights.keys() == ref_weights.keys()
             torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_logged), rtol=1e-5, atol=0,
@@ -207,12 +231,16 @@ def test_cp_trainer_equals_one_process_trainer():
             for name, w in weights.items():
                 torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{run} rank {rank} {name}: {m}")
+            assert eval_loss == pytest.approx(ref_eval, rel=1e-5), f"{run} rank {rank}: eval loss"
         # the run trained: weights moved by far more than the tolerance
         assert _max_diff(ref_weights, init) > 100 * ATOL
         print(f"{run} ({layout}): max loss diff "
               f"{max(abs(a[0] - b[0]) for a, b in zip(results[0][0], ref_logged)):.3g}, grad norm diff "
               f"{max(abs(a[1] - b[1]) for a, b in zip(results[0][0], ref_logged)):.3g}, "
-              f"max weight diff {max(_max_diff(w, ref_weights) for _, w in results):.3g}")
+              f"max weight diff {max(_max_diff(r[1], ref_weights) for r in results):.3g}, "
+              f"eval loss diff {max(abs(r[2] - ref_eval) for r in results):.3g}")
+    # without token averaging the loss is another one: the replica-mean run checks something of its own
+    assert abs(reference["replica_mean"][0][0][0] - reference[2][0][0][0]) > 1e-4
 
 
 # ------------------------------------------------------------------------------------------------ cp_batch
@@ -238,6 +266,29 @@ def test_cp_batch_refuses_labels_shifted_already():
         cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted})
     out = cp_batch({"input_ids": ids, "doc_ids": doc, "shift_labels": shifted})
     assert out["shift_labels"].tolist() == shifted.tolist()
+
+
+def test_cp_batch_refuses_unshifted_labels_as_shift_labels():
+    """HF's unshifted labels passed as ``shift_labels`` (a valid label on a document's last token, where a shifted
+    label would be the next document's first): a ValueError naming 'labels', not a model trained to copy its input;
+    prompt-masked or not."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 4]])
+    doc = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    for unshifted in ([[5, 6, 7, 8, 9, -100]], [[-100, 6, 7, -100, 9, -100]]):
+        with pytest.raises(ValueError, match=r"shift_labels.*\[0, 2\].*go under 'labels'"):
+            cp_batch({"input_ids": ids, "doc_ids": doc, "shift_labels": torch.tensor(unshifted)})
+        out = cp_batch({"input_ids": ids, "doc_ids": doc, "labels": torch.tensor(unshifted)})  # the right key
+        assert out["shift_labels"].tolist() == [[6, 7, -100, 9, -100, -100]]
+
+
+def test_trainer_mesh_is_the_groups_mesh():
+    """The trainer's mesh is the library's one mesh type (``cp_packing.trainer.CPMesh`` is an alias)."""
+    from cp_packing import groups, trainer
+
+    assert trainer.CPMesh is groups.CPMesh
+    assert trainer.cp_mesh_from_world(1) == groups.CPMesh.from_world(1) == groups.CPMesh.from_ints()
+    with pytest.raises(ValueError, match="cp_size=2 needs a process group"):
+        trainer.cp_mesh_from_world(2)
 
 
 def test_cp_batch_zigzag_pads_every_document():
@@ -275,13 +326,14 @@ def _documents():
                                                      for n in lengths]})
 
 
-def _sft_args(out: str, batch_size: int):
+def _sft_args(out: str, batch_size: int, **extra):
     from trl import SFTConfig
 
-    return SFTConfig(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
-                     max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
-                     report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
-                     packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+    kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ACCUM,
+                  max_steps=TRL_STEPS, logging_steps=1, lr_scheduler_type="constant", save_strategy="no",
+                  report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False,
+                  packing=True, max_length=SEQ, bf16=False, **OPTIM)  # SFTConfig's default is bf16=True
+    return SFTConfig(**{**kwargs, **extra})
 
 
 def _sft_run(rank: int, world: int, cp: int):
