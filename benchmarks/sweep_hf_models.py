@@ -407,6 +407,14 @@ def compare(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> tuple
 # ---------------------------------------------------------------------------------------------------- the sweep
 
 
+def refusal_note(features) -> str:
+    """The table's note for a refused family: the refusal without the class name, cut to about 110 characters."""
+    text = features.refusal
+    if text.startswith(features.architecture):
+        text = text[len(features.architecture):].lstrip(" :")
+    return text if len(text) <= 110 else text[:107] + "..."
+
+
 def _short(exc: BaseException, n: int = 140) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text if len(text) <= n else text[: n - 3] + "..."
@@ -479,7 +487,7 @@ def _prepare(row: Row, model_type: str, attn: str, layout: str) -> dict | None:
     features = attention_features(config)
     guard = features.supported
     if not guard:  # the run below is evidence only: what CP would give if the refusal were ignored
-        row.status, row.note = "refused (check_cp_supported)", _short(ValueError(features.refusal), 150)
+        row.status, row.note = "refused (check_cp_supported)", refusal_note(features)
     try:
         eager = _build_family(config)
         model = _same_weights(config, attn, eager)
