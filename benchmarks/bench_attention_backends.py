@@ -1,4 +1,5 @@
-"""Bytes per layer and measured time per CP attention backend (all-gather, Ulysses, hybrid), and the fraction of ideal.
+"""Bytes per layer and measured time per CP attention backend (all-gather, exchange, Ulysses, hybrid), and the fraction
+of ideal.
 
 Run:  .venv/bin/python benchmarks/bench_attention_backends.py            (CPU gloo: cp 2 and 4, 4096 tokens)
       .venv/bin/python benchmarks/bench_attention_backends.py --quick    (smoke run: cp 2, 512 tokens, 2 steps)
@@ -76,12 +77,18 @@ def _worker(rank: int, world_size: int, cfg: dict):
     local = [sharded.shard(x) for x in full]
     auto = select_backend(local[0], sharded, num_kv_heads=H_kv)[0]
     rows = []
-    candidates = [("allgather", {}), ("ulysses", {})] + ([("hybrid", {"ulysses_size": 2})] if world_size >= 4 else [])
+    candidates = [("allgather", {}), ("exchange", {}), ("ulysses", {})] + (
+        [("hybrid", {"ulysses_size": 2})] if world_size >= 4 else [])
     for backend, extra in candidates:
-        if H % extra.get("ulysses_size", world_size):
+        if backend in ("ulysses", "hybrid") and H % extra.get("ulysses_size", world_size):
             continue
-        nbytes = backend_bytes(backend, T_local=sharded.num_local_tokens, cp_size=world_size, num_heads=H,
-                               num_kv_heads=H_kv, head_dim=D, dtype_bytes=local[0].element_size(), **extra)
+        if backend == "exchange":  # what this rank receives: the keys its queries need (the step plan's tables)
+            from cp_packing.attention.exchange import exchange_tables
+
+            nbytes = exchange_tables(sharded).num_received * 2 * H_kv * D * local[0].element_size()
+        else:
+            nbytes = backend_bytes(backend, T_local=sharded.num_local_tokens, cp_size=world_size, num_heads=H,
+                                   num_kv_heads=H_kv, head_dim=D, dtype_bytes=local[0].element_size(), **extra)
         seconds = _time(step(sharded, local, backend=backend, group=dist.group.WORLD, **extra), cfg["steps"],
                         cfg["warmup"], device, barrier=True)
         rows.append((backend + (f" U={extra['ulysses_size']}" if extra else ""), backend == auto, nbytes, seconds))

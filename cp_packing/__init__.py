@@ -7,7 +7,7 @@ Importing ``cp_packing`` imports torch and numpy only; ``cp_packing.hf`` is the 
 explicitly), and flash_attn / ring_flash_attn are imported inside the functions that need them.
 """
 
-from cp_packing.attention import context_parallel_attention
+from cp_packing.attention import context_parallel_attention, prepare_attention
 from cp_packing.cost import choose_layout, layout_cost
 from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
 from cp_packing.formats import (
@@ -18,7 +18,9 @@ from cp_packing.formats import (
 )
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loader import cp_dataloader
+from cp_packing.groups import CPMesh
 from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.options import AttentionOptions
 from cp_packing.packing import pack_documents
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from cp_packing.padding import pad_segments
@@ -49,6 +51,9 @@ __all__ = [
     "distribute_batch",
     "distribute_packed_seq_params",
     # attention and loss
+    "AttentionOptions",
+    "CPMesh",
+    "prepare_attention",
     "context_parallel_attention",
     "next_token_labels",
     "packed_cross_entropy",

@@ -47,6 +47,7 @@ __all__ = [
     "agreement_timeout",
     "digest",
     "fail_together",
+    "next_step",
     "set_agreement_timeout",
 ]
 
@@ -197,6 +198,7 @@ class _Channel:
         self.name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
         self.store = store
         self.seq = 0
+        self.steps = 0
         self.me = ranks.index(dist.get_rank())
 
 
@@ -215,6 +217,16 @@ def _channel(group: dist.ProcessGroup) -> _Channel:
         store = dist.PrefixStore("cp_packing/", dist.distributed_c10d._get_default_store())
         channel = _CHANNELS[key] = _Channel(ranks, store)
     return channel
+
+
+def next_step(group: dist.ProcessGroup | None) -> int:
+    """This group's next step number (1, 2, ...), counted alike on every rank (a step plan calls it in its
+    agreement); 0 without communication."""
+    if group is None or dist.get_world_size(group) == 1:
+        return 0
+    channel = _channel(group)
+    channel.steps += 1
+    return channel.steps
 
 
 def _key(name: str, seq: int, rank: int) -> str:

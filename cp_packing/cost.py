@@ -44,7 +44,6 @@ the number of layers of a per-layer window); a longer stream raises a ValueError
 
 from __future__ import annotations
 
-import functools
 import math
 import logging
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
+from cp_packing._checks import (check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
@@ -61,8 +60,9 @@ from cp_packing.layouts.need import need_tokens
 from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 
-__all__ = ["LayoutCost", "layout_cost", "causal_cost", "choose_layout", "COST_LAYOUTS", "AUTO_LAYOUTS", "BYTES_BACKENDS", "backend_bytes", "choose_backend_by_bytes",
-           "kv_replication_factor"]
+__all__ = ["AUTO_LAYOUTS", "BYTES_BACKENDS", "COST_LAYOUTS", "DEFAULT_HARDWARE", "Hardware", "LayoutCost",
+           "TIMED_BACKENDS", "backend_bytes", "backend_times", "causal_cost", "choose_backend", "choose_backend_by_bytes",
+           "choose_layout", "kv_replication_factor", "layout_cost"]
 
 logger = logging.getLogger("cp_packing")
 
@@ -546,3 +546,105 @@ def choose_backend_by_bytes(
         return "allgather", allgather, None
     ulysses = backend_bytes("ulysses", **kw)
     return ("ulysses" if ulysses < allgather else "allgather"), allgather, ulysses
+
+
+# ------------------------------------------------------------------------------------------- the step-time model
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The rates of the step-time model (per GPU). Defaults: an H100-class GPU in an 8-GPU NVLink node with
+    InfiniBand between nodes (docs/attention.md, "How auto chooses").
+
+    Attributes:
+        flops: attention FLOP/s one GPU sustains (bf16 varlen flash attention): 400e12.
+        intra_node_bytes: bytes/s a GPU moves to its node's GPUs (NVLink, achieved all-to-all): 150e9.
+        inter_node_bytes: bytes/s a GPU moves to other nodes (400 Gb/s InfiniBand per GPU, achieved): 40e9.
+        gpus_per_node: a CP group larger than this crosses nodes and runs at ``inter_node_bytes``: 8.
+    """
+
+    flops: float = 400e12
+    intra_node_bytes: float = 150e9
+    inter_node_bytes: float = 40e9
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "intra_node_bytes", "inter_node_bytes"):
+            value = check_number(getattr(self, name), name, min=0.0)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"Hardware.{name} must be a finite rate > 0, got {value}")
+        check_int(self.gpus_per_node, "gpus_per_node", min=1)
+
+    def bandwidth(self, cp_size: int) -> float:
+        """The bytes/s a CP group of ``cp_size`` ranks communicates at (its slowest link)."""
+        return self.intra_node_bytes if cp_size <= self.gpus_per_node else self.inter_node_bytes
+
+
+DEFAULT_HARDWARE = Hardware()
+
+#: Backends the step-time model prices, in order of preference on a tie.
+TIMED_BACKENDS = ("allgather", "exchange", "ulysses")
+
+
+def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+                  causal: bool = True, window: int | None = None,
+                  hardware: Hardware = DEFAULT_HARDWARE) -> dict[str, float]:
+    """Modelled forward seconds of one attention layer at the busiest rank, per backend that can run.
+
+    Compute: ``4 * pairs * H * D / flops`` per rank, ``pairs`` its causal cost (``layout_cost``'s ``rank_cost``;
+    the whole stream over ``cp`` for Ulysses, whose ranks see every token for ``H / cp`` heads). Bytes: the
+    all-gather's ``(cp - 1) * T_local`` K/V rows; the exchange's need (``cp_packing.layouts.need``), its transfer
+    hidden behind the compute (``max``; without overlap under a window: their sum); Ulysses' all-to-alls
+    (``backend_bytes``). Bytes move at ``hardware.bandwidth(cp)``.
+
+    Args:
+        sharded: a ``ShardedPackedSeqParams`` of the step (every rank's figures come from its layout's plan).
+        num_heads, num_kv_heads, head_dim, dtype_bytes: the layer's q/k shapes.
+        causal, window: the layer's mask.
+        hardware: the rates (:class:`Hardware`).
+
+    Returns:
+        ``{backend: seconds}`` for ``allgather``, ``exchange`` and (where ``cp`` divides the query heads and there
+        is no window) ``ulysses``.
+    """
+    cp = sharded.cp_size
+    cu = _np64(sharded.global_params.cu_seqlens, "cu_seqlens")
+    plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=cp, layout=sharded.layout,
+                       window=sharded.plan_window)
+    per_row = 2 * num_kv_heads * head_dim * dtype_bytes
+    rate = hardware.bandwidth(cp)
+    pairs = plan_rank_cost(plan, cu, window).astype(np.float64)
+    if not causal:
+        lengths = np.diff(cu)
+        pairs = np.full(cp, float((lengths * lengths).sum()) / cp)
+    compute = 4.0 * pairs * num_heads * head_dim / hardware.flops
+    t_local = plan.t_local
+    times = {"allgather": float((compute + (cp - 1) * t_local * per_row / rate).max()) if cp > 1 else
+             float(compute.max())}
+    need = need_tokens(plan, cu, causal=causal, window=window).astype(np.float64) * per_row / rate
+    times["exchange"] = float((np.maximum(compute, need) if window is None else compute + need).max())
+    if window is None and num_heads % cp == 0 and num_heads % num_kv_heads == 0:
+        a2a = backend_bytes("ulysses", T_local=t_local, cp_size=cp, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, dtype_bytes=dtype_bytes) / rate
+        times["ulysses"] = float(compute.sum() / cp + a2a)
+    return times
+
+
+def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+                   causal: bool = True, window: int | None = None, hardware: Hardware = DEFAULT_HARDWARE) -> str:
+    """``backend="auto"``'s choice among ``TIMED_BACKENDS``: the lowest modelled busiest-rank time
+    (:func:`backend_times`); within 1% a tie, which goes to the first of ``TIMED_BACKENDS``. With ``cp_size ==
+    1`` the all-gather backend (nothing to communicate).
+
+    >>> import cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1] * 4 + [2] * 4 + [3] * 8]))
+    >>> s = cp_packing.shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    >>> choose_backend(s, num_heads=4, num_kv_heads=4, head_dim=8)  # only rank 1 needs keys, and few
+    'exchange'
+    """
+    if sharded.cp_size == 1:
+        return "allgather"
+    times = backend_times(sharded, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          dtype_bytes=dtype_bytes, causal=causal, window=window, hardware=hardware)
+    best = min(times.values())
+    return next(name for name in TIMED_BACKENDS if name in times and times[name] <= best * 1.01)

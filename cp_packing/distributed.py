@@ -27,7 +27,7 @@ from cp_packing.agreement import AgreementError, agree, digest
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
-from cp_packing.sharding import ShardedPackedSeqParams, as_signed, mark_shard, shard_packed_seq_params
+from cp_packing.sharding import ShardedPackedSeqParams, as_signed, shard_packed_seq_params
 
 __all__ = ["DOC_IDS_KEY", "distribute_batch", "distribute_packed_seq_params"]
 
@@ -159,7 +159,7 @@ def _scatter_tokens(cp: CPGroup, src: int, sharded: ShardedPackedSeqParams, meta
                 rows = list(picked.view(torch.uint8).to(cp.device).reshape(cp.size, -1).unbind(0))
             dist.scatter(received, rows, src=cp.global_rank(src), group=cp.group)
         out = received.view(dtype).reshape(1, T_local, *trailing)  # [1, T_local, ...]
-        local[name] = mark_shard(out, sharded.cp_size, sharded.cp_rank)  # the loss refuses it without its group
+        local[name] = out
     return local
 
 

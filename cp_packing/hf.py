@@ -50,7 +50,6 @@ Supported transformers: ``>=5.0,<6`` (:data:`SUPPORTED_TRANSFORMERS`), tested wi
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Mapping
 
 import torch
@@ -182,108 +181,54 @@ def cp_attention_forward(
 
     Args:
         module: the HF attention module (``module.is_causal`` selects causal attention, default True; an
-            ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it).
+            ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it; ``module.config`` and
+            ``module.layer_idx`` give the layer's features, ``cp_packing.model_features``).
         query: ``[1, H, T_local, D]``; key / value ``[1, H_kv, T_local, D]`` (RoPE already applied by the model).
         attention_mask: must be ``None`` (HF builds none for this implementation; see the module docstring).
         dropout: must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
-        cp_sharded: this rank's ``ShardedPackedSeqParams`` of the batch (passed to ``model(...)``).
-        cp_group: the CP ``ProcessGroup`` (``None`` only when ``cp_sharded.cp_size == 1``).
-        cp_backend, cp_kernel, cp_ulysses_size: forwarded to ``context_parallel_attention`` as ``backend`` /
-            ``kernel`` / ``ulysses_size`` (``backend="hybrid"`` only).
-        sliding_window: the layer's window (HF passes it; ``None`` = full attention), forwarded as ``window``:
-            within each document a token at position ``p`` attends positions ``p - sliding_window < k <= p``.
-        softcap: the layer's logit soft-capping (HF passes ``attn_logit_softcapping``; ``None`` = none),
-            forwarded as ``softcap``: scaled scores ``s`` become ``softcap * tanh(s / softcap)``.
-        s_aux: the layer's attention sinks (gpt-oss passes ``module.sinks``, ``[H]``; ``None`` = none), forwarded
-            as ``sinks``; its gradient on each rank is this rank's tokens' share.
-        cp_plan: the step's ``CompiledAttentionPlan`` (``cp_model_inputs(..., compiled=True)``). Used only while
-            ``torch.compile`` traces the model (``torch.compiler.is_compiling()``): the layer then calls the
-            all-gather custom ops (``cp_packing.attention.ops``) and breaks no graph; see docs/compile.md.
+        cp_sharded: this rank's ``ShardedPackedSeqParams`` of the step, with its plan (``cp_model_inputs``).
+        cp_group, cp_backend, cp_kernel, cp_ulysses_size: for a ``cp_sharded`` WITHOUT a plan only (hand-built
+            kwargs): the group and the options of an ad-hoc plan (one agreement per call).
+        sliding_window: the layer's window (HF passes it; ``None`` = full attention; a window HF applies only in
+            its mask, PhiMoE's, comes from the layer's features): within each document a token at position ``p``
+            attends positions ``p - sliding_window < k <= p``.
+        softcap: the layer's logit soft-capping (HF passes ``attn_logit_softcapping``; ``None`` = none).
+        s_aux: the layer's attention sinks (gpt-oss passes ``module.sinks``, ``[H]``; ``None`` = none); its gradient
+            on each rank is this rank's tokens' share.
+        cp_plan: the step's ``CompiledAttentionPlan`` (``cp_model_inputs(..., compiled=True)``), used while
+            ``torch.compile`` traces the model (docs/compile.md).
         **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
         ``(out [1, T_local, H, D], None)``: no attention weights.
 
     Raises:
-        ValueError: missing ``cp_sharded``, batch size != 1, a token count that does not match ``cp_sharded``, a
-            non-None ``attention_mask``, ``dropout > 0``, ``softcap <= 0``, sinks that are not ``[H]``, a backend
-            or kernel that cannot soft-cap or take sinks (``cp_backend="ring_flash_attn"``), or a missing group
-            with ``cp_size > 1``.
-        TypeError: ``cp_sharded`` of the wrong type; q/k/v of different dtypes outside ``torch.autocast``.
+        ValueError / TypeError on EVERY rank (the step's agreement): a missing ``cp_sharded``, batch size != 1, a
+        token count that does not match ``cp_sharded``, a non-None ``attention_mask``, ``dropout > 0``, a model
+        feature the attention cannot express, and the checks of ``context_parallel_attention``.
 
     Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (see the module docstring).
     """
     if cp_plan is not None and torch.compiler.is_compiling() and _is_causal(module, kwargs):
         return _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, cp_plan,
                                            sliding_window, softcap, s_aux)
-    if cp_sharded is None:
-        raise ValueError(
-            "cp_packing attention needs the batch's varlen metadata: call the model with cp_sharded=<this rank's "
-            "ShardedPackedSeqParams> and cp_group=<the CP group>, e.g. model(**cp_packing.hf.cp_model_inputs("
-            "local_batch, sharded, group=group)); without context parallelism use cp_model_inputs(input_ids, "
-            "packed_seq_params)"
-        )
     if not isinstance(cp_sharded, ShardedPackedSeqParams):
-        raise TypeError(
-            f"cp_sharded must be a cp_packing.ShardedPackedSeqParams, got {type(cp_sharded).__name__}; build it "
-            "with cp_packing.shard_packed_seq_params(...) or cp_packing.distribute_batch(...)"
-        )
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(
-            f"expected HF attention inputs query [B, H, S, D], key/value [B, H_kv, S, D]; got query "
-            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-        )
-    if query.shape[0] != 1:
-        raise ValueError(
-            f"cp_packing attention needs batch size 1 (the packed [B, S] batch is one flattened stream, sharded "
-            f"to [1, T_local]); got query of shape {tuple(query.shape)}. Pass input_ids of shape [1, T_local] "
-            "(cp_model_inputs does)"
-        )
-    T_local = cp_sharded.num_local_tokens
-    if query.shape[2] != T_local or key.shape[2] != T_local:
-        raise ValueError(
-            f"query has {query.shape[2]} tokens and key {key.shape[2]}, but cp_sharded describes T_local={T_local} "
-            f"local tokens (cp_rank={cp_sharded.cp_rank}); pass this rank's shard of this batch (and no KV cache: "
-            "use_cache=False)"
-        )
-    if attention_mask is not None:
-        _refuse(
-            "attention_mask",
-            f"<{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}>",
-            "document boundaries come from cp_sharded; call the model without attention_mask",
-        )
-    if dropout:
-        _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
-    if cp_sharded.cp_size > 1 and cp_group is None:
-        raise ValueError(
-            f"cp_sharded is one of cp_size={cp_sharded.cp_size} shards but cp_group is None; pass the CP process "
-            "group as cp_group=... (the world is never assumed to be the CP group)"
-        )
-
-    _ATTENTION_RUNS[cp_sharded] = _ATTENTION_RUNS.get(cp_sharded, 0) + 1  # checked by the model guard (check_cp_model)
-    from cp_packing.attention.dispatch import context_parallel_attention
-
-    # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D], so these are usually already contiguous
-    # (no copy); kernels and collectives need contiguous inputs.
-    q = query[0].transpose(0, 1).contiguous()  # [T_local, H, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
-    v = value[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
-    attend = lambda q, k, v: context_parallel_attention(  # noqa: E731
-        q,
-        k,
-        v,
-        cp_sharded,
-        group=cp_group,
-        causal=_is_causal(module, kwargs),
-        softmax_scale=scaling,
-        backend=cp_backend,
-        kernel=cp_kernel,
-        ulysses_size=cp_ulysses_size,
-        window=sliding_window,
-        softcap=softcap,
-        sinks=s_aux,
-    )  # [T_local, H, D]
+        raise _missing_shard(cp_sharded)  # every rank of a step passes the same kind of object
+    plan = cp_sharded.plan
+    error = _wrapper_error(module, query, key, value, attention_mask, dropout, cp_sharded, plan)
+    if plan is None:
+        plan = _ad_hoc_plan(cp_sharded, cp_group, cp_backend, cp_kernel, cp_ulysses_size)
+    features = _layer_features(module, plan)
+    if sliding_window is None and features is not None:
+        sliding_window = features.window  # a window HF applies only in its mask (PhiMoE, Qwen2-MoE)
+    # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D]: usually contiguous after the transpose
+    q = query[0].transpose(0, 1).contiguous() if error is None else query.new_empty(0)  # [T_local, H, D]
+    k = key[0].transpose(0, 1).contiguous() if error is None else q
+    v = value[0].transpose(0, 1).contiguous() if error is None else q
+    if features is not None and features.query_temperature is not None and error is None:
+        q = q * _temperature_fix(plan, features.query_temperature, q)
+    causal = _is_causal(module, kwargs)
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
         # Standard AMP (float32 weights + torch.autocast): the projections come out in the autocast dtype but HF's
@@ -292,10 +237,106 @@ def cp_attention_forward(
         amp_dtype = torch.get_autocast_dtype(device_type)
         q, k, v = (x.to(amp_dtype) if x.dtype in _AUTOCAST_ELIGIBLE else x for x in (q, k, v))
         with torch.autocast(device_type, enabled=False):
-            out = attend(q, k, v)
+            out = plan.attend(q, k, v, causal=causal, window=sliding_window, softcap=softcap, sinks=s_aux,
+                              scale=scaling, error=error, chunk=None if features is None else features.chunk)
     else:
-        out = attend(q, k, v)  # mixed dtypes here are a clear TypeError (check_attention_inputs)
+        out = plan.attend(q, k, v, causal=causal, window=sliding_window, softcap=softcap, sinks=s_aux, scale=scaling,
+                          error=error, chunk=None if features is None else features.chunk)
     return out.unsqueeze(0), None  # [1, T_local, H, D]
+
+
+def _missing_shard(cp_sharded: Any) -> Exception:
+    if cp_sharded is None:
+        return ValueError(
+            "cp_packing attention needs the batch's varlen metadata: call the model with cp_sharded=<this rank's "
+            "ShardedPackedSeqParams> and cp_group=<the CP group>, e.g. model(**cp_packing.hf.cp_model_inputs("
+            "local_batch, sharded, group=group)); without context parallelism use cp_model_inputs(input_ids, "
+            "packed_seq_params)"
+        )
+    return TypeError(
+        f"cp_sharded must be a cp_packing.ShardedPackedSeqParams, got {type(cp_sharded).__name__}; build it "
+        "with cp_packing.shard_packed_seq_params(...) or cp_packing.distribute_batch(...)"
+    )
+
+
+def _wrapper_error(module, query, key, value, attention_mask, dropout, sharded, plan) -> Exception | None:
+    """The HF wrapper's own refusals on this rank, as an exception (raised on every rank by the agreement)."""
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (query, key, value)):
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (query, key, value)]
+        return ValueError(f"expected HF attention inputs query [B, H, S, D], key/value [B, H_kv, S, D]; got query "
+                          f"{shapes[0]}, key {shapes[1]}, value {shapes[2]}")
+    if query.shape[0] != 1:
+        return ValueError(
+            f"cp_packing attention needs batch size 1 (the packed [B, S] batch is one flattened stream, sharded "
+            f"to [1, T_local]); got query of shape {tuple(query.shape)}. Pass input_ids of shape [1, T_local] "
+            "(cp_model_inputs does)"
+        )
+    T_local = sharded.num_local_tokens
+    if query.shape[2] != T_local or key.shape[2] != T_local:
+        return ValueError(
+            f"query has {query.shape[2]} tokens and key {key.shape[2]}, but cp_sharded describes T_local={T_local} "
+            f"local tokens (cp_rank={sharded.cp_rank}); pass this rank's shard of this batch (and no KV cache: "
+            "use_cache=False)"
+        )
+    if attention_mask is not None:
+        return ValueError(
+            f"cp_packing attention does not support attention_mask=<{type(attention_mask).__name__} "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}>; document boundaries come from cp_sharded; call the "
+            "model without attention_mask")
+    if dropout:
+        return ValueError(f"cp_packing attention does not support dropout={dropout!r}; set config.attention_dropout "
+                          "= 0.0 (the CP kernels have no attention dropout)")
+    if plan is not None and plan.features is None and not plan.agreed:
+        config = getattr(module, "config", None)
+        if config is not None:
+            try:
+                plan.features = _features_of(config)
+            except ValueError as exc:
+                return exc
+    return None
+
+
+def _ad_hoc_plan(sharded, group, backend, kernel, ulysses_size):
+    """A plan for hand-built kwargs (a shard without one): this call is its own step."""
+    from cp_packing.attention.plan import prepare_attention
+    from cp_packing.options import AttentionOptions
+
+    if sharded.cp_size > 1 and group is None:
+        raise ValueError(
+            f"cp_sharded is one of cp_size={sharded.cp_size} shards but cp_group is None; pass the CP process "
+            "group as cp_group=... (the world is never assumed to be the CP group), or prepare the step with "
+            "cp_packing.hf.cp_model_inputs(local, sharded, group=...)"
+        )
+    options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
+    return prepare_attention(sharded, group=group, options=options).plan
+
+
+def _features_of(config: Any):
+    """The model's per-layer attention features, or a ValueError naming what a sequence split cannot express."""
+    from cp_packing.model_features import check_cp_supported
+
+    return check_cp_supported(config)
+
+
+def _layer_features(module: Any, plan) -> Any:
+    features = getattr(plan, "features", None)
+    index = getattr(module, "layer_idx", None)
+    if features is None or not isinstance(index, int) or not 0 <= index < len(features.layers):
+        return None
+    return features.layers[index]
+
+
+def _temperature_fix(plan, temperature: tuple[float, float], q: torch.Tensor) -> torch.Tensor:
+    """``[T_local, 1, 1]``: scale(p) / scale(i), undoing HF's query temperature computed from the row index ``i``
+    (Llama 4 NoPE layers; ``cp_packing.model_features``)."""
+    floor_scale, attn_scale = temperature
+    p = plan.sharded.position_ids.to(q.device, torch.float32)
+    i = torch.arange(p.numel(), device=q.device, dtype=torch.float32)
+
+    def scale(x):
+        return torch.log1p(torch.floor((x + 1) / floor_scale)) * attn_scale + 1
+
+    return (scale(p) / scale(i)).to(q.dtype)[:, None, None]
 
 
 def _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, plan, window, softcap, sinks):
@@ -353,6 +394,13 @@ def model_windows(config: Any) -> int | tuple[int | None, ...] | None:
     """
     if isinstance(config, torch.nn.Module):
         config = getattr(_unwrapped(config), "config", None)
+    if getattr(config, "model_type", None) is not None:  # a real HF config: the layers' features (mask-only windows)
+        from cp_packing.model_features import attention_features
+
+        windows = attention_features(config).windows
+        if windows and any(w is not None for w in windows):
+            return windows[0] if len(set(windows)) == 1 else tuple(windows)
+        return None
     window = getattr(config, "sliding_window", None)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         return None
@@ -376,50 +424,69 @@ def cp_model_inputs(
     input_key: str = "input_ids",
     compiled: bool = False,
     model: torch.nn.Module | None = None,
+    options: Any = None,
+    labels_key: str = "labels",
 ) -> dict[str, Any]:
-    """The keyword arguments of ``model(**kwargs)`` for one CP rank's step.
+    """The keyword arguments of ``model(**kwargs)`` for one CP rank's step, with the step prepared.
+
+    Prepares the step once (``cp_packing.attention.prepare_attention``): the returned ``cp_sharded`` carries the
+    step plan that every attention layer only reads (one agreement over the CP group, at the first layer). The
+    guard is always on: a step whose model ran no cp_packing attention layer (an ``"sdpa"`` model, a config another
+    model switched) is refused by ``packed_cross_entropy(..., sharded=inputs["cp_sharded"])`` before any gradient,
+    and, with ``model=``, by the model's own hooks.
 
     Args:
         local_batch: this rank's batch as returned by ``cp_packing.distribute_batch`` (a dict of ``[1, T_local, ...]``
-            or ``[T_local, ...]`` tensors; only ``local_batch[input_key]`` is used), or the input tensor itself.
-            With a ``PackedSeqParams`` (no CP), the global ``[B, S]`` input ids.
+            or ``[T_local, ...]`` tensors: ``local_batch[input_key]``, and ``local_batch[labels_key]`` when there, whose
+            valid count over the CP group the loss divides by), or the input tensor itself. With a
+            ``PackedSeqParams`` (no CP), the global ``[B, S]`` input ids.
         sharded: this rank's ``ShardedPackedSeqParams``; or, without CP, the batch's ``PackedSeqParams`` (sharded
             here with ``cp_size=1``).
         group: the CP ProcessGroup (or a 1-D DeviceMesh); ``None`` only when ``sharded.cp_size == 1``.
-        backend, kernel, ulysses_size: passed to ``context_parallel_attention`` through the model
-            (``ulysses_size`` with ``backend="hybrid"`` only).
+        backend, kernel, ulysses_size: the attention options (or ``options=`` an ``AttentionOptions``).
         input_key: ``"input_ids"`` (default) or ``"inputs_embeds"`` (``[..., T_local, hidden]``).
-        compiled: ``True`` for a model under ``torch.compile``: the step's metadata is prepared here, before the
-            call (one agreement over the CP group, the key index as tensors: ``"cp_plan"``, a
-            ``cp_packing.attention.ops.CompiledAttentionPlan``), so that the compiled model's attention layers
-            call custom ops and break no graph. All-gather backend only (``backend`` ``"auto"`` or
-            ``"allgather"``; the returned ``cp_backend`` is ``"allgather"``, so an eager call gives the same
-            result). See docs/compile.md.
-        model: the model these inputs are for (optional, recommended): :func:`check_cp_model` checks that its
-            attention implementation is cp_packing's and installs the guards that raise when a call with
-            ``cp_sharded`` runs without cp_packing's attention or with ``labels=`` (HF's built-in loss).
+        compiled: ``True`` for a model under ``torch.compile`` (docs/compile.md): the step is agreed here and its
+            all-gather key index travels as ``"cp_plan"`` to custom ops that break no graph.
+        model: the model (recommended): :func:`check_cp_model` checks its attention implementation and its layers'
+            features and installs the guards; its windows plan the key tables.
+        options: a ``cp_packing.AttentionOptions`` (instead of ``backend`` / ``kernel`` / ``ulysses_size``).
+        labels_key: the key of this rank's shifted labels in ``local_batch``.
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": sharded, "cp_group": group, "cp_backend": backend, "cp_kernel": kernel}``, plus
-        ``"cp_ulysses_size"`` when given and ``"cp_plan"`` with ``compiled=True``. No ``attention_mask`` (never
-        pass one) and no ``labels``: HF's built-in loss shifts labels on the LOCAL shard, which is wrong under CP;
-        compute the loss from the logits with ``cp_packing.packed_cross_entropy`` on labels
-        from ``cp_packing.next_token_labels`` (shifted on the global stream).
+        "cp_sharded": the step's shard (with its plan), "cp_group": group}``, plus ``"cp_plan"`` with
+        ``compiled=True``. No ``attention_mask`` (never pass one) and no ``labels``: compute the loss from the logits
+        with ``cp_packing.packed_cross_entropy(logits, local_labels, sharded=inputs["cp_sharded"])``.
 
     Raises:
         TypeError: wrong types. ValueError: a missing key, a token count that does not match ``sharded``, a missing
-        group with ``cp_size > 1``; with ``model``, a model whose attention is not cp_packing's; with
-        ``compiled=True`` also another backend, or ranks that disagree (raised on every rank).
+        group with ``cp_size > 1``; with ``model``, a model whose attention is not cp_packing's or whose layers mix
+        tokens outside attention; with ``compiled=True`` also another backend, or ranks that disagree (raised on
+        every rank).
     """
+    from cp_packing.attention.plan import prepare_attention
+    from cp_packing.options import AttentionOptions
+
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled must be a bool, got {type(compiled).__name__}")
+    features = None
     if model is not None:
-        check_cp_model(model)
-    call = lambda: _model_inputs(local_batch, sharded, group=group, backend=backend, kernel=kernel,  # noqa: E731
-                                 ulysses_size=ulysses_size, input_key=input_key)
+        features = check_cp_model(model)
+    if options is None:
+        options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
+    elif not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
+    call = lambda: _model_inputs(local_batch, sharded, group=group, input_key=input_key)  # noqa: E731
     if not compiled:
-        return call()
+        inputs = call()
+        step = inputs["cp_sharded"]
+        if features is not None:
+            features.check_document_length(_longest_document(step))
+        labels = local_batch.get(labels_key) if isinstance(local_batch, Mapping) else None
+        step = prepare_attention(step, group=inputs["cp_group"], options=options,
+                                 labels=labels if isinstance(labels, torch.Tensor) else None)
+        step.plan.features = features
+        return inputs | {"cp_sharded": step}
     from cp_packing.attention.ops import prepare_compiled_attention
 
     try:
@@ -427,16 +494,24 @@ def cp_model_inputs(
     except (TypeError, ValueError) as exc:
         if not isinstance(sharded, ShardedPackedSeqParams):
             raise
-        prepare_compiled_attention(sharded, group=group, backend=backend, kernel=kernel, error=exc)  # every rank raises
+        prepare_compiled_attention(sharded, group=group, backend=options.backend, kernel=options.kernel,
+                                   error=exc)  # every rank raises
         raise  # pragma: no cover - prepare_compiled_attention raised
     x = inputs[input_key]
-    plan = prepare_compiled_attention(inputs["cp_sharded"], group=inputs["cp_group"], backend=backend, kernel=kernel,
-                                      device=x.device)
-    return inputs | {"cp_backend": "allgather", "cp_plan": plan}
+    plan = prepare_compiled_attention(inputs["cp_sharded"], group=inputs["cp_group"], backend=options.backend,
+                                      kernel=options.kernel, device=x.device)
+    step = prepare_attention(inputs["cp_sharded"], group=inputs["cp_group"],
+                             options=options.replace(backend="allgather"))
+    step.plan.features = features
+    return inputs | {"cp_sharded": step, "cp_plan": plan}
 
 
-def _model_inputs(local_batch, sharded, *, group, backend, kernel, ulysses_size, input_key) -> dict[str, Any]:
-    """``cp_model_inputs`` without the compiled plan (checks, then the kwargs)."""
+def _longest_document(sharded: ShardedPackedSeqParams) -> int:
+    return int(sharded.global_params.max_seqlen)
+
+
+def _model_inputs(local_batch, sharded, *, group, input_key) -> dict[str, Any]:
+    """``cp_model_inputs`` before the step is prepared: checks, then the kwargs."""
     if isinstance(sharded, PackedSeqParams):
         sharded = shard_packed_seq_params(sharded, cp_size=1, cp_rank=0, layout="contiguous")
     elif not isinstance(sharded, ShardedPackedSeqParams):
@@ -478,22 +553,11 @@ def _model_inputs(local_batch, sharded, *, group, backend, kernel, ulysses_size,
         )
     x = x.unsqueeze(0)  # [1, T_local(, hidden)]
     position_ids = sharded.position_ids.to(device=x.device, dtype=torch.int64).reshape(1, T_local)
-    return {
-        input_key: x,
-        "position_ids": position_ids,
-        "use_cache": False,
-        "cp_sharded": sharded,
-        "cp_group": group,
-        "cp_backend": backend,
-        "cp_kernel": kernel,
-    } | ({} if ulysses_size is None else {"cp_ulysses_size": ulysses_size})
+    return {input_key: x, "position_ids": position_ids, "use_cache": False, "cp_sharded": sharded, "cp_group": group}
 
 
 # ------------------------------------------------------------------------------------------------------ model guards
 
-# How many times cp_attention_forward ran on each shard (weak: a shard's entry goes with the shard). The guard's
-# forward pre-hook sets it to 0, the attention function counts up, the forward hook checks it.
-_ATTENTION_RUNS: "weakref.WeakKeyDictionary[ShardedPackedSeqParams, int]" = weakref.WeakKeyDictionary()
 _GUARDED = "_cp_packing_guard_handles"  # attribute of a guarded module: its two hook handles
 _SHARED_CONFIG_FIX = (
     "transformers shares the config object between models built from it, so building another model from the same "
@@ -545,15 +609,14 @@ def _guard_pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, A
             "local_labels, group=cp_group) on labels from cp_packing.next_token_labels (shifted on the global stream)"
         )
     _check_implementation(module)
-    if isinstance(sharded, ShardedPackedSeqParams):
-        _ATTENTION_RUNS[sharded] = 0
 
 
 def _guard_post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     sharded = kwargs.get("cp_sharded")
     if torch.compiler.is_compiling():
         return
-    if isinstance(sharded, ShardedPackedSeqParams) and not _ATTENTION_RUNS.get(sharded):
+    plan = getattr(sharded, "plan", None)
+    if plan is not None and not plan.layer_calls:
         raise ValueError(
             f"{type(module).__name__} was called with cp_sharded but none of its attention layers ran cp_packing's "
             f"attention (implementation now {_attention_implementation(module)!r}); its output is wrong. "
@@ -561,11 +624,14 @@ def _guard_post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, 
         )
 
 
-def check_cp_model(model: torch.nn.Module) -> None:
-    """Check that ``model`` runs cp_packing's attention, and guard its calls; idempotent, no communication.
+def check_cp_model(model: torch.nn.Module) -> Any:
+    """Check that ``model`` runs cp_packing's attention on layers a sequence split can express, and guard its calls;
+    idempotent, no communication. Returns its per-layer features (``cp_packing.model_features.ModelFeatures``).
 
     Raises now when the model's attention implementation (``model.config._attn_implementation``) is not a name
-    registered by :func:`register_cp_attention`, and installs two forward hooks on the (unwrapped) model that raise,
+    registered by :func:`register_cp_attention`, or when its layers mix tokens outside the attention function
+    (linear attention, convolutions, SSMs: ``cp_packing.model_features.check_cp_supported`` names the layer), and
+    installs two forward hooks on the (unwrapped) model that raise,
     for every later call with ``cp_sharded``, BEFORE the forward when it also passes ``labels=`` (HF's built-in loss
     shifts labels on the local shard) or the implementation has changed since, and AFTER it when no attention layer
     ran cp_packing's attention (e.g. a model whose layers pick their attention elsewhere). The usual cause is a
@@ -582,12 +648,14 @@ def check_cp_model(model: torch.nn.Module) -> None:
         raise TypeError(f"model must be a torch.nn.Module (an HF model), got {type(model).__name__}")
     model = _unwrapped(model)
     _check_implementation(model)
+    features = _features_of(model.config)
     if getattr(model, _GUARDED, None) is None:
         handles = (
             model.register_forward_pre_hook(_guard_pre_forward, with_kwargs=True),
             model.register_forward_hook(_guard_post_forward, with_kwargs=True),
         )
         object.__setattr__(model, _GUARDED, handles)
+    return features
 
 
 def __getattr__(name: str) -> Any:

@@ -40,7 +40,7 @@ from cp_packing.groups import GroupLike, as_process_group, resolve_group
 from cp_packing.loss import next_token_labels
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.padding import pad_rows
-from cp_packing.sharding import ShardedPackedSeqParams, mark_shard, shard_packed_seq_params
+from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __all__ = [
     "CPBatch",
@@ -198,23 +198,9 @@ class CPBatch:
                        tensors_of(self.sharded, global_params=params), {k: f(v) for k, v in self.local.items()},
                        self.num_valid_labels)
 
-    def __post_init__(self) -> None:
-        self._mark_local()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)  # frozen: no __setattr__
-        self._mark_local()
-
-    def _mark_local(self) -> None:
-        """Mark the local tensors as this rank's shard (``sharding.mark_shard``) again after a copy (a worker's
-        item arrives unpickled, ``to`` copies): the loss then refuses their labels without the CP group."""
-        for x in self.local.values():
-            mark_shard(x, self.sharded.cp_size, self.sharded.cp_rank)
-
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CPBatch:
         """A copy with every tensor on ``device`` (one copy per tensor; a tensor shared by two fields stays
-        shared). Use the returned object for the whole step: the per-step cache of the attention is keyed on its
-        ``sharded.token_index``."""
+        shared)."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> CPBatch:

@@ -15,7 +15,6 @@ batch, a bad label) raises the same error on every rank instead of leaving the o
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,11 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing._checks import INTEGER_DTYPES, check_choice, check_doc_ids, check_int, check_tensor, is_int
+from cp_packing._checks import INTEGER_DTYPES, check_choice, check_int, check_tensor, is_int
 from cp_packing.agreement import agree, digest
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
-from cp_packing.sharding import ShardedPackedSeqParams, shard_origin
+from cp_packing.labels import LabelsWarning, _check_same_batch, check_labels_shifted, next_token_labels
+from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = [
     "LabelsWarning",
@@ -41,125 +41,6 @@ __all__ = [
 _CALL = "packed_cross_entropy"  # one call name for both reductions: a mix is reported as a `reduction` mismatch
 _REDUCTIONS = ("token", "document")
 _INT64 = {"min": -(2**63), "max": 2**63 - 1}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Labels on the global stream
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class LabelsWarning(UserWarning):
-    """Labels that look like the wrong convention: HF's unshifted labels given to the loss, or already shifted labels
-    given to ``next_token_labels(labels=...)`` (each warned once per process; docs/loss.md)."""
-
-
-_warned: set[str] = set()  # which LabelsWarning kinds this process has given
-
-
-def _warn_once(kind: str, message: str, stacklevel: int) -> None:
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(f"{message} (warned once per process)", LabelsWarning, stacklevel=stacklevel + 1)
-
-
-def _check_same_batch(x: object, name: str, like: torch.Tensor, like_name: str, shape: str) -> torch.Tensor:
-    check_tensor(x, name, shape)
-    if x.dtype not in INTEGER_DTYPES:
-        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}; convert with {name}.long()")
-    if x.shape != like.shape:
-        raise ValueError(f"{name} shape {tuple(x.shape)} does not match {like_name} shape {tuple(like.shape)}; "
-                         f"pass the {name} of the same batch")
-    if x.device != like.device:
-        raise ValueError(f"{name} is on {x.device} but {like_name} on {like.device}; use one device")
-    return x
-
-
-def next_token_labels(
-    input_ids: torch.Tensor,
-    doc_ids: torch.Tensor | PackedSeqParams,
-    *,
-    labels: torch.Tensor | None = None,
-    token_mask: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """Next-token labels of a neat-packed batch, on the GLOBAL ``[B, S]`` stream, before sharding.
-
-    ``out[b, s] = target[b, s + 1]`` when token ``s + 1`` is in token ``s``'s segment (same row, same document
-    index: the seed's segments), else ``ignore_index``: the last token of every document and of every row, and every
-    padding token, get ``ignore_index``. ``target`` is ``input_ids`` (pretraining), or ``labels``: HF's UNSHIFTED,
-    prompt-masked labels (``labels[t]`` is token ``t`` or ``ignore_index``; HF shifts inside its loss), whose masked
-    positions stay masked after the shift. Why before sharding: see docs/loss.md.
-
-    Args:
-        input_ids: ``[B, S]``, any integer dtype.
-        doc_ids: ``[B, S]`` integer document map (0 = padding), or its ``PackedSeqParams``. Same shape and device.
-        labels: optional integer ``[B, S]``, HF's unshifted labels (``batch["labels"]`` of ``DataCollatorWith
-            Flattening``, TRL's collators, a tokenizer's ``labels = input_ids`` with the prompt set to -100). Labels
-            that look already shifted (equal to the NEXT input id wherever valid) give a :class:`LabelsWarning`.
-        token_mask: optional bool ``[B, S]``, False for tokens that get no label and are nobody's label (e.g. pad
-            tokens that ``pad_segments`` placed inside a document).
-        ignore_index: the int value of a masked label (in ``labels`` and in the result).
-
-    Returns:
-        int64 ``[B, S]`` labels on ``input_ids.device``: what :func:`packed_cross_entropy` takes (after sharding).
-
-    Raises:
-        TypeError / ValueError: a non-integer tensor, another shape or device, a negative label other than
-        ``ignore_index``, a non-int ``ignore_index``.
-
-    >>> next_token_labels(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 1, 2, 2]])).tolist()
-    [[11, -100, 13, -100]]
-    >>> hf_labels = torch.tensor([[-100, 11, 12, 13]])  # token 10 is the prompt: masked
-    >>> next_token_labels(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 1, 1, 1]]), labels=hf_labels).tolist()
-    [[11, 12, 13, -100]]
-    """
-    if isinstance(doc_ids, PackedSeqParams):
-        doc_ids = doc_ids.doc_ids
-    check_doc_ids(doc_ids)
-    # the same global [B, S] batch as doc_ids: label BEFORE sharding
-    _check_same_batch(input_ids, "input_ids", doc_ids, "doc_ids (the global map: label before sharding)",
-                      "[batch, sequence]")
-    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
-    if token_mask is not None:
-        check_tensor(token_mask, "token_mask", "(bool [B, S])")
-        if token_mask.dtype != torch.bool:
-            raise TypeError(f"token_mask must be a bool tensor [B, S], got {token_mask.dtype}; build it with x != pad")
-        if token_mask.shape != doc_ids.shape:
-            raise ValueError(f"token_mask shape {tuple(token_mask.shape)} does not match doc_ids shape "
-                             f"{tuple(doc_ids.shape)}")
-        token_mask = token_mask.to(doc_ids.device)
-    ids = input_ids.to(torch.int64)
-    target = ids if labels is None else _hf_labels(labels, ids, ignore_index)
-
-    out = torch.full(input_ids.shape, ignore_index, dtype=torch.int64, device=input_ids.device)  # [B, S]
-    if input_ids.shape[1] < 2:
-        return out
-    same_segment = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != 0)  # [B, S-1]: runs within a row
-    if token_mask is not None:
-        same_segment &= token_mask[:, 1:] & token_mask[:, :-1]
-    out[:, :-1] = torch.where(same_segment, target[:, 1:], out[:, :-1])
-    return out
-
-
-def _hf_labels(labels: object, ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """HF's unshifted labels as int64, checked; warns when they look already shifted (one host sync)."""
-    labels = _check_same_batch(labels, "labels", ids, "input_ids", "(HF's unshifted labels [B, S])").to(torch.int64)
-    valid = labels != ignore_index  # [B, S]
-    negative = valid & (labels < 0)
-    unshifted = (valid & (labels != ids)).any()  # HF's convention: every valid label is its own token
-    # shifted: every valid label (but one in the last column) is the NEXT token, and some is not its own token
-    shifted = (valid[:, :-1] & (labels[:, :-1] != ids[:, 1:])).any() | valid[:, -1:].any()
-    has_negative, not_own, not_next = torch.stack([negative.any(), unshifted, shifted]).tolist()
-    if has_negative:
-        b, s = (int(i) for i in negative.nonzero()[0])
-        raise ValueError(f"labels[{b}, {s}] is {int(labels[b, s])}: a label is a token id (>= 0) or "
-                         f"ignore_index={ignore_index}; pass ignore_index= the value your pipeline masks with")
-    if not_own and not not_next:
-        _warn_once("shifted", "next_token_labels(labels=...) got labels that look already shifted (each valid label "
-                   "is the NEXT input id, not its own): shifting them again trains the token after next. Pass HF's "
-                   "unshifted labels (labels[t] = input_ids[t] or -100), or use already shifted labels as they are",
-                   stacklevel=3)
-    return labels
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,36 +95,11 @@ def _check_num_items(num_items: object, reduction: str) -> torch.Tensor | int | 
     return int(num_items)
 
 
-def _shard_of_labels(labels: torch.Tensor, sharded: object, cp: CPGroup | None) -> None:
-    """The marker check: labels that ``sharded.shard`` / ``distribute_batch`` made, without their group."""
-    origin = shard_origin(labels)
-    if origin is None:
-        return
-    cp_size, cp_rank = origin
-    if isinstance(sharded, ShardedPackedSeqParams):
-        if (cp_size, cp_rank) != (sharded.cp_size, sharded.cp_rank):
-            raise ValueError(f"labels are CP rank {cp_rank}'s shard of a batch split over {cp_size} ranks but sharded "
-                             f"is rank {sharded.cp_rank}'s of {sharded.cp_size}; pass the labels and the metadata "
-                             "of the same shard")
-        return
-    if cp_size > 1 and (cp is None or cp.size != cp_size):
-        have = "group=None (no CP)" if cp is None else f"a group of {cp.size} ranks"
-        raise ValueError(
-            f"labels are CP rank {cp_rank}'s shard of a batch split over {cp_size} ranks (from sharded.shard or "
-            f"distribute_batch), but the loss got {have}: it would divide this rank's share by its own count, a wrong "
-            "loss with no error. Pass group= the CP group the batch was sharded over (mesh['cp']) and sharded="
-        )
-    if cp is not None and cp.rank != cp_rank:
-        raise ValueError(f"labels are CP rank {cp_rank}'s shard but this process is rank {cp.rank} of the CP group; "
-                         "shard with cp_rank=torch.distributed.get_rank(group)")
-
-
 def _check_shard(sharded: object, cp: CPGroup | None, labels: torch.Tensor, num_labels: int,
                  reduction: str) -> tuple[torch.Tensor, ...]:
     """``sharded`` against the group (size, rank) and the labels (count); returns the global ``cu_seqlens`` and the
     local ``token_index`` (empty tuple without ``sharded``)."""
     cp_size, cp_rank = (1, 0) if cp is None else (cp.size, cp.rank)
-    _shard_of_labels(labels, sharded, cp)
     if sharded is None:
         if reduction == "document":
             over = f" over a CP group of {cp_size} ranks" if cp_size > 1 else ""
@@ -268,38 +124,21 @@ def _check_shard(sharded: object, cp: CPGroup | None, labels: torch.Tensor, num_
     return cu, token_index
 
 
-def _inspect(labels: torch.Tensor, vocab: int, ignore_index: int, segment_end: torch.Tensor | None,
-             next_known: torch.Tensor | None, input_ids: torch.Tensor | None,
+def _inspect(labels: torch.Tensor, vocab: int, ignore_index: int,
              num_items: torch.Tensor | int | None) -> int | None:
-    """Label values, the unshifted-labels signals and ``num_items_in_batch``, read back in ONE host sync.
+    """Label values and ``num_items_in_batch``, read back in ONE host sync.
 
     Raises on a label outside ``[0, V)`` (it would crash inside torch, or device-assert on CUDA) or a
-    ``num_items_in_batch`` below this rank's own count; warns (:class:`LabelsWarning`) on labels that look unshifted.
-    Returns ``num_items_in_batch`` as an int (``None`` when not given).
+    ``num_items_in_batch`` below this rank's own count. Returns ``num_items_in_batch`` as an int (``None`` when not
+    given).
     """
     valid = labels != ignore_index  # [T_local]
     bad = valid & ((labels < 0) | (labels >= vocab))
     zero = torch.zeros((), dtype=torch.int64, device=labels.device)
-
-    def first(mask: torch.Tensor) -> torch.Tensor:  # position of the first True (0 when none)
-        return torch.argmax(mask.to(torch.uint8)) if mask.numel() else zero
-
-    stats = [bad.any(), first(bad), valid.sum()]
-    # A valid label at the last token of its segment: next_token_labels never makes one; HF's unshifted labels do.
-    end_label = valid & segment_end if segment_end is not None else None
-    stats += [zero, zero] if end_label is None else [end_label.any(), first(end_label)]
-    if input_ids is not None:
-        own = (labels == input_ids).logical_or_(~valid)  # [T_local]: every valid label is its own input token
-        pairs = valid[:-1] & next_known  # [T_local - 1]: labels whose next token is known here
-        is_next = (labels[:-1] == input_ids[1:]) | ~pairs  # a shifted reading fits (ambiguous: no warning)
-        stats.append(valid.any() & own.all() & ~(pairs.any() & is_next.all()))
-    else:
-        stats.append(zero)
+    bad_at = torch.argmax(bad.to(torch.uint8)) if bad.numel() else zero
     n = num_items.reshape(()).to(device=labels.device, dtype=torch.int64) if isinstance(num_items, torch.Tensor) \
         else zero
-    stats.append(n)
-    has_bad, bad_at, count, end_label, end_at, looks_unshifted, n = torch.stack(
-        [x.to(torch.int64) for x in stats]).tolist()  # the one host sync
+    has_bad, bad_at, count, n = torch.stack([x.to(torch.int64) for x in (bad.any(), bad_at, valid.sum(), n)]).tolist()
     if has_bad:
         raise ValueError(f"label {int(labels[bad_at])} at local position {bad_at} is outside [0, {vocab}) and is not "
                          f"ignore_index={ignore_index}; check the vocabulary size (logits' last dim) or ignore_index")
@@ -310,17 +149,6 @@ def _inspect(labels: torch.Tensor, vocab: int, ignore_index: int, segment_end: t
                 f"num_items_in_batch={n} is smaller than this rank's own {count} valid labels: it must count the "
                 "valid labels of every micro-batch of the optimizer step on every CP x DP rank (each once); build "
                 "it with cp_packing.count_valid_labels(micro_batch_labels, group=..., dp_group=...)")
-    fix = ("HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted on "
-           "the global stream: convert them before sharding with cp_packing.next_token_labels(input_ids, doc_ids, "
-           "labels=hf_labels)")
-    if looks_unshifted:
-        _warn_once("unshifted", f"the labels equal input_ids at every valid position: they look unshifted, and "
-                   f"would train each token to predict itself. {fix}", stacklevel=5)
-    elif end_label:
-        _warn_once("unshifted", f"label {int(labels[end_at])} at local position {end_at} sits on the last token of "
-                   f"its segment, where next_token_labels always puts ignore_index={ignore_index} (the next token "
-                   f"belongs to another document or row): the labels look unshifted, or shifted across document "
-                   f"boundaries. {fix}", stacklevel=5)
     return None if num_items is None else n
 
 
@@ -346,7 +174,10 @@ def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | 
         next_known = token_index[1:] == token_index[:-1] + 1  # [T_local - 1]: local neighbours are global ones
     elif ids is not None:  # no metadata: the labels are the whole stream without CP, unknown order with CP
         next_known = torch.full((max(labels1d.numel() - 1, 0),), cp is None or cp.size == 1, device=ids.device)
-    num_items = _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, segment_end, next_known, ids, num_items)
+    num_items = _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, num_items)
+    if segment_end is not None or ids is not None:
+        check_labels_shifted(labels1d, input_ids=ids, segment_end=segment_end, next_known=next_known,
+                             ignore_index=ignore_index)
     fields: dict[str, object] = {
         "reduction": reduction, "vocab size": int(logits2d.shape[-1]), "logits dtype": str(logits2d.dtype),
         "ignore_index": ignore_index, "cp size": 1 if cp is None else cp.size,
@@ -463,6 +294,14 @@ def packed_cross_entropy(
     >>> round(float(packed_cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]), num_items_in_batch=6)), 4)
     0.5493
     """
+    plan = sharded.plan if isinstance(sharded, ShardedPackedSeqParams) else None
+    if reduction == "token" and group is None and dp_group is None and (
+            num_items_in_batch is not None or (plan is not None and plan.num_items is not None)):
+        return _local_loss(logits, labels, plan, num_items_in_batch, input_ids, ignore_index, sharded)
+    if plan is not None:
+        plan.check_ran()
+        if group is None and plan.group is not None:
+            group = plan.group  # the step was prepared without labels: count them over its group
     if reduction == "document":
         return _document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
                                        ignore_index=ignore_index, input_ids=input_ids, num_items=num_items_in_batch)
@@ -474,6 +313,33 @@ def packed_cross_entropy(
     else:
         denominator = torch.tensor(float(max(local.num_items, 1)), dtype=torch.float32, device=local.logits.device)
     return _cross_entropy(local, ignore_index).sum() / denominator
+
+
+def _local_loss(logits, labels, plan, num_items, input_ids, ignore_index, sharded) -> torch.Tensor:
+    """The loss as local math: this rank's CE sum over the step's count (no communication, no agreement)."""
+    if plan is not None:
+        plan.check_ran()
+    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+    logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
+    n = _check_num_items(num_items, "token")
+    if n is None:
+        n = plan.num_items
+    if labels1d.device.type == "cpu":  # free on the host; on a GPU the kernel's device assert names a bad label
+        _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, n)
+    if input_ids is not None:
+        ids = _check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
+        segment_end = None
+        if isinstance(sharded, ShardedPackedSeqParams):
+            cu = sharded.global_params.cu_seqlens.to(labels1d.device, torch.int64)
+            ti = sharded.token_index.to(labels1d.device)
+            segment_end = ti == cu[torch.searchsorted(cu, ti, right=True)] - 1
+        check_labels_shifted(labels1d, input_ids=ids, segment_end=segment_end, ignore_index=ignore_index,
+                             next_known=None if sharded is None else (sharded.token_index[1:] ==
+                                                                       sharded.token_index[:-1] + 1).to(ids.device))
+    total = F.cross_entropy(logits2d.float(), labels1d, ignore_index=ignore_index, reduction="sum")
+    if isinstance(n, torch.Tensor):
+        return total / n.to(device=total.device, dtype=torch.float32).clamp_min(1).reshape(())
+    return total / float(max(int(n), 1))
 
 
 def document_cross_entropy(
@@ -568,29 +434,6 @@ def _micro_batches(labels: object) -> list[torch.Tensor]:
     return list(items)
 
 
-def _shard_kind(items: list[torch.Tensor], cp: CPGroup | None) -> bool:
-    """True when the micro-batches are CP shards (marked by ``sharded.shard`` / ``distribute_batch``), checked
-    against ``cp``; False for whole batches (or shards whose mark a copy lost)."""
-    origins = [shard_origin(x) for x in items]
-    sharded = [o is not None and o[0] > 1 for o in origins]
-    if any(sharded) and not all(sharded):
-        raise ValueError(f"labels mix CP shards (micro-batches {[i for i, s in enumerate(sharded) if s]}) and whole "
-                         "batches; count one kind: every micro-batch's global labels, or every micro-batch's shard")
-    if not any(sharded):
-        return False
-    cp_size, cp_rank = next(o for o in origins if o is not None)
-    if cp is None or cp.size != cp_size:
-        have = "group=None" if cp is None else f"a group of {cp.size} ranks"
-        raise ValueError(f"labels are CP rank {cp_rank}'s shards of batches split over {cp_size} ranks, but "
-                         f"count_valid_labels got {have}: the other ranks' labels would not be counted; pass "
-                         "group= the CP group (mesh['cp']) as well as dp_group=")
-    for i, (size, rank) in enumerate(origins):
-        if rank != cp.rank or size != cp_size:
-            raise ValueError(f"labels[{i}] is CP rank {rank}'s shard (of {size}) but this process is rank {cp.rank} "
-                             f"of the CP group of {cp.size}; count this rank's own shards")
-    return True
-
-
 def count_valid_labels(
     labels: torch.Tensor | Sequence[torch.Tensor],
     *,
@@ -613,9 +456,10 @@ def count_valid_labels(
     - each rank holds its CP shards (``sharded.shard(labels)``, ``distribute_batch``): reduce over both,
       ``group=mesh["cp"], dp_group=mesh["dp"]``.
 
-    Both mistakes raise on every rank: shard labels (marked by ``shard`` / ``distribute_batch``) without their
-    ``group``, and whole batches with ``group`` (every CP rank holds equal labels: compared by digest). Not caught:
-    shards whose mark a copy lost (``.clone()``, ``.to(other device)``) counted with ``group=None``.
+    Whole batches counted with ``group`` raise on every rank (every CP rank holds equal labels: compared by
+    digest). The inputs are explicit: with ``group`` the labels are this rank's shards, without it whole batches;
+    shards counted without their group cannot be told from whole batches (count them with ``group=``, or use the
+    step plan's count: ``prepare_attention(..., labels=)`` / ``cp_model_inputs``).
 
     Args:
         labels: one tensor or a list of integer tensors, any shape: every micro-batch of this optimizer step
@@ -642,11 +486,11 @@ def count_valid_labels(
     try:
         ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
         items = _micro_batches(labels)
-        shards = _shard_kind(items, cp)
+        shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
         fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
                   "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
         local = sum(int((x != ignore_index).sum()) for x in items)  # this rank's count (host syncs)
-        if cp is not None and cp.size > 1 and not shards and local > 0:
+        if shards and local > 0:  # equal on every CP rank: whole batches, not shards
             payload = digest(*items)
     except Exception as exc:  # noqa: BLE001 - raised on every rank, through the agreement
         error = exc

@@ -42,6 +42,8 @@ class AttentionOptions:
         sinks: whether the model's layers have attention sinks (rules out backends that cannot take them).
         scale: softmax scale of layers that pass none (``None``: ``1 / sqrt(head_dim)``).
         overlap: the exchange backend hides its transfer behind the local part of the attention.
+        heads_k_stride: ring-flash-attn's llama3 kernel: key/value heads all-gathered per step (``None``: all; a
+            divisor of the key/value heads, smaller saves memory).
         check_layers: every layer's call checked against the other ranks (a small agreement per layer, so a per-layer
             mistake on one rank raises everywhere): ``True``, ``False``, or ``None`` = the first
             :data:`CHECKED_STEPS` steps of a CP group.
@@ -62,6 +64,7 @@ class AttentionOptions:
     sinks: bool = False
     scale: float | None = None
     overlap: bool = True
+    heads_k_stride: int | None = None
     check_layers: bool | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class AttentionOptions:
         check_bool(self.sinks, "sinks")
         object.__setattr__(self, "scale", check_number(self.scale, "softmax_scale", allow_none=True))
         check_bool(self.overlap, "overlap")
+        if self.heads_k_stride is not None:
+            check_int(self.heads_k_stride, "heads_k_stride", min=1)
         if self.check_layers is not None:
             check_bool(self.check_layers, "check_layers")
 

@@ -10,44 +10,18 @@ adapter in ``cp_packing.adapters``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from cp_packing._checks import check_bool, check_cp, check_tensor, check_windows
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
-__all__ = ["ShardedPackedSeqParams", "as_signed", "mark_shard", "shard_origin", "shard_packed_seq_params", "take_rows"]
-
-_T = TypeVar("_T")
-
-# Per-step derived metadata (the all-gather key index, every rank's token order, the agreed signature), computed once
-# and reused by every layer. Kept OUTSIDE the frozen dataclass, keyed by the identity of the shard's token_index:
-# tree-mapping utilities (FSDP2's cast_forward_inputs) rebuild dataclasses when they copy a module's inputs, but
-# pass integer tensors through, so every copy holding the same token_index shares the entries. Each entry
-# remembers the tensors it was derived from, so a copy made with other metadata (dataclasses.replace) recomputes.
-_STEP_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-# Tensors that are one rank's CP shard: root tensor (views share it) -> (cp_size, cp_rank). ``shard`` marks what it
-# returns (``distribute_batch``'s source path marks what it receives), so the loss can refuse a shard's labels
-# without the group they came from (docs/loss.md). A copy (``.clone()``, ``.to(other device)``) is not marked.
-_SHARD_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def mark_shard(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Record that ``x`` (and every view of it) is rank ``cp_rank``'s shard of a batch split over ``cp_size``
-    ranks; returns ``x``."""
-    _SHARD_OF[x if x._base is None else x._base] = (int(cp_size), int(cp_rank))
-    return x
-
-
-def shard_origin(x: torch.Tensor) -> tuple[int, int] | None:
-    """``(cp_size, cp_rank)`` when ``x`` (or the tensor it is a view of) was marked by :func:`mark_shard`."""
-    return _SHARD_OF.get(x if x._base is None else x._base)
+__all__ = ["ShardedPackedSeqParams", "as_signed", "shard_packed_seq_params", "take_rows"]
 
 
 _UNSIGNED_AS_SIGNED = {
@@ -88,6 +62,8 @@ class ShardedPackedSeqParams:
         plan_window: the sliding window(s) the layout was planned for (``None``, an int, or a per-layer tuple of
             ``int | None``; only ``balanced`` depends on it). Not the window the attention runs with: HF passes that
             per layer.
+        plan: this step's attention plan (``cp_packing.attention.prepare_attention`` attaches it; ``None`` until
+            then): every copy of the shard shares it.
     """
 
     cp_size: int
@@ -101,6 +77,15 @@ class ShardedPackedSeqParams:
     max_seqlen: int
     key_start: torch.Tensor
     plan_window: int | tuple[int | None, ...] | None = None
+    plan: Any = field(default=None, repr=False)
+
+    def with_plan(self, plan: Any) -> "ShardedPackedSeqParams":
+        """A copy of this shard carrying ``plan`` (the step plan of ``prepare_attention``)."""
+        return dataclasses.replace(self, plan=plan)
+
+    def without_plan(self) -> "ShardedPackedSeqParams":
+        """This shard without a step plan (itself when it has none)."""
+        return self if self.plan is None else dataclasses.replace(self, plan=None)
 
     @property
     def num_local_tokens(self) -> int:
@@ -112,26 +97,11 @@ class ShardedPackedSeqParams:
         """``(B, S)`` of the global batch."""
         return tuple(self.global_params.doc_ids.shape)
 
-    def cached(self, key: Hashable, compute: Callable[[], _T]) -> _T:
-        """``compute()``, once per ``key`` for this shard's metadata (shared by copies that hold the same tensors)."""
-        sources = (self.global_params.cu_seqlens, self.cu_seqlens, self.key_start)
-        entries = _STEP_CACHE.setdefault(self.token_index, {})
-        full_key = (key, self.layout, self.cp_size, self.cp_rank, self.plan_window)
-        entry = entries.get(full_key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], sources)):
-            return entry[1]
-        value = compute()
-        entries[full_key] = (sources, value)
-        return value
-
     def global_token_order(self) -> torch.Tensor:
-        """int64 ``[cp_size, T_local]``: every rank's ``token_index`` (cached; the order of an all-gather)."""
-        return self.cached(
-            "global_token_order",
-            lambda: global_token_order(
-                self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout, window=self.plan_window
-            ).to(self.token_index.device),
-        )
+        """int64 ``[cp_size, T_local]``: every rank's ``token_index`` (the order of an all-gather; the layout's plan
+        is cached, the order is one pass over ``T``)."""
+        return global_token_order(self.global_params.cu_seqlens, cp_size=self.cp_size, layout=self.layout,
+                                  window=self.plan_window).to(self.token_index.device)
 
     def _flat(self, x: torch.Tensor, name: str, flat: bool | None = None) -> torch.Tensor:
         check_tensor(x, name, "[B, S, ...] or [B*S, ...]")
@@ -151,12 +121,11 @@ class ShardedPackedSeqParams:
 
         ``flat=None`` reads ``x`` as ``[B, S, ...]`` when its first two dims are ``(B, S)``, else as flat. With
         ``S == 1`` a flat ``[T, 1, ...]`` tensor (e.g. q with one head) looks like ``[B, S, ...]``: pass ``flat=True``.
-        Differentiable; every dtype (unsigned included). The result is marked as this rank's shard
-        (:func:`shard_origin`): the loss refuses a shard's labels without its CP group.
+        Differentiable; every dtype (unsigned included).
         """
         if flat is not None:
             check_bool(flat, "flat")
-        return mark_shard(take_rows(self._flat(x, "x", flat), self.token_index), self.cp_size, self.cp_rank)
+        return take_rows(self._flat(x, "x", flat), self.token_index)
 
     def unshard(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``shard``: every rank's ``[T_local, ...]`` tensor, in rank order -> ``[B, S, ...]``."""

@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from cp_packing.attention.plan import prepare_attention
+
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.adapters import ring_flash_attn_kwargs
 from cp_packing.testing import run_distributed, synthetic_doc_ids
@@ -234,7 +236,9 @@ def test_key_index_contiguous_is_a_view_of_the_gathered_buffer():
         assert keys.key_index is None and keys.key_slice == llama3["local_k_slice"]
         assert torch.equal(keys.cu_seqlens_k, llama3["cu_seqlens_k"])
         assert keys.max_seqlen_k == llama3["max_seqlen_k"]
-        assert allgather_keys(sharded) is keys  # cached per step: every layer reuses it
+        step = prepare_attention(sharded).plan
+        step.backend, step.device = "allgather", torch.device("cpu")
+        assert step.tables() is step.tables()  # built once per step: every layer reuses it
         gathered = torch.randn(48, 2, D)
         assert keys.select(gathered).data_ptr() == gathered[llama3["local_k_slice"]].data_ptr()
 
@@ -334,7 +338,7 @@ def test_group_that_does_not_match_the_shard_raises():
 
 
 def test_auto_never_routes_float32_or_other_layouts_to_ring():
-    from cp_packing.attention.dispatch import _auto_wants_ring
+    from cp_packing.attention.plan import _auto_wants_ring
 
     assert _auto_wants_ring("cuda", torch.bfloat16, "zigzag", 2, True, "auto")
     assert _auto_wants_ring("cuda", torch.float16, "contiguous", 8, True, "flash_attn")
@@ -347,10 +351,9 @@ def test_auto_never_routes_float32_or_other_layouts_to_ring():
 
 
 def test_auto_logs_its_choice_once(caplog):
-    from cp_packing import _imports
-    from cp_packing.attention import dispatch
+    from cp_packing.attention import dispatch, plan
 
-    dispatch._LOGGED.clear()
+    plan._LOGGED.clear()
     s = _small_shard()
     q = torch.randn(16, 2, D)
     with caplog.at_level(logging.INFO, logger="cp_packing"):
@@ -432,7 +435,7 @@ def test_group_backend_is_checked_for_q_device(monkeypatch, config, ok):
     with gloo: accepted. A NCCL-only group cannot move CPU tensors: a clear error before any collective."""
     import torch.distributed as dist
 
-    from cp_packing.attention.allgather import resolve_attention_group
+    from cp_packing.attention.plan import resolve_attention_group
 
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(torch.ones(1, 8, dtype=torch.int64)),
                                       cp_size=2, cp_rank=1, layout="contiguous")
@@ -452,7 +455,7 @@ def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp
     (per sys.path: a package dir put on sys.path later, as the tests do with the flash_attn stand-in, is tried)."""
     import cp_packing.attention.ring as ring
     from cp_packing import _imports
-    from cp_packing.attention import dispatch
+    from cp_packing.attention import plan
 
     attempts = []
 
@@ -463,13 +466,13 @@ def test_ring_import_failure_is_not_retried_on_every_layer_call(monkeypatch, tmp
     monkeypatch.setattr(ring, "import_ring_flash_attn", failing_import)
     monkeypatch.delitem(sys.modules, "ring_flash_attn", raising=False)  # an earlier test may have imported it
     _imports.forget_import_failures()
-    assert [dispatch._ring_importable() for _ in range(3)] == [False] * 3
+    assert [plan._ring_importable() for _ in range(3)] == [False] * 3
     assert len(attempts) == 1
     monkeypatch.syspath_prepend(str(tmp_path))  # something new on sys.path: tried again, once
-    assert not dispatch._ring_importable() and not dispatch._ring_importable()
+    assert not plan._ring_importable() and not plan._ring_importable()
     assert len(attempts) == 2
     monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: ring)  # installed meanwhile (any module)
-    assert not dispatch._ring_importable()  # same sys.path: still the remembered failure
+    assert not plan._ring_importable()  # same sys.path: still the remembered failure
     _imports.forget_import_failures()
-    assert dispatch._ring_importable()
+    assert plan._ring_importable()
     _imports.forget_import_failures()

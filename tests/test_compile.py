@@ -84,7 +84,7 @@ def _compile_worker(rank: int, world_size: int) -> dict:
         local, sharded = distribute_batch({"input_ids": ids, "labels": labels}, packed_seq_params_from_doc_ids(doc),
                                           group=group, layout=layout)
         inputs = cp_model_inputs(local, sharded, group=group, compiled=True, model=model)  # with the guards
-        assert isinstance(inputs["cp_plan"], CompiledAttentionPlan) and inputs["cp_backend"] == "allgather"
+        assert isinstance(inputs["cp_plan"], CompiledAttentionPlan) and inputs["cp_sharded"].plan.options.backend == "allgather"
         steps.append((inputs, local["labels"], _step(model, inputs, local["labels"], group)))  # eager reference
 
     torch._dynamo.reset()

@@ -73,10 +73,11 @@ def test_attention_mistake_on_one_rank_is_raised_on_every_rank(case, kind, words
 
 
 def test_attention_agreement_runs_once_per_step():
-    """The agreement is one exchange per shard and signature, not one per layer."""
+    """One agreement per prepared step, not one per layer; in the first steps (check_layers) every later layer adds
+    its own small one."""
     def fn(rank, world):
         from cp_packing import agreement
-        import cp_packing.attention.dispatch as dispatch
+        from cp_packing.attention import prepare_attention
 
         calls = []
         real = agreement.agree
@@ -85,15 +86,18 @@ def test_attention_agreement_runs_once_per_step():
             calls.append(args[1])
             return real(*args, **kwargs)
 
-        dispatch.agree = counting
+        agreement.agree = counting  # fail_together agrees through it
         params = packed_seq_params_from_doc_ids(_DOC_IDS)
-        sharded = shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="balanced")
-        q, k, v = (sharded.shard(x) for x in _qkv(params.total_tokens))
+        shard = lambda: shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="balanced")  # noqa: E731
+        q, k, v = (shard().shard(x) for x in _qkv(params.total_tokens))
+        step = prepare_attention(shard(), check_layers=False)
         for _ in range(4):  # four layers
-            context_parallel_attention(q, k, v, sharded)
-        next_step = shard_packed_seq_params(params, cp_size=world, cp_rank=rank, layout="balanced")
-        context_parallel_attention(q, k, v, next_step)
+            context_parallel_attention(q, k, v, step)
+        context_parallel_attention(q, k, v, prepare_attention(shard(), check_layers=False))  # the next step
+        checked = prepare_attention(shard(), check_layers=True)  # (the default for the first two steps of a group)
+        for _ in range(3):
+            context_parallel_attention(q, k, v, checked)
         return calls
 
     for calls in run_distributed(fn, 2, timeout=TIMEOUT):
-        assert calls == ["context_parallel_attention"] * 2
+        assert calls == ["context_parallel_attention"] * 3 + ["attention layer"] * 2

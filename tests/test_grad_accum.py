@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing.agreement import AgreementError
 from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
@@ -85,12 +84,11 @@ def _worker(rank, world_size):
     assert not all(torch.allclose(g, ref, rtol=1e-3, atol=1e-5) for g, ref in zip(per_micro, ref_grads))
 
     # Mistakes raise on every rank of both groups, before any number: whole batches counted over CP too (every
-    # token twice), shards counted without their CP group, one rank with another num_items_in_batch.
+    # token twice), one rank with another num_items_in_batch.
     sharded, ids, _ = micro[0]
     logits = make_model()(sharded.shard(ids))
     messages = [
         _raises_everywhere(lambda: count_valid_labels([lab for _, _, lab in micro], group=cp, dp_group=dp)),
-        _raises_everywhere(lambda: count_valid_labels(shard_labels, dp_group=dp)),
         _raises_everywhere(lambda: packed_cross_entropy(logits, shard_labels[0], group=cp, dp_group=dp,
                                                         sharded=sharded, num_items_in_batch=n_whole + (rank == 3))),
     ]
@@ -104,11 +102,9 @@ def test_accumulated_dp_x_cp_gradients_equal_one_big_batch():
     """2 micro-batches x (dp 2 x cp 2) on gloo: the accumulated, SUM-reduced gradients and the summed loss equal the
     one-process gradient and loss of the union of all micro-batches; every counting mistake raises everywhere."""
     per_rank = run_distributed(_worker, CP * DP)
-    for rank, (double, missing, differ) in enumerate(per_rank):  # the same error on every rank (of its DP group)
-        assert double == per_rank[0][0] and differ == per_rank[0][2] and missing == per_rank[rank % CP][1]
+    for rank, (double, differ) in enumerate(per_rank):  # the same error on every rank
+        assert double == per_rank[0][0] and differ == per_rank[0][1]
         assert "every CP rank holds the same labels" in double and "group=None" in double, double
-        assert f"CP rank {rank % CP}'s shards of batches split over 2 ranks" in missing, missing
-        assert "group=None" in missing, missing
         assert "disagree on num_items_in_batch" in differ, differ
 
 
@@ -123,11 +119,6 @@ def test_count_valid_labels_single_process():
         count_valid_labels([labels[0], torch.zeros(3)])
     with pytest.raises(TypeError, match="ignore_index must be an int"):
         count_valid_labels(labels, ignore_index=True)
-    # A CP shard's labels without the CP group: its count would miss the other ranks' labels.
-    doc = torch.ones(1, 8, dtype=torch.int64)
-    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=0, layout="contiguous")
-    with pytest.raises(ValueError, match="group=None"):
-        count_valid_labels([sharded.shard(next_token_labels(doc, doc))])
 
 
 def test_num_items_in_batch_single_process():

@@ -223,7 +223,7 @@ def test_attention_function_errors():
     model.eval()
     model(**inputs)  # no dropout in eval mode: fine
 
-    sharded = inputs["cp_sharded"]
+    sharded = inputs["cp_sharded"].without_plan()  # a step of its own: its first layer checks everything
     q = torch.randn(1, 4, 60, 8)
     kv = torch.randn(1, 2, 60, 8)
     attn = model.model.layers[0].self_attn
@@ -248,7 +248,7 @@ def test_cp_model_inputs_shapes_and_errors():
     assert out["input_ids"].shape == (1, 30) and out["position_ids"].shape == (1, 30)
     assert torch.equal(out["position_ids"][0], two.position_ids)
     assert out["use_cache"] is False and "attention_mask" not in out and "labels" not in out
-    assert out["cp_sharded"] is two
+    assert out["cp_sharded"].token_index is two.token_index and out["cp_sharded"].plan is not None  # the step
     assert torch.equal(cp_model_inputs(local, two, group=group)["input_ids"], out["input_ids"])
     emb = cp_model_inputs({"inputs_embeds": torch.randn(30, 8)}, two, group=group, input_key="inputs_embeds")
     assert emb["inputs_embeds"].shape == (1, 30, 8)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import time
-import warnings
 
 import pytest
 import torch
@@ -149,7 +148,7 @@ def test_next_token_labels_shift_hf_unshifted_labels(seed, B, S):
 
 
 def test_next_token_labels_hf_labels_errors_and_double_shift(monkeypatch):
-    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    monkeypatch.setattr(cp_packing.labels, "_warned", set())
     doc = torch.tensor([[1, 1, 1, 1, 2, 2]])
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     with pytest.raises(ValueError, match=r"labels\[0, 2\] is -5"):
@@ -315,34 +314,33 @@ def test_sharded_for_cp_without_group_is_an_error():
         packed_cross_entropy(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), sharded=sharded)
 
 
-def test_shard_labels_without_their_group_raise():
-    """Issue 11: a CP shard's labels without group= gave a silently wrong loss (each rank divided by its own count)."""
+def test_the_loss_on_a_prepared_step_is_local_math_and_refuses_a_step_no_attention_ran():
+    """``sharded=`` a prepared step: the loss divides by the step's count (from its agreement) with no
+    communication; a step in which no attention layer ran cp_packing's attention (an sdpa model) is refused before
+    any gradient."""
+    from cp_packing.attention import context_parallel_attention, prepare_attention
     from cp_packing.sharding import shard_packed_seq_params
 
     doc, ids = make_batch(11, 2, 8, pad_p=0.0)
     labels = next_token_labels(ids, doc)
     params = packed_seq_params_from_doc_ids(doc)
-    shards = [shard_packed_seq_params(params, cp_size=2, cp_rank=r, layout="contiguous") for r in (0, 1)]
-    local = shards[1].shard(labels)
-    logits = torch.randn(local.numel(), V)
-    for view in (local, local[None], local.view(-1)[None][0]):  # views of the shard are shards too
-        with pytest.raises(ValueError, match=r"CP rank 1's shard of a batch split over 2 ranks.*group=None"):
-            packed_cross_entropy(logits.reshape(*view.shape, V), view)
-    with pytest.raises(ValueError, match="rank 1's shard of a batch split over 2 ranks but sharded is rank 0's"):
-        packed_cross_entropy(logits, local, sharded=shards[0])
-    # One rank of a one-rank "CP" group is the whole batch: no mark, no error.
-    whole = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous").shard(labels)
-    torch.testing.assert_close(packed_cross_entropy(torch.zeros(whole.numel(), V), whole), torch.tensor(2.5649),
-                               rtol=1e-4, atol=1e-4)  # ln 13
+    shard = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous")
+    step = prepare_attention(shard, labels=shard.shard(labels))
+    logits = torch.randn(shard.num_local_tokens, V)
+    with pytest.raises(ValueError, match="no attention layer ran cp_packing's attention"):
+        packed_cross_entropy(logits, shard.shard(labels), sharded=step)
+    q = torch.randn(shard.num_local_tokens, 2, 8)
+    context_parallel_attention(q, q, q, step)
+    assert step.plan.num_items == int((labels != IGNORE).sum())
+    torch.testing.assert_close(packed_cross_entropy(logits, shard.shard(labels), sharded=step),
+                               torch.nn.functional.cross_entropy(logits, shard.shard(labels), ignore_index=IGNORE))
 
-
-def test_unshifted_labels_warn_once(monkeypatch):
+def test_unshifted_labels_raise_with_the_fix():
     """The issue-10 trap: HF's unshifted labels straight into the loss train each token to predict itself (4.862 vs
-    4.872 there), silently. With sharded= (segment ends) or input_ids= the loss warns once, naming the fix; correct
-    labels never warn, not even on documents of one repeated token (where a shifted reading fits too)."""
+    4.872 there), silently. With sharded= (segment ends) or input_ids= the loss raises, naming the fix; correct
+    labels never do, not even on documents of one repeated token (where a shifted reading fits too)."""
     from cp_packing.sharding import shard_packed_seq_params
 
-    monkeypatch.setattr(cp_packing.loss, "_warned", set())
     doc, ids = make_batch(12, 2, 12, pad_p=0.0)
     hf_labels = ids.clone()
     hf_labels[:, :2] = IGNORE  # a prompt
@@ -350,22 +348,17 @@ def test_unshifted_labels_warn_once(monkeypatch):
     sharded = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous")
     logits = torch.randn(ids.numel(), V)
     good = next_token_labels(ids, doc, labels=hf_labels).reshape(-1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LabelsWarning)
-        right = packed_cross_entropy(logits, good, sharded=sharded, input_ids=ids.reshape(-1))
-        same = torch.full((1, 6), 3)
-        constant = next_token_labels(same, torch.ones(1, 6, dtype=torch.int64))[0]  # ambiguous: no warning
-        packed_cross_entropy(torch.zeros(6, V), constant, input_ids=same[0])
-    with pytest.warns(LabelsWarning, match=r"last token of its segment.*next_token_labels\(input_ids, doc_ids, "
-                                           r"labels=hf_labels\)"):
-        wrong = packed_cross_entropy(logits, hf_labels.reshape(-1), sharded=params)
-    assert abs(float(wrong) - float(right)) > 1e-3  # the wrong target, with a plausible loss
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LabelsWarning)  # once per process
+    packed_cross_entropy(logits, good, sharded=sharded, input_ids=ids.reshape(-1))
+    same = torch.full((1, 6), 3)
+    constant = next_token_labels(same, torch.ones(1, 6, dtype=torch.int64))[0]  # ambiguous: accepted
+    packed_cross_entropy(torch.zeros(6, V), constant, input_ids=same[0])
+    with pytest.raises(ValueError, match=r"last token of its segment.*next_token_labels\(input_ids, doc_ids, "
+                                         r"labels=hf_labels\)"):
         packed_cross_entropy(logits, hf_labels.reshape(-1), sharded=params)
-    monkeypatch.setattr(cp_packing.loss, "_warned", set())
-    with pytest.warns(LabelsWarning, match="equal input_ids at every valid position"):
+    with pytest.raises(ValueError, match="equal input_ids at every valid position"):
         packed_cross_entropy(logits, hf_labels.reshape(-1), input_ids=ids.reshape(-1))
+    with pytest.raises(ValueError, match="equal input_ids at every valid position"):  # the local-math path too
+        packed_cross_entropy(logits, hf_labels.reshape(-1), input_ids=ids.reshape(-1), num_items_in_batch=20)
     with pytest.raises(ValueError, match=r"input_ids shape \(5,\) does not match labels shape \(24,\)"):
         packed_cross_entropy(logits, good, input_ids=ids.reshape(-1)[:5])
 
@@ -378,7 +371,7 @@ def test_hf_collator_labels_through_next_token_labels_match_hf_loss(monkeypatch)
 
     from cp_packing.formats import doc_ids_from_position_ids
 
-    monkeypatch.setattr(cp_packing.loss, "_warned", set())
+    monkeypatch.setattr(cp_packing.labels, "_warned", set())
     features = [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]},
                 {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]},
                 {"input_ids": [9, 10, 11, 12], "labels": [9, 10, 11, 12]}]
@@ -390,9 +383,9 @@ def test_hf_collator_labels_through_next_token_labels_match_hf_loss(monkeypatch)
     labels = next_token_labels(batch["input_ids"], doc, labels=batch["labels"])
     torch.testing.assert_close(packed_cross_entropy(logits, labels[0]), hf, rtol=RTOL, atol=1e-6)
     params = packed_seq_params_from_doc_ids(doc)
-    with pytest.warns(LabelsWarning, match="look unshifted"):
-        trap = packed_cross_entropy(logits, batch["labels"][0], sharded=params)
-    assert abs(float(trap) - float(hf)) > 1e-3
+    assert abs(float(packed_cross_entropy(logits, batch["labels"][0])) - float(hf)) > 1e-3  # the trap: another loss
+    with pytest.raises(ValueError, match="look unshifted"):  # caught where the segment ends are known
+        packed_cross_entropy(logits, batch["labels"][0], sharded=params)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -568,20 +561,6 @@ def _dp_cp_worker(rank, world_size):
         _assert_grads_close(grads, ref_grads)
         total = reduce_loss_for_logging(share, group=cp_group, dp_group=dp_group)
         torch.testing.assert_close(total, ref.detach(), rtol=RTOL, atol=ATOL)
-        # Labels from distribute_batch without the CP group they were sharded over: refused (issue 11), locally.
-        from cp_packing.distributed import distribute_batch
-
-        local, _ = distribute_batch({"input_ids": ids, "labels": labels, "doc_ids": doc}, group=cp_group,
-                                    layout="zigzag")
-        with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
-            packed_cross_entropy(local_logits[None], local["labels"], reduction=reduction, sharded=None
-                                 if reduction == "token" else sharded.global_params)
-        # ... and the same for labels scattered from one source rank (the src= path).
-        scattered, _ = distribute_batch({"input_ids": ids, "labels": labels, "doc_ids": doc}
-                                        if cp_rank == 0 else None, group=cp_group, layout="zigzag", src=0)
-        with pytest.raises(ValueError, match=f"CP rank {cp_rank}'s shard of a batch split over 2 ranks"):
-            packed_cross_entropy(local_logits[None], scattered["labels"], reduction=reduction, sharded=None
-                                 if reduction == "token" else sharded.global_params)
         # An out-of-range label on CP rank 1 of replica 1 only: all four ranks raise the same error, which names it.
         bad_labels = sharded.shard(labels).clone()
         if rank == 3:

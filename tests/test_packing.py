@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cp_packing.cost import causal_cost
 from cp_packing.loss import next_token_labels
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from cp_packing.packing import DocumentPacker, pack_documents
+from cp_packing.packing import pack_documents
 
 IGNORE = -100
 BASE = 10_000  # token value = doc * BASE + position: every token says where it came from

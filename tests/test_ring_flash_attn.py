@@ -261,6 +261,7 @@ def spy_ring(monkeypatch):
     record their kwargs; ``set_flash_attn(stub=...)`` installs a fake ``flash_attn`` (the real one or the stand-in)."""
     import types
 
+    import cp_packing.attention.plan as plan
     import cp_packing.attention.ring as ring
 
     calls = []
@@ -274,7 +275,7 @@ def spy_ring(monkeypatch):
     fake = types.SimpleNamespace(zigzag_ring_flash_attn_varlen_func=kernel("zigzag"),
                                  llama3_flash_attn_varlen_func=kernel("llama3"))
     monkeypatch.setattr(ring, "import_ring_flash_attn", lambda: fake)
-    monkeypatch.setattr(ring, "resolve_attention_group", lambda group, sharded, device: group)
+    monkeypatch.setattr(plan, "resolve_attention_group", lambda group, sharded, device: group)
 
     def set_flash_attn(stub: bool):
         module = types.ModuleType("flash_attn")
@@ -305,14 +306,19 @@ def test_ring_attention_refuses_non_half_dtypes_with_real_flash_attn(spy_ring, d
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_attention_moves_the_metadata_to_q_device(spy_ring, layout):
-    """The shard's cu_seqlens live on the CPU; the kernel gets them on q's device (here "meta", a device that is
-    not the CPU and needs no GPU)."""
+    """The shard's cu_seqlens live on the CPU; the step plan's ring kwargs are on q's device (here "meta", a device
+    that is not the CPU and needs no GPU), built once per step, and the kernel gets them."""
+    import types
+
+    from cp_packing.attention import ring
     from cp_packing.attention.ring import ring_attention
 
     sharded = _zigzag_shard() if layout == "zigzag" else _contiguous_shard()
-    q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=torch.bfloat16, device="meta")
+    q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=torch.bfloat16)
     ring_attention(q, q, q, sharded, group=None)
     (_, _, kwargs), = spy_ring.calls
+    assert all(v.device == q.device for v in kwargs.values() if isinstance(v, torch.Tensor))
+    kwargs = ring.build_tables(types.SimpleNamespace(sharded=sharded, device=torch.device("meta")), True, None)
     tensors = {name: value for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
     assert {"cu_seqlens"} <= set(tensors) if layout == "zigzag" else {"cu_seqlens_q", "cu_seqlens_k"} <= set(tensors)
     assert all(value.device.type == "meta" for value in tensors.values()), {n: v.device for n, v in tensors.items()}

@@ -222,19 +222,20 @@ def test_sharded_is_frozen_and_deterministic():
         a.cp_rank = 0  # frozen
 
 
-def test_derived_metadata_cache_survives_input_tree_mapping():
+def test_step_plan_survives_input_tree_mapping():
     """FSDP2 (cast_forward_inputs) and similar utilities rebuild dataclasses and dicts when they copy a module's
-    inputs; the per-step cache (all-gather key index, token order) must be shared by the copies, or every layer
-    recomputes it."""
+    inputs; the step plan (agreement, key tables) is one object that every copy shares, or every layer (an FSDP
+    unit each) would prepare and agree again."""
     from torch.distributed.utils import _apply_to_tensors
 
+    from cp_packing.attention import prepare_attention
+
     params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 2, 0, 0]]))
-    s = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
-    order = s.global_token_order()
+    s = prepare_attention(shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous"))
     # what FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) applies to every tensor among the inputs
-    copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, s)
-    assert copy is not s
-    assert copy.global_token_order() is order
+    copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, {"cp_sharded": s})
+    assert copy["cp_sharded"] is not s and copy["cp_sharded"].plan is s.plan
+    assert torch.equal(copy["cp_sharded"].global_token_order(), s.global_token_order())
 
 
 def test_cache_is_not_reused_by_a_copy_with_other_metadata():

@@ -264,10 +264,10 @@ def test_backends_and_kernels_that_cannot_do_it_refuse_and_auto_avoids_them(monk
     with pytest.raises(ValueError, match="kernel='torch_varlen' cannot soft-cap"):
         context_parallel_attention(q, k, v, sharded, kernel="torch_varlen", softcap=30.0)
     # "auto" would take the ring here (pretend CUDA bf16 + an importable ring); not with softcap or sinks
-    from cp_packing.attention import dispatch
+    from cp_packing.attention import plan
 
-    monkeypatch.setattr(dispatch, "_auto_wants_ring", lambda *a: True)
-    monkeypatch.setattr(dispatch, "_ring_importable", lambda: True)
+    monkeypatch.setattr(plan, "_auto_wants_ring", lambda *a: True)
+    monkeypatch.setattr(plan, "_ring_importable", lambda: True)
     assert select_backend(q, sharded)[0] == "ring_flash_attn"
     assert select_backend(q, sharded, softcap=30.0)[0] == "allgather"
     assert select_backend(q, sharded, sinks=True)[0] == "allgather"

@@ -200,21 +200,30 @@ def test_indivisible_heads_are_refused_on_every_rank(heads_per_rank, kind, words
     assert all(words in r[1] for r in results), results
 
 
-def test_select_backend_checks_heads_and_auto_picks_by_bytes():
-    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
-    s2 = shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+def test_select_backend_checks_heads_and_auto_picks_by_the_step_time_model():
+    from cp_packing.cost import TIMED_BACKENDS, backend_times
+
+    def modelled(q, s, **kw):
+        times = backend_times(s, num_heads=q.shape[1], num_kv_heads=kw.get("num_kv_heads", q.shape[1]),
+                              head_dim=D, dtype_bytes=q.element_size(), window=kw.get("window"))
+        best = min(times.values())
+        return next(n for n in TIMED_BACKENDS if n in times and times[n] <= best * 1.01)
+
+    blocks = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))  # one document per rank at cp 2
+    dense = packed_seq_params_from_doc_ids(torch.tensor([[1] * 16]))
+    s2 = shard_packed_seq_params(blocks, cp_size=2, cp_rank=0, layout="contiguous")
     q = torch.zeros(8, 4, D)
     assert select_backend(q, s2, backend="ulysses") == ("ulysses", "torch")
-    assert select_backend(q, s2) == ("allgather", "torch")  # MHA at cp 2: equal bytes, a tie goes to allgather
-    s4 = shard_packed_seq_params(params, cp_size=4, cp_rank=0, layout="contiguous")
-    s8 = shard_packed_seq_params(params, cp_size=8, cp_rank=0, layout="contiguous")
-    q4, q32 = torch.zeros(4, 4, D), torch.zeros(2, 32, D)
-    assert select_backend(q4, s4) == ("ulysses", "torch")  # MHA at cp 4: 2H/cp * 3 < 2H * 3
-    assert select_backend(q4, s4, num_kv_heads=1) == ("allgather", "torch")  # 4/1 heads: (8 + 8)*3/4 > 2*3
-    assert select_backend(q4, s4, window=2) == ("allgather", "torch")  # Ulysses refuses a window
-    assert select_backend(q4, s8) == ("allgather", "torch")  # cp 8 does not divide 4 heads
-    assert select_backend(torch.zeros(4, 32, D), s4, num_kv_heads=8) == ("allgather", "torch")  # 32/8 at cp 4
-    assert select_backend(q32, s8, num_kv_heads=8) == ("ulysses", "torch")  # 32/8 at cp 8 (the issue's figures)
+    assert select_backend(q, s2) == ("exchange", "torch")  # no rank needs a remote key: the exchange moves nothing
+    d2 = shard_packed_seq_params(dense, cp_size=2, cp_rank=0, layout="zigzag")
+    assert select_backend(q, d2, num_kv_heads=1)[0] == "allgather"  # one document, balanced: the need is everything
+    cases = [(q, d2, {}), (q, s2, {}), (torch.zeros(4, 4, D), shard_packed_seq_params(dense, cp_size=4, cp_rank=0,
+                                                                                      layout="contiguous"), {}),
+             (torch.zeros(4, 4, D), shard_packed_seq_params(dense, cp_size=4, cp_rank=0, layout="contiguous"),
+              {"window": 2})]
+    for qq, s, kw in cases:  # auto is the model's argmin (a tie to the first of TIMED_BACKENDS)
+        assert select_backend(qq, s, **kw)[0] == modelled(qq, s, **kw), (s.layout, s.cp_size, kw)
+    assert select_backend(*cases[3][:2], window=2)[0] != "ulysses"  # auto keeps Ulysses out of windowed layers
     with pytest.raises(ValueError, match=r"cp_size=2 does not divide the 3 query heads.*'allgather'.*\(1, 3\)"):
         select_backend(torch.zeros(8, 3, D), s2, backend="ulysses")
 
@@ -235,9 +244,9 @@ def test_kv_replication():
 def test_auto_logs_its_bytes_choice_once(caplog):
     import logging
 
-    from cp_packing.attention import dispatch
+    from cp_packing.attention import dispatch, plan
 
-    dispatch._LOGGED.clear()
+    plan._LOGGED.clear()
     params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
     s = shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous")
     q = torch.randn(16, 2, D)
@@ -245,8 +254,17 @@ def test_auto_logs_its_bytes_choice_once(caplog):
         for _ in range(2):
             dispatch.context_parallel_attention(q, q, q, s)
     lines = [r.getMessage() for r in caplog.records if "context_parallel_attention" in r.getMessage()]
-    assert len(lines) == 1 and "backend=allgather" in lines[0], lines
-    assert "auto by forward bytes per layer and rank: allgather 0, ulysses 0" in lines[0], lines
+    assert len(lines) == 1 and "backend=allgather" in lines[0], lines  # cp 1: nothing to communicate, no model
+    plan._LOGGED.clear()
+    s2 = [shard_packed_seq_params(params, cp_size=2, cp_rank=r, layout="contiguous") for r in range(2)]
+    from cp_packing.attention.plan import _log_choice, prepare_attention
+
+    step = prepare_attention(s2[0]).plan
+    step.backend, step.kernel = "exchange", "torch"
+    with caplog.at_level(logging.INFO, logger="cp_packing"):
+        _log_choice(step, q[:8], q[:8], True, None)
+    line = caplog.records[-1].getMessage()
+    assert "auto by the modelled busiest-rank time per layer: allgather" in line and "exchange" in line, line
 
 
 def test_a_window_runs_on_ulysses_and_is_refused_by_hybrid():
@@ -276,7 +294,10 @@ def test_backends_benchmark_quick_runs():
                        cwd=repo, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert r.returncode == 0, r.stderr
-    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  allgather") or line.startswith("  ulysses")]
-    # 8/2 heads x 64, fp32, 256 tokens per rank at cp 2: all-gather 2*2*64*4*256 B, Ulysses (16 + 4)*64*4*256/2 B
-    assert [row[:2] for row in rows] == [["allgather", "0.250"], ["ulysses", "0.625"]], r.stdout
-    assert rows[0][-2:] == ["<-", "auto"] and float(rows[0][3]) > 0, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines()
+            if line.startswith(("  allgather", "  exchange", "  ulysses"))]
+    # 8/2 heads x 64, fp32, 256 tokens per rank at cp 2: all-gather 2*2*64*4*256 B, Ulysses (16 + 4)*64*4*256/2 B;
+    # the exchange moves rank 0's need, at most the all-gather's
+    assert [row[0] for row in rows] == ["allgather", "exchange", "ulysses"], r.stdout
+    assert rows[0][1] == "0.250" and rows[2][1] == "0.625" and float(rows[1][1]) <= 0.25, r.stdout
+    assert sum(row[-2:] == ["<-", "auto"] for row in rows) == 1 and all(float(row[3]) > 0 for row in rows), r.stdout

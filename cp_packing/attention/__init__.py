@@ -10,6 +10,7 @@ need them.
 """
 
 from cp_packing.attention.dispatch import BACKENDS, context_parallel_attention, select_backend
+from cp_packing.attention.plan import StepPlan, prepare_attention
 from cp_packing.attention.kernels import (
     KERNELS,
     available_kernels,
@@ -23,9 +24,11 @@ from cp_packing.attention.ring import import_ring_flash_attn
 __all__ = [
     "BACKENDS",
     "KERNELS",
+    "StepPlan",
     "available_kernels",
     "context_parallel_attention",
     "import_ring_flash_attn",
+    "prepare_attention",
     "select_backend",
     "select_kernel",
     "varlen_attention",

@@ -8,7 +8,7 @@ are the global tokens of its segment up to itself (causal), and they may live on
 2. picks, for every local *run* (``sharded.cu_seqlens``: a maximal piece of consecutive global tokens of one
    segment), the run's keys: global tokens ``[key_start, run_last + 1)`` (the whole segment when
    ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
-   cached on ``sharded`` (``sharded.cached``): it is a per-step constant reused by every layer). When that index is one range
+   in the step plan (``cp_packing.attention.plan``): a per-step constant every layer reads). When that index is one range
    (the ``contiguous`` layout, and any layout with ``cp_size == 1``) the keys are a slice of the gathered buffer:
    a view, no copy;
 3. runs varlen attention of each run's queries against its keys, causal aligned bottom-right
@@ -36,18 +36,19 @@ collectives as every other rank (padding segments are segments), so no rank can 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
 
-from cp_packing._checks import check_softcap, check_window
+from cp_packing._checks import check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
-from cp_packing.groups import GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group
-from cp_packing.layouts import expand_runs
+from cp_packing.layouts import expand_runs, layout_plan
+from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AllGatherKeys", "allgather_keys", "allgather_attention", "check_attention_inputs", "resolve_attention_group"]
+__all__ = ["AllGatherKeys", "allgather_attention", "allgather_keys", "backward_impl", "build_key_index",
+           "build_tables", "forward_impl", "layer"]
 
 
 # -------------------------------------------------------------------------------------------------- key index
@@ -103,7 +104,7 @@ def allgather_keys(
     device: torch.device | str | None = None,
     window: int | None = None,
 ) -> AllGatherKeys:
-    """The all-gather backend's key index for this rank (computed once per ``sharded`` and device, then cached).
+    """The all-gather backend's key index for this rank (a step plan builds it once per step and keeps it).
 
     Args:
         sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
@@ -115,20 +116,12 @@ def allgather_keys(
             (fewer keys gathered and attended; the kernel still masks each query to its own window).
 
     Returns:
-        ``AllGatherKeys``. Costs three host syncs (key count and maxima, the range test) the first time, none after.
+        ``AllGatherKeys``. Costs three host syncs (key count and maxima, the range test).
     """
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}")
     window = check_window(window, causal)
     device = torch.device(device) if device is not None else sharded.token_index.device
-    return sharded.cached(
-        ("allgather_keys", bool(causal), str(device), window), lambda: _build_keys(sharded, causal, device, window)
-    )
-
-
-def _build_keys(
-    sharded: ShardedPackedSeqParams, causal: bool, device: torch.device, window: int | None = None
-) -> AllGatherKeys:
     return build_key_index(sharded.token_index, sharded.cu_seqlens, sharded.key_start,
                            sharded.global_token_order().reshape(-1), sharded.global_params.cu_seqlens, causal, device,
                            window=window)
@@ -182,68 +175,8 @@ def build_key_index(
     return keys
 
 
-# ------------------------------------------------------------------------------------------------ validation
-
-
-def check_attention_inputs(q: Any, k: Any, v: Any, sharded: Any) -> None:
-    """Raise a clear TypeError / ValueError unless q ``[T_local, H, D]``, k/v ``[T_local, H_kv, D]`` (H % H_kv == 0)
-    share one floating dtype and device and ``T_local`` is ``sharded``'s."""
-    if not isinstance(sharded, ShardedPackedSeqParams):
-        raise TypeError(
-            f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
-            "cp_packing.shard_packed_seq_params(params, cp_size=..., cp_rank=..., layout=...)"
-        )
-    kernels.check_qkv(q, k, v, tokens="T_local")  # types, [T_local, H, D] shapes, GQA heads, one dtype
-    T_local = sharded.num_local_tokens
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.shape[0] != T_local:
-            raise ValueError(
-                f"{name} has {x.shape[0]} tokens (shape {tuple(x.shape)}) but this rank holds T_local={T_local} "
-                f"tokens (sharded.num_local_tokens); shard the projections' inputs with sharded.shard(...)"
-            )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-
-
-def resolve_attention_group(group: GroupLike, sharded: ShardedPackedSeqParams, device: torch.device):
-    """The process group to communicate over, checked against ``sharded`` (``None`` when ``cp_size == 1``: no
-    communication; the default group object when ``group`` is ``None`` and ``cp_size > 1``).
-
-    ``group=None`` means the default (world) group; a 1-D ``DeviceMesh`` means its process group. The group's size must equal ``sharded.cp_size`` and this
-    process's rank in it must equal ``sharded.cp_rank``; the group must have a backend for q's device type (a
-    ``"cpu:gloo,cuda:nccl"`` group serves CPU tensors with gloo; an NCCL-only group needs CUDA tensors).
-    """
-    import torch.distributed as dist
-
-    group = as_process_group(group)
-    initialized = dist.is_available() and dist.is_initialized()
-    if sharded.cp_size == 1:
-        if group is not None and initialized and dist.get_world_size(group) != 1:
-            raise ValueError(
-                f"sharded.cp_size=1 but the given group has {dist.get_world_size(group)} ranks; shard with "
-                f"cp_size={dist.get_world_size(group)}, or pass the context-parallel group (or group=None)"
-            )
-        return None
-    if not initialized:
-        raise ValueError(
-            f"sharded.cp_size={sharded.cp_size} needs a torch.distributed process group, but none is initialised; "
-            "call torch.distributed.init_process_group(...) (torchrun) and pass the CP group as group="
-        )
-    which = "the default (world) group" if group is None else "the given group"
-    check_shard_in_group(sharded.cp_size, sharded.cp_rank, dist.get_world_size(group), dist.get_rank(group),
-                         which=which)
-    config = backend_config(group)  # "cpu:gloo,cuda:nccl": per device type
-    if backend_for_device(config, device.type) == "":
-        fix = "move q/k/v to CUDA" if "nccl" in config.lower() else "move q/k/v to a device the group serves"
-        raise ValueError(
-            f"the CP group's backend config {config!r} has no backend for {device.type} tensors, but q is on "
-            f"{device}; {fix}, or create the group with a backend for {device.type} (e.g. backend="
-            f"'cpu:gloo,cuda:nccl')"
-        )
-    return dist.group.WORLD if group is None else group
-
-
-# ------------------------------------------------------------------------------------------------ collectives
+# ------------------------------------------------------------------------------------------------ the math
+# One forward and one backward, shared by the eager binding below and the compiled custom ops (ops.py).
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,95 +185,89 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[t
     return all_gather_tokens(k, group, cp_size), all_gather_tokens(v, group, cp_size)
 
 
-# --------------------------------------------------------------------------------------------------- autograd
+def forward_impl(q, k, v, sinks, keys: AllGatherKeys, group, cp_size: int, scale: float | None, causal: bool,
+                 kernel: str, window: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather K/V, select each run's keys, the kernel: ``out [T_local, H, D]``, ``lse [H, T_local]`` (sinks in)."""
+    k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
+    return kernels.run_forward(kernel, q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
+                               keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale, causal, window,
+                               softcap, sinks)
+
+
+def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp_size: int, scale: float | None,
+                  causal: bool, kernel: str, window: int | None, softcap: float | None, need_sinks: bool = True):
+    """Re-gather K/V, the kernel's backward from the saved ``out``/``lse``, reduce-scatter dK/dV:
+    ``(dq, dk, dv, dsinks)`` (``dsinks`` None without sinks)."""
+    k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
+    dq, dk_keys, dv_keys = kernels.run_backward(kernel, dout, q, keys.select(k_all), keys.select(v_all), out, lse,
+                                                keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+                                                keys.max_seqlen_k, scale, causal, window, softcap)
+    # this rank's queries' share of the sinks' gradient: the shares sum over the CP group to the batch's
+    dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None and need_sinks else None
+    total = k_all.shape[0]
+    dk_all, dv_all = keys.scatter_add(dk_keys, total), keys.scatter_add(dv_keys, total)  # [cp * T_local, H_kv, D]
+    if group is not None:
+        dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
+        dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
+    return dq, dk_all, dv_all, dsinks
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, keys: AllGatherKeys, group, cp_size: int, scale: float, causal: bool,
-                kernel: str, window: int | None = None, softcap: float | None = None):
-        k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
-        out, lse = kernels.varlen_attention_forward(
-            q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
-            softcap=softcap, sinks=sinks,
-        )  # out [T_local, H, D], lse [H, T_local] (sinks included)
+    def forward(ctx, q, k, v, sinks, plan, keys: AllGatherKeys, meta):
+        out, lse = forward_impl(q, k, v, sinks, keys, plan.group, plan.sharded.cp_size, *meta)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.meta = (keys, group, cp_size, scale, causal, kernel, window, softcap)  # scale: None = 1/sqrt(D)
+        ctx.plan, ctx.keys, ctx.meta, ctx.layer = plan, keys, meta, plan.layer_calls
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        keys, group, cp_size, scale, causal, kernel, window, softcap = ctx.meta
-        k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
-        dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
-            dout, q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, window=window,
-            softcap=softcap,
-        )
-        # this rank's queries' share of the sinks' gradient: the shares sum over the CP group to the batch's
-        dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        total = k_all.shape[0]
-        dk_all = keys.scatter_add(dk_keys, total)  # [cp * T_local, H_kv, D]
-        dv_all = keys.scatter_add(dv_keys, total)
-        if group is not None:
-            dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
-            dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
-        return dq, dk_all, dv_all, dsinks, None, None, None, None, None, None, None, None
+        plan = ctx.plan
+        plan.backward_check(ctx.layer)
+        dq, dk, dv, dsinks = backward_impl(dout.contiguous(), q, k, v, sinks, out, lse, ctx.keys, plan.group,
+                                           plan.sharded.cp_size, *ctx.meta, need_sinks=ctx.needs_input_grad[3])
+        return dq, dk, dv, dsinks, None, None, None
 
 
-def allgather_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sharded: ShardedPackedSeqParams,
-    *,
-    group=None,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    kernel: str = "auto",
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """All-gather context-parallel attention for any layout (see module docstring). Differentiable.
+# ------------------------------------------------------------------------------------------- the step plan's
 
-    Args:
-        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` with ``H % H_kv == 0`` (GQA); this rank's tokens in
-            ``sharded``'s local order, one floating dtype, one device.
-        sharded: this rank's ``ShardedPackedSeqParams`` (``contiguous``, ``zigzag``, ``balanced``, ...).
-        group: the CP ``ProcessGroup`` (``None``: the default group); its size must be ``sharded.cp_size``.
-            Not used (and no process group needed) when ``cp_size == 1``.
-        causal: causal within each segment (default); ``False``: every token attends its whole segment.
-        softmax_scale: default ``1 / sqrt(D)``.
-        kernel: the varlen kernel (``"auto"``, ``"torch"``, ``"flash_attn"``, ``"torch_varlen"``; see
-            ``cp_packing.attention.kernels``).
-        window: sliding window (``None``: none; needs ``causal=True``): a token at in-segment position ``p``
-            attends the keys at positions ``p - window < k <= p`` of its segment (HF's ``sliding_window``). Only
-            the keys inside some local query's window are selected from the gathered K/V.
-        softcap: logit soft-capping (``None``: none; a float > 0): scaled scores ``s`` become
-            ``softcap * tanh(s / softcap)`` (HF Gemma 2's ``attn_logit_softcapping``). Any kernel but
-            ``"torch_varlen"``.
-        sinks: attention sinks (``None``: none): a floating ``[H]`` tensor on q's device, one logit per query head
-            in every softmax denominator, no value (HF's ``s_aux``, gpt-oss). Its gradient on each rank is that of
-            this rank's queries; summed over the CP group it is the whole batch's.
 
-    Returns:
-        ``[T_local, H, D]`` in q's dtype: for each local token, attention over its segment's keys (causal: up to
-        itself; with ``window``: the last ``window`` of them), equal to full attention on the global stream,
-        sharded.
-    """
-    check_attention_inputs(q, k, v, sharded)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"softmax_scale must be a float or None (1/sqrt(head_dim)), got {type(softmax_scale).__name__}")
-    window = check_window(window, causal)
-    softcap = check_softcap(softcap)
-    sinks = kernels.check_sinks(sinks, q)
-    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
-    group = resolve_attention_group(group, sharded, q.device)
-    keys = allgather_keys(sharded, causal=causal, device=q.device, window=window)
-    return _AllGatherAttention.apply(q, k, v, sinks, keys, group, sharded.cp_size, softmax_scale, causal, name,
-                                     window, softcap)
+def build_tables(plan, causal: bool, window: int | None, chunk: int | None = None) -> AllGatherKeys:
+    """The step plan's tables for one ``(causal, window, chunk)``: the key index (``allgather_keys``; with a
+    ``chunk``, every local run cut at its document's chunk boundaries, its keys from its chunk's start)."""
+    if chunk is None:
+        return allgather_keys(plan.sharded, causal=causal, device=plan.device, window=window)
+    sharded = plan.sharded
+    cu = chunked_segments(sharded.global_params.cu_seqlens.to("cpu", torch.int64).numpy(), chunk)
+    local_plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=sharded.cp_size, layout=sharded.layout,
+                             window=sharded.plan_window)
+    run_start, run_len = split_plan(local_plan, cu).runs(sharded.cp_rank)
+    run_cu = torch.zeros(run_len.size + 1, dtype=torch.int64)
+    run_cu[1:] = torch.from_numpy(np.cumsum(run_len))
+    key_start = torch.from_numpy(cu[np.searchsorted(cu, run_start, side="right") - 1].copy())
+    return build_key_index(sharded.token_index, run_cu, key_start, sharded.global_token_order().reshape(-1),
+                           torch.from_numpy(cu), causal, plan.device, window=window)
+
+
+def layer(plan, keys: AllGatherKeys, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
+          scale: float | None) -> torch.Tensor:
+    """One all-gather attention layer on the step plan: ``[T_local, H, D]``."""
+    meta = (scale, causal, plan.kernel, window, softcap)
+    return _AllGatherAttention.apply(q, k, v, sinks, plan, keys, meta)
+
+
+def allgather_attention(q, k, v, sharded: ShardedPackedSeqParams, *, group=None, causal: bool = True,
+                        softmax_scale: float | None = None, kernel: str = "auto", window: int | None = None,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather context-parallel attention for any layout (module docstring): ``context_parallel_attention``
+    with ``backend="allgather"``. Differentiable; a one-rank mistake raises on every rank."""
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="allgather", kernel=kernel, window=window, softcap=softcap, sinks=sinks)
+
+
+from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
+
+register_backend("allgather", build_tables, layer)

@@ -31,14 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_packing._checks import check_softcap
 from cp_packing.attention import kernels
-from cp_packing.attention.allgather import (
-    AllGatherKeys,
-    build_key_index,
-    check_attention_inputs,
-    resolve_attention_group,
-)
+from cp_packing.attention.allgather import AllGatherKeys, build_key_index
 from cp_packing.attention.comm import all_gather_tokens, heads_to_seq, reduce_scatter_tokens, seq_to_heads
 from cp_packing.attention.ulysses import (
     check_ulysses_heads,
@@ -51,8 +45,11 @@ from cp_packing.attention.ulysses import (
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["check_ulysses_size", "hybrid_attention", "hybrid_groups"]
+__all__ = ["build_tables", "check_ulysses_size", "hybrid_attention", "hybrid_groups", "layer"]
 
+# (CP group's global ranks, U) -> (Ulysses group, all-gather group): creating groups is a collective over their
+# ranks and costly, so they are made once per CP group and Ulysses degree and kept for the process's life (as
+# torch keeps every group it creates).
 _GROUPS: dict = {}
 
 
@@ -98,37 +95,31 @@ def hybrid_groups(group, cp_size: int, ulysses_size: int):
 
 
 def _group_keys(sharded: ShardedPackedSeqParams, ulysses_size: int, causal: bool, device) -> AllGatherKeys:
-    """The key index of this rank's Ulysses group's tokens against the gathered ``[T]`` buffer (cached per step)."""
-
-    def build():
-        order = sharded.global_token_order().to(device)  # [cp, T_local]
-        a = sharded.cp_rank // ulysses_size
-        token_index = order[a * ulysses_size : (a + 1) * ulysses_size].reshape(-1)  # [U * T_local]
-        cu = sharded.global_params.cu_seqlens.to(device=device, dtype=torch.int64)
-        seg = torch.searchsorted(cu, token_index, right=True) - 1
-        new_run = torch.ones_like(token_index, dtype=torch.bool)
-        new_run[1:] = (token_index[1:] != token_index[:-1] + 1) | (seg[1:] != seg[:-1])
-        starts = torch.nonzero(new_run).reshape(-1)
-        run_cu = torch.cat([starts, torch.tensor([token_index.numel()], device=device)])
-        return build_key_index(token_index, run_cu, cu[seg[starts]], order.reshape(-1), cu, causal, device)
-
-    return sharded.cached(("hybrid_keys", ulysses_size, bool(causal), str(device)), build)
+    """The key index of this rank's Ulysses group's tokens against the gathered ``[T]`` buffer."""
+    order = sharded.global_token_order().to(device)  # [cp, T_local]
+    a = sharded.cp_rank // ulysses_size
+    token_index = order[a * ulysses_size : (a + 1) * ulysses_size].reshape(-1)  # [U * T_local]
+    cu = sharded.global_params.cu_seqlens.to(device=device, dtype=torch.int64)
+    seg = torch.searchsorted(cu, token_index, right=True) - 1
+    new_run = torch.ones_like(token_index, dtype=torch.bool)
+    new_run[1:] = (token_index[1:] != token_index[:-1] + 1) | (seg[1:] != seg[:-1])
+    starts = torch.nonzero(new_run).reshape(-1)
+    run_cu = torch.cat([starts, torch.tensor([token_index.numel()], device=device)])
+    return build_key_index(token_index, run_cu, cu[seg[starts]], order.reshape(-1), cu, causal, device)
 
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, meta):
+    def forward(ctx, q, k, v, sinks, plan, meta):
         ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = meta
         k, v = replicate_kv(k, v, rep)
         qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
         k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
-        out, lse = kernels.varlen_attention_forward(
-            qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
-            keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, softcap=softcap,
-            sinks=None if sinks is None else sinks[heads_mine],
-        )
+        out, lse = kernels.run_forward(kernel, qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
+                                       keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale, causal, None,
+                                       softcap, None if sinks is None else sinks[heads_mine])
         ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
-        ctx.meta = meta
+        ctx.meta, ctx.plan, ctx.layer = meta, plan, plan.layer_calls
         (out_local,) = heads_to_seq([out], ugroup, U)
         return out_local
 
@@ -136,18 +127,36 @@ class _HybridAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qh, kh, vh, sinks, out, lse = ctx.saved_tensors
         ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = ctx.meta
+        ctx.plan.backward_check(ctx.layer)
         (douth,) = seq_to_heads([dout.contiguous()], ugroup, U)
         k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
-        dqh, dk_keys, dv_keys = kernels.varlen_attention_backward(
-            douth, qh, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q, keys.cu_seqlens_k,
-            keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=scale, causal=causal, kernel=kernel, softcap=softcap,
-        )
+        dqh, dk_keys, dv_keys = kernels.run_backward(kernel, douth, qh, keys.select(k_all), keys.select(v_all), out,
+                                                     lse, keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+                                                     keys.max_seqlen_k, scale, causal, None, softcap)
         dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
         dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
         if agroup is not None:
             dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
         dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
-        return (dq, *sum_replicas(dk, dv, rep), dsinks, None)
+        return (dq, *sum_replicas(dk, dv, rep), dsinks, None, None)
+
+
+def build_tables(plan, causal: bool, window: int | None):
+    """The step plan's hybrid tables: the two sub-groups and the Ulysses group's key index."""
+    U = plan.options.ulysses_size
+    ugroup, agroup = hybrid_groups(plan.group, plan.sharded.cp_size, U)
+    return ugroup, agroup, _group_keys(plan.sharded, U, causal, plan.device)
+
+
+def layer(plan, tables, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
+          scale: float | None) -> torch.Tensor:
+    """One hybrid attention layer on the step plan: ``[T_local, H, D]``."""
+    ugroup, agroup, keys = tables
+    U = plan.options.ulysses_size
+    rep = kv_replication(q.shape[1], k.shape[1], U)
+    heads_mine = head_slice(q.shape[1], U, plan.sharded.cp_rank % U)
+    meta = (ugroup, agroup, U, plan.sharded.cp_size // U, rep, keys, scale, causal, plan.kernel, softcap, heads_mine)
+    return _HybridAttention.apply(q, k, v, sinks, plan, meta)
 
 
 def hybrid_attention(
@@ -155,28 +164,16 @@ def hybrid_attention(
     group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
     softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring).
+    """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring):
+    ``context_parallel_attention`` with ``backend="hybrid"``. Differentiable; a one-rank mistake raises on every
+    rank."""
+    from cp_packing.attention.dispatch import context_parallel_attention
 
-    Args:
-        q: ``[T_local, H, D]`` (``ulysses_size`` divides ``H``); k, v: ``[T_local, H_kv, D]``, ``H % H_kv == 0``.
-        sharded: this rank's ``ShardedPackedSeqParams`` (any layout).
-        ulysses_size: ranks per Ulysses group; divides ``sharded.cp_size``.
-        group, causal, softmax_scale, kernel, softcap, sinks: as in ``ulysses_attention`` (a rank's sinks gradient
-            is non-zero only on its Ulysses head slice).
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="hybrid", kernel=kernel, ulysses_size=ulysses_size, softcap=softcap,
+                                      sinks=sinks)
 
-    Returns:
-        ``[T_local, H, D]`` in q's dtype: full attention per segment on the global stream, sharded.
-    """
-    check_attention_inputs(q, k, v, sharded)
-    check_ulysses_size(ulysses_size, q.shape[1], sharded.cp_size)
-    softcap = check_softcap(softcap)
-    sinks = kernels.check_sinks(sinks, q)
-    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
-    group = resolve_attention_group(group, sharded, q.device)
-    U, A = ulysses_size, sharded.cp_size // ulysses_size
-    ugroup, agroup = hybrid_groups(group, sharded.cp_size, U)
-    rep = kv_replication(q.shape[1], k.shape[1], U)
-    keys = _group_keys(sharded, U, causal, q.device)
-    heads_mine = head_slice(q.shape[1], U, sharded.cp_rank % U)
-    meta = (ugroup, agroup, U, A, rep, keys, softmax_scale, bool(causal), name, softcap, heads_mine)
-    return _HybridAttention.apply(q, k, v, sinks, meta)
+
+from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
+
+register_backend("hybrid", build_tables, layer)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -55,12 +54,15 @@ import torch.nn.functional as F
 
 from cp_packing._checks import HALF_DTYPES, check_softcap, check_window
 from cp_packing._imports import try_import
+from cp_packing.capabilities import KERNELS, kernel_refusal
 
 __all__ = [
     "KERNELS",
     "available_kernels",
     "check_sinks",
     "resolve_kernel",
+    "run_backward",
+    "run_forward",
     "select_kernel",
     "sink_grad",
     "varlen_attention",
@@ -68,8 +70,7 @@ __all__ = [
     "varlen_attention_forward",
 ]
 
-KERNELS = ("torch", "flash_attn", "torch_varlen")
-"""Every kernel name this module knows, in order of preference on CUDA: reference first, then the fast ones."""
+
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -231,13 +232,9 @@ def resolve_kernel(kernel: str, q: torch.Tensor, *, softcap: float | None = None
     communication)."""
     if kernel == "auto":
         return select_kernel(q.device, q.dtype, softcap=softcap is not None)
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of 'auto', {', '.join(map(repr, KERNELS))}")
-    if kernel == "torch_varlen" and softcap is not None:
-        raise ValueError(
-            f"kernel='torch_varlen' cannot soft-cap scores (softcap={softcap}): torch's varlen_attn has no softcap; "
-            "use kernel='auto' (flash-attn when installed, else the reference), 'flash_attn' or 'torch'"
-        )
+    refusal = kernel_refusal(kernel, softcap=softcap)  # the capabilities table
+    if refusal is not None:
+        raise refusal[0](refusal[1])
     if kernel == "flash_attn" and _flash_attn_interface() is None:
         raise ImportError(
             "kernel='flash_attn' needs the flash-attn package (CUDA only): pip install cp-packing[flash]; "
@@ -639,6 +636,22 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     safe = torch.where(finite, lse, torch.zeros((), dtype=dtype, device=lse.device))
     p_sink = torch.where(finite, torch.exp(sinks.to(dtype)[:, None] - safe), torch.zeros_like(safe))  # [H, Tq]
     return -(p_sink * delta.T).sum(1).to(sinks.dtype)
+
+
+def run_forward(kernel: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                scale: float | None, causal: bool, window: int | None, softcap: float | None, sinks=None):
+    """``varlen_attention_forward`` without its checks, for callers that checked once per step (the step plan):
+    ``kernel`` is a concrete name. Records no autograd graph when called inside a backend's autograd function."""
+    out, lse = _FORWARD[kernel](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                _scale(scale, q.shape[2]), causal, window, softcap)
+    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+
+
+def run_backward(kernel: str, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                 max_seqlen_k: int, scale: float | None, causal: bool, window: int | None, softcap: float | None):
+    """``varlen_attention_backward`` without its checks (see :func:`run_forward`): ``(dq, dk, dv)``."""
+    return _BACKWARD[kernel](dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             _scale(scale, q.shape[2]), causal, window, softcap)
 
 
 def varlen_attention_forward(

@@ -27,23 +27,20 @@ docs/compile.md for what recompiles between steps.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from cp_packing.agreement import agree, digest
+from cp_packing.agreement import digest, fail_together
 from cp_packing.attention import kernels
-from cp_packing.attention.allgather import AllGatherKeys, allgather_keys, resolve_attention_group
-from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
+from cp_packing.attention.allgather import AllGatherKeys, allgather_keys, backward_impl, forward_impl
+from cp_packing.attention.plan import _peek_group, resolve_attention_group
+from cp_packing.capabilities import COMPILED_BACKENDS
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["COMPILED_BACKENDS", "CompiledAttentionPlan", "compiled_allgather_attention", "prepare_compiled_attention"]
-
-COMPILED_BACKENDS = ("auto", "allgather")
-"""The ``backend`` values with a compiled path (``"auto"`` runs the all-gather backend when compiled)."""
 
 _SIZES = ("T_local", "max_seqlen_q", "max_seqlen_k", "key_first")  # the rows of CompiledAttentionPlan.sizes
 
@@ -102,10 +99,10 @@ def prepare_compiled_attention(
     """
     device = torch.device(device) if device is not None else sharded.token_index.device
     pg = None
-    try:
+    with fail_together("cp_model_inputs(compiled=True)", (_peek_group(group, sharded.cp_size), "CP group")) as agreement:
         if error is not None:
             raise error
-        if backend not in COMPILED_BACKENDS:
+        if backend not in ("auto", "allgather"):
             raise ValueError(
                 f"backend={backend!r} has no compiled path: compiled=True runs the all-gather backend as "
                 "torch.library custom ops; use backend='allgather' (or 'auto'), or prepare the inputs without "
@@ -114,23 +111,11 @@ def prepare_compiled_attention(
         if not isinstance(kernel, str):
             raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
         pg = resolve_attention_group(group, sharded, device)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if pg is None and error is not None and sharded.cp_size > 1 and dist.is_available() and dist.is_initialized():
-        try:  # the group is still the one to fail together over when only the checks above failed
-            pg = resolve_attention_group(group, sharded, device)
-        except (TypeError, ValueError):
-            pass
-    fields = {
-        "cp_size": sharded.cp_size,
-        "layout": sharded.layout,
-        "plan": sharded.cached("plan_digest", lambda: digest(sharded.global_params.cu_seqlens, sharded.layout,
-                                                            sharded.cp_size)),
-        "T_local": sharded.num_local_tokens,
-        "backend": backend,
-        "kernel": kernel,
-    }
-    agree(pg, "cp_model_inputs(compiled=True)", fields, error=error)  # raises any rank's error on every rank
+        agreement.fields = {
+            "cp_size": sharded.cp_size, "layout": sharded.layout,
+            "plan": digest(sharded.global_params.cu_seqlens, sharded.layout, sharded.cp_size, sharded.plan_window),
+            "T_local": sharded.num_local_tokens, "backend": backend, "kernel": kernel,
+        }
     keys = allgather_keys(sharded, causal=True, device=device)
     first = keys.key_slice.start if keys.key_slice is not None else -1
     key_index = keys.key_index if keys.key_index is not None else torch.arange(
@@ -170,23 +155,6 @@ def _keys(key_index: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, sizes
                          num_keys=n)
 
 
-def _extras(softcap: float | None, sinks: torch.Tensor | None, backward: bool = False) -> dict:
-    """``softcap`` / ``sinks`` keyword arguments for the kernels, only when set (and only where they take them)."""
-    extra = {"softcap": softcap} if softcap is not None else {}
-    if sinks is not None and not backward:
-        extra["sinks"] = sinks
-    if extra and not set(extra) <= set(inspect.signature(kernels.varlen_attention_forward).parameters):
-        raise NotImplementedError(
-            f"this cp_packing's kernels take no {'/'.join(extra)} (logit soft-capping / attention sinks); run a "
-            "version whose kernels.varlen_attention_forward has softcap= and sinks="
-        )
-    return extra
-
-
-def _gather(x: torch.Tensor, group, cp_size: int) -> torch.Tensor:
-    return x if group is None else all_gather_tokens(x, group, cp_size)  # [cp * T_local, H_kv, D]
-
-
 @torch.library.custom_op("cp_packing::allgather_attention_fwd", mutates_args=())
 def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -195,14 +163,10 @@ def _fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K/V, select each run's keys, varlen forward: ``out [T_local, H, D]``, ``lse [H, T_local]``."""
     keys = _keys(key_index, cu_seqlens_q, cu_seqlens_k, sizes, q.shape[0])
-    group = _group(group_name)
+    kernel = kernels.resolve_kernel(kernel, q, softcap=softcap)
     with torch.autocast(q.device.type, enabled=False):  # the caller cast q/k/v; the kernel runs in their dtype
-        k_all, v_all = _gather(k, group, cp_size), _gather(v, group, cp_size)
-        out, lse = kernels.varlen_attention_forward(
-            q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
-            keys.max_seqlen_k, softmax_scale=softmax_scale, causal=causal, kernel=kernel, window=window,
-            **_extras(softcap, sinks),
-        )
+        out, lse = forward_impl(q, k, v, sinks, keys, _group(group_name), cp_size, softmax_scale, causal, kernel,
+                                window, softcap)
     return out, lse.contiguous()
 
 
@@ -223,20 +187,11 @@ def _bwd(
     """Re-gather K/V, varlen backward from the saved ``out``/``lse``, reduce-scatter dK/dV: ``dq, dk, dv, dsinks``
     (``dsinks`` is ``[0]`` without sinks)."""
     keys = _keys(key_index, cu_seqlens_q, cu_seqlens_k, sizes, q.shape[0])
-    group = _group(group_name)
+    kernel = kernels.resolve_kernel(kernel, q, softcap=softcap)
     with torch.autocast(q.device.type, enabled=False):
-        k_all, v_all = _gather(k, group, cp_size), _gather(v, group, cp_size)  # only local tensors were saved
-        dq, dk_keys, dv_keys = kernels.varlen_attention_backward(
-            dout.contiguous(), q, keys.select(k_all), keys.select(v_all), out, lse, keys.cu_seqlens_q,
-            keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-            kernel=kernel, window=window, **_extras(softcap, sinks, backward=True),
-        )
-        total = k_all.shape[0]
-        dk, dv = keys.scatter_add(dk_keys, total), keys.scatter_add(dv_keys, total)  # [cp * T_local, H_kv, D]
-        if group is not None:
-            dk, dv = reduce_scatter_tokens(dk, group, cp_size), reduce_scatter_tokens(dv, group, cp_size)
-        dsinks = q.new_empty(0) if sinks is None else kernels.sink_grad(dout, out, lse, sinks)
-    return dq, dk, dv, dsinks
+        dq, dk, dv, dsinks = backward_impl(dout.contiguous(), q, k, v, sinks, out, lse, keys, _group(group_name),
+                                           cp_size, softmax_scale, causal, kernel, window, softcap)
+    return dq, dk, dv, q.new_empty(0) if dsinks is None else dsinks
 
 
 @_bwd.register_fake

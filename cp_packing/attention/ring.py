@@ -38,12 +38,12 @@ from types import ModuleType
 
 import torch
 
-from cp_packing._checks import HALF_DTYPES
-from cp_packing.attention.allgather import resolve_attention_group
+from cp_packing.capabilities import flash_attn_is_test_stub, ring_dtype_refusal
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["flash_attn_is_test_stub", "import_ring_flash_attn", "ring_attention", "ring_dtype_refusal"]
+__all__ = ["build_tables", "flash_attn_is_test_stub", "import_ring_flash_attn", "layer", "ring_attention",
+           "ring_dtype_refusal"]
 
 _SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
 
@@ -100,35 +100,26 @@ def _loaded_ring_flash_attn() -> ModuleType | None:
     return None
 
 
-def flash_attn_is_test_stub() -> bool:
-    """Whether the imported ``flash_attn`` is cp-packing's pure-torch test stand-in (``tests/flash_attn_stub``, which
-    sets ``IS_CP_PACKING_STUB = True``) rather than the real CUDA package."""
-    return bool(getattr(sys.modules.get("flash_attn"), "IS_CP_PACKING_STUB", False))
+def build_tables(plan, causal: bool, window: int | None) -> dict:
+    """The step plan's ring-flash-attn kwargs (``cp_packing.adapters.ring_flash_attn_kwargs``) on q's device: built
+    once per step, not in every layer."""
+    from cp_packing.adapters import ring_flash_attn_kwargs
+
+    return {name: value.to(plan.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for name, value in ring_flash_attn_kwargs(plan.sharded).items()}
 
 
-def ring_dtype_refusal(layout: str, dtype: torch.dtype) -> str | None:
-    """Why ``ring_attention`` refuses ``dtype`` with ``layout`` by design, or None when it runs it.
-
-    float32 zigzag: ring-flash-attn 0.1.8's float32 backward is wrong (module docstring). Any non-fp16/bf16 dtype
-    with the real flash-attn: its CUDA kernels run fp16/bf16 only (they would fail deep inside flash-attn); only
-    the test stand-in runs float32/float64. Call after :func:`import_ring_flash_attn` (which imports flash_attn).
-    """
-    if dtype in HALF_DTYPES:
-        return None
-    if layout == "zigzag":
-        return (
-            f"zigzag ring attention got {dtype}; ring-flash-attn 0.1.8's zigzag backward returns WRONG gradients "
-            "in float32 (its float32 accumulator aliases the kernel's output buffer, which the next step "
-            "overwrites). Cast q/k/v to torch.bfloat16 or torch.float16, or use layout='contiguous' (llama3, right "
-            "in float32 on the test stand-in) or cp-packing's built-in all-gather attention"
-        )
-    if not flash_attn_is_test_stub():
-        return (
-            f"ring attention got {dtype}, but flash-attn's kernels run torch.float16 / torch.bfloat16 only; cast "
-            "q/k/v to torch.bfloat16 or torch.float16 (e.g. under torch.autocast), or use cp-packing's built-in "
-            "all-gather attention (backend='allgather', any dtype)"
-        )
-    return None
+def layer(plan, kwargs: dict, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
+          scale: float | None) -> torch.Tensor:
+    """One ring-flash-attn layer on the step plan (zigzag ring or llama3 all-gather, by the shard's layout)."""
+    rfa = import_ring_flash_attn()
+    if plan.sharded.layout == "zigzag":
+        return rfa.zigzag_ring_flash_attn_varlen_func(q, k, v, softmax_scale=scale, causal=True, group=plan.group,
+                                                      **kwargs)
+    H_kv = k.shape[1]
+    stride = H_kv if plan.options.heads_k_stride is None else plan.options.heads_k_stride  # divides H_kv: checked
+    return rfa.llama3_flash_attn_varlen_func(q, k, v, heads_k_stride=stride, softmax_scale=scale, causal=True,
+                                             group=plan.group, **kwargs)
 
 
 def ring_attention(
@@ -141,60 +132,26 @@ def ring_attention(
     softmax_scale: float | None = None,
     heads_k_stride: int | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of this rank's tokens over the whole packed batch, with ring-flash-attn.
+    """Causal varlen attention of this rank's tokens over the whole packed batch, with ring-flash-attn:
+    ``context_parallel_attention(..., backend="ring_flash_attn")`` (``heads_k_stride``, llama3 only: key/value heads
+    all-gathered per step, a divisor of ``H_kv``; default all of them).
 
     Args:
-        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` (``H % H_kv == 0``), this rank's tokens in the order
-            of ``sharded.shard(...)``; fp16/bf16 (flash-attn's dtypes; float32 with the contiguous layout only on
-            the pure-torch test stand-in of flash_attn).
-        sharded: this rank's ``ShardedPackedSeqParams``; ``layout="zigzag"`` runs
-            ``zigzag_ring_flash_attn_varlen_func`` (KV passed around the ring), ``"contiguous"`` runs
-            ``llama3_flash_attn_varlen_func`` (KV all-gathered). Other layouts have no ring-flash-attn kernel.
-        group: the CP process group (``None`` = the default group); its size and this process's rank in it must
-            be the shard's ``cp_size`` / ``cp_rank``.
-        softmax_scale: default ``1 / sqrt(D)``.
-        heads_k_stride: llama3 only: key/value heads all-gathered per step (default all of them: one all-gather;
-            smaller values save memory). Must divide ``H_kv``.
-
-    Returns:
-        ``out [T_local, H, D]``, differentiable (ring-flash-attn's autograd functions).
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]``: fp16/bf16 (float32 with the contiguous layout only on
+            the pure-torch test stand-in of flash_attn); zigzag -> ``zigzag_ring_flash_attn_varlen_func``,
+            contiguous -> ``llama3_flash_attn_varlen_func``.
 
     Raises:
-        TypeError: a dtype other than fp16/bf16 (real flash-attn runs only those; float32 zigzag is refused
-            even on the test stand-in, see the module docstring).
-        ValueError: shapes that do not match the shard, an unknown layout, a group that is not the shard's.
-        ImportError: ring-flash-attn / flash_attn / transformers missing (see ``import_ring_flash_attn``).
+        TypeError: a dtype the ring refuses (see the module docstring). ValueError: shapes that do not match the
+            shard, an unknown layout, a group that is not the shard's. ImportError: ring-flash-attn / flash_attn /
+            transformers missing (see ``import_ring_flash_attn``).
     """
-    from cp_packing.attention.allgather import check_attention_inputs
-    from cp_packing.adapters import ring_flash_attn_kwargs
+    from cp_packing.attention.plan import prepare_attention
 
-    check_attention_inputs(q, k, v, sharded)  # the shard's type, [T_local, H, D] shapes, GQA, one dtype and device
-    if sharded.layout not in ("zigzag", "contiguous"):
-        raise ValueError(
-            f"ring-flash-attn has no kernel for layout {sharded.layout!r}; shard with layout='zigzag' or "
-            "'contiguous', or use cp-packing's built-in all-gather attention for this layout"
-        )
-    if sharded.layout == "zigzag" and q.dtype not in HALF_DTYPES:
-        raise TypeError(ring_dtype_refusal(sharded.layout, q.dtype))  # independent of which flash_attn: no import yet
-    rfa = import_ring_flash_attn()
-    refusal = ring_dtype_refusal(sharded.layout, q.dtype)  # after the import: real flash-attn or the test stand-in
-    if refusal is not None:
-        raise TypeError(refusal)
-    group = resolve_attention_group(group, sharded, q.device)  # size, rank and device checked as for all-gather
-    # The shard's metadata lives where it was built (often CPU); the kernels need it on q's device (the all-gather
-    # path does the same). A no-op when it is already there.
-    kwargs = {
-        name: value.to(q.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-        for name, value in ring_flash_attn_kwargs(sharded).items()
-    }
-    if sharded.layout == "zigzag":
-        return rfa.zigzag_ring_flash_attn_varlen_func(
-            q, k, v, softmax_scale=softmax_scale, causal=True, group=group, **kwargs
-        )
-    H_kv = k.shape[1]
-    stride = H_kv if heads_k_stride is None else heads_k_stride
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1 or H_kv % stride:
-        raise ValueError(f"heads_k_stride={heads_k_stride!r} must be a positive int dividing the {H_kv} k/v heads")
-    return rfa.llama3_flash_attn_varlen_func(
-        q, k, v, heads_k_stride=stride, softmax_scale=softmax_scale, causal=True, group=group, **kwargs
-    )
+    step = prepare_attention(sharded, group=group, backend="ring_flash_attn", heads_k_stride=heads_k_stride)
+    return step.plan.attend(q, k, v, scale=softmax_scale)
+
+
+from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
+
+register_backend("ring_flash_attn", build_tables, layer)

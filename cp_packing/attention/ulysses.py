@@ -39,15 +39,13 @@ from __future__ import annotations
 
 import torch
 
-from cp_packing._checks import check_softcap, check_window
 from cp_packing.attention import kernels
-from cp_packing.attention.allgather import check_attention_inputs, resolve_attention_group
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
 from cp_packing.cost import kv_replication_factor
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["check_ulysses_heads", "kv_replication", "ulysses_attention"]
+__all__ = ["build_tables", "check_ulysses_heads", "kv_replication", "layer", "ulysses_attention"]
 
 
 # ------------------------------------------------------------------------------------------------------ heads
@@ -91,17 +89,13 @@ def kv_replication(num_heads: int, num_kv_heads: int, cp_size: int) -> int:
 
 def _global_permutation(sharded: ShardedPackedSeqParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(order, inverse)``: gathered row -> global position and back; ``None`` when they are the identity
-    (``contiguous``, or ``cp_size == 1``). Cached per shard and device (one host sync, once per step)."""
-
-    def build():
-        order = sharded.global_token_order().reshape(-1).to(device)  # [T] gathered row -> global position
-        if bool(torch.equal(order, torch.arange(order.numel(), device=device))):  # host sync
-            return None
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), dtype=order.dtype, device=device)  # global position -> row
-        return order, inverse
-
-    return sharded.cached(("ulysses_permutation", str(device)), build)
+    (``contiguous``, or ``cp_size == 1``). One host sync (built once per step, in the step plan)."""
+    order = sharded.global_token_order().reshape(-1).to(device)  # [T] gathered row -> global position
+    if bool(torch.equal(order, torch.arange(order.numel(), device=device))):  # host sync
+        return None
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), dtype=order.dtype, device=device)  # global position -> row
+    return order, inverse
 
 
 def _to_global(xs, perm):
@@ -147,17 +141,16 @@ def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Te
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, meta):
+    def forward(ctx, q, k, v, sinks, plan, meta):
         group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = meta
         k, v = replicate_kv(k, v, rep)  # [T_local, H_kv * rep, D]
         heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
         qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
-        out, lse = kernels.varlen_attention_forward(
-            qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
-            kernel=kernel, window=window, softcap=softcap, sinks=None if sinks is None else sinks[heads_mine],
-        )  # [T, H/cp, D], [H/cp, T]
+        out, lse = kernels.run_forward(kernel, qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale,
+                                       causal, window, softcap, None if sinks is None else sinks[heads_mine])
+        # [T, H/cp, D], [H/cp, T]
         ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
-        ctx.meta = meta
+        ctx.meta, ctx.plan, ctx.layer = meta, plan, plan.layer_calls
         (out_local,) = heads_to_seq(_to_gathered([out], perm), group, cp_size)
         return out_local  # [T_local, H, D]
 
@@ -165,14 +158,31 @@ class _UlyssesAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qh, kh, vh, sinks, out, lse = ctx.saved_tensors
         group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = ctx.meta
+        ctx.plan.backward_check(ctx.layer)
         (douth,) = _to_global(seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
-        dqh, dkh, dvh = kernels.varlen_attention_backward(
-            douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
-            causal=causal, kernel=kernel, window=window, softcap=softcap,
-        )
+        dqh, dkh, dvh = kernels.run_backward(kernel, douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
+                                             max_seqlen, scale, causal, window, softcap)
         dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
         dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
-        return (dq, *sum_replicas(dk, dv, rep), dsinks, None)
+        return (dq, *sum_replicas(dk, dv, rep), dsinks, None, None)
+
+
+def build_tables(plan, causal: bool, window: int | None):
+    """The step plan's Ulysses tables: the gathered <-> global permutation and the global ``cu_seqlens``."""
+    params = plan.sharded.global_params
+    cu_seqlens = params.cu_seqlens.to(device=plan.device, dtype=torch.int32)
+    return _global_permutation(plan.sharded, plan.device), cu_seqlens, int(params.max_seqlen)
+
+
+def layer(plan, tables, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
+          scale: float | None) -> torch.Tensor:
+    """One Ulysses attention layer on the step plan: ``[T_local, H, D]``."""
+    perm, cu_seqlens, max_seqlen = tables
+    cp_size = plan.sharded.cp_size
+    rep = kv_replication_factor(k.shape[1], cp_size)
+    meta = (plan.group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, plan.kernel, softcap,
+            head_slice(q.shape[1], cp_size, plan.sharded.cp_rank), window)
+    return _UlyssesAttention.apply(q, k, v, sinks, plan, meta)
 
 
 def ulysses_attention(
@@ -180,23 +190,12 @@ def ulysses_attention(
     group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
     softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """Ulysses context-parallel attention for any layout (see module docstring). Differentiable.
-
-    Args:
-        q: ``[T_local, H, D]`` with ``sharded.cp_size`` dividing ``H``; k, v: ``[T_local, H_kv, D]`` with
-            ``H % H_kv == 0`` (GQA; replicated when cp does not divide ``H_kv``); this rank's tokens in
-            ``sharded``'s local order, one floating dtype, one device.
-        sharded, group, causal, softmax_scale, kernel, softcap, sinks: as in ``allgather_attention`` (any layout;
-            each rank's sinks gradient is non-zero only on its own head slice).
-        window: sliding window per segment (``causal=True`` only): every rank holds the whole stream for its
-            heads after the all-to-all, so the kernel applies the window on the global ``cu_seqlens`` exactly.
-
-    Returns:
-        ``[T_local, H, D]`` in q's dtype, contiguous: full attention per segment on the global stream, sharded.
+    """Ulysses context-parallel attention for any layout (module docstring): ``context_parallel_attention`` with
+    ``backend="ulysses"``. Differentiable; a one-rank mistake raises on every rank.
 
     Raises:
-        ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), or the checks of
-            ``check_attention_inputs`` / ``resolve_attention_group``.
+        ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), and the checks of
+            ``context_parallel_attention``.
 
     >>> import torch, cp_packing
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
@@ -205,19 +204,12 @@ def ulysses_attention(
     >>> ulysses_attention(q, kv, kv, sharded).shape
     torch.Size([6, 4, 8])
     """
-    check_attention_inputs(q, k, v, sharded)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    cp_size = sharded.cp_size
-    rep = kv_replication(q.shape[1], k.shape[1], cp_size)
-    check_window(window, causal)
-    softcap = check_softcap(softcap)
-    sinks = kernels.check_sinks(sinks, q)
-    name = kernels.resolve_kernel(kernel, q, softcap=softcap)
-    group = resolve_attention_group(group, sharded, q.device)
-    params = sharded.global_params
-    cu_seqlens = sharded.cached(("ulysses_cu_seqlens", str(q.device)),
-                                lambda: params.cu_seqlens.to(device=q.device, dtype=torch.int32))
-    meta = (group, cp_size, rep, _global_permutation(sharded, q.device), cu_seqlens, int(params.max_seqlen),
-            softmax_scale, causal, name, softcap, head_slice(q.shape[1], cp_size, sharded.cp_rank), window)
-    return _UlyssesAttention.apply(q, k, v, sinks, meta)
+    from cp_packing.attention.dispatch import context_parallel_attention
+
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="ulysses", kernel=kernel, softcap=softcap, sinks=sinks, window=window)
+
+
+from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
+
+register_backend("ulysses", build_tables, layer)

@@ -23,7 +23,7 @@ import numpy as np
 
 from cp_packing.layouts import LayoutPlan
 
-__all__ = ["ExchangePieces", "exchange_pieces", "key_ranges", "need_tokens"]
+__all__ = ["ExchangePieces", "chunked_segments", "exchange_pieces", "key_ranges", "need_tokens", "split_plan"]
 
 
 def key_ranges(plan: LayoutPlan, cu: np.ndarray, *, causal: bool = True, window: int | None = None):
@@ -128,3 +128,44 @@ def exchange_pieces(plan: LayoutPlan, cu: np.ndarray, *, causal: bool = True,
     p_row = r_row[run] + (p_start - r_start[run])
     o = np.lexsort((p_start, p_owner, p_recv))
     return ExchangePieces(p_recv[o], p_owner[o], p_start[o], (p_end - p_start)[o], p_row[o])
+
+
+def chunked_segments(cu: np.ndarray, chunk: int) -> np.ndarray:
+    """int64 ``[N' + 1]``: ``cu`` with every segment cut into pieces of ``chunk`` tokens from its start (Llama 4's
+    chunked attention: a query attends only the keys of its own chunk of its document).
+
+    >>> chunked_segments(np.array([0, 5, 7]), 2).tolist()
+    [0, 2, 4, 5, 7]
+    """
+    start, length = cu[:-1], np.diff(cu)
+    cuts = np.maximum((length - 1) // chunk, 0)  # inner cuts per segment
+    owner = np.repeat(np.arange(length.size), cuts)
+    j = np.arange(owner.size) - np.repeat(np.cumsum(cuts) - cuts, cuts) + 1
+    return np.union1d(cu, start[owner] + j * chunk).astype(np.int64)
+
+
+def split_plan(plan: LayoutPlan, cu: np.ndarray) -> LayoutPlan:
+    """``plan`` with every run cut where a (finer) segmentation ``cu`` has a boundary inside it (e.g.
+    :func:`chunked_segments`); the placement of every token is unchanged.
+
+    >>> from cp_packing.layouts import layout_plan
+    >>> import torch
+    >>> plan = split_plan(layout_plan(torch.tensor([0, 8]), cp_size=2, layout="contiguous"), np.array([0, 2, 4, 6, 8]))
+    >>> plan.offsets.tolist(), plan.run_start.tolist(), plan.run_len.tolist()
+    ([0, 2, 4], [0, 2, 4, 6], [2, 2, 2, 2])
+    """
+    s, n = plan.run_start, plan.run_len
+    first = np.searchsorted(cu, s, side="right")  # the first boundary after each run's start
+    last = np.searchsorted(cu, s + n, side="left")  # boundaries strictly inside: [first, last)
+    count = last - first + 1
+    run = np.repeat(np.arange(s.size), count)
+    j = np.arange(run.size) - np.repeat(np.cumsum(count) - count, count)
+    inner = first[run] + j - 1  # the boundary before piece j (j > 0)
+    p_start = np.where(j == 0, s[run], cu[np.minimum(inner, cu.size - 1)])
+    nxt = first[run] + j
+    p_end = np.where(j == count[run] - 1, (s + n)[run], cu[np.minimum(nxt, cu.size - 1)])
+    per_rank = np.bincount(plan.run_rank()[run], minlength=plan.cp_size)
+    offsets = np.zeros(plan.cp_size + 1, dtype=np.int64)
+    np.cumsum(per_rank, out=offsets[1:])
+    return LayoutPlan(plan.layout, plan.cp_size, offsets, p_start.astype(np.int64), (p_end - p_start).astype(np.int64),
+                      plan.total)
