@@ -412,7 +412,8 @@ def _check_rows(tensors: object, fill: object) -> tuple[int, int]:
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a dict name -> [B, S, ...] tensor, got {type(tensors).__name__}")
     if not isinstance(fill, Mapping):
-        raise TypeError(f"fill must be a dict name -> pad value, got {type(fill).__name__}; e.g. fill={{'labels': -100}}")
+        raise TypeError(f"fill must be a dict name -> pad value, got {type(fill).__name__}; e.g. "
+                        "fill={'labels': -100}")
     unknown = sorted(set(fill) - set(tensors), key=str)
     if unknown:
         raise ValueError(f"fill names {unknown}, which are not in tensors ({sorted(tensors, key=str)}); fix the name")

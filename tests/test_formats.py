@@ -365,10 +365,11 @@ def test_seq_lens_reads_nemo_thd_batches_padded_with_minus_1000():
     # NeMo's cu_seqlens (from seq_lens_padded) put a boundary at 4: the padded tail is a segment of its own here
     assert packed_seq_params_from_doc_ids(doc_ids).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
     assert doc_ids_from_seq_lens([[3, -1000, -1000]], seq_len=4).tolist() == [[1, 1, 1, 0]]
-    with pytest.raises(ValueError, match=r"seq_lens\[0\]\[0\] is -1000 \(NeMo's padding entry\) but seq_lens\[0\]\[1\] is 3: "
-                                         r"-1000 only pads the end of a row"):
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]\[0\] is -1000 \(NeMo's padding entry\) but "
+                                         r"seq_lens\[0\]\[1\] is 3: -1000 only pads the end of a row"):
         doc_ids_from_seq_lens(torch.tensor([[-1000, 3]]))
-    with pytest.raises(ValueError, match=r"seq_lens\[1\]\[1\] is -1000 but seq_lens_padded\[1\]\[1\] is 4: NeMo pads both"):
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]\[1\] is -1000 but seq_lens_padded\[1\]\[1\] is 4: "
+                                         r"NeMo pads both"):
         doc_ids_from_seq_lens(seq_lens, seq_lens_padded=torch.tensor([[4, 2], [6, 4]]))
     with pytest.raises(ValueError, match=r"seq_lens\[0\]\[1\] is -999; a length is >= 0"):
         doc_ids_from_seq_lens([[3, -999]])

@@ -562,5 +562,6 @@ def test_pad_rows_refuses_unsigned_labels_that_cannot_hold_minus_100_and_bad_ten
         pad_rows({"doc_ids": doc, "labels": doc}, 2, fill={"label": -100})
     with pytest.raises(TypeError, match="fill must be a dict"):
         pad_rows({"doc_ids": doc}, 2, fill=-100)
-    with pytest.raises(ValueError, match=r"B\*S' = 4\*2147483647 tokens, more than int32 cu_seqlens can index.*nothing"):
+    with pytest.raises(ValueError, match=r"B\*S' = 4\*2147483647 tokens, more than int32 cu_seqlens can "
+                                         r"index.*nothing"):
         pad_rows({"doc_ids": torch.ones(4, 1, dtype=torch.int64)}, 2**31 - 1)
