@@ -13,7 +13,8 @@ For each length distribution (long-tailed SFT chat, long pretraining documents, 
 * split: documents cut across rows (TRL ``bfd`` truncates instead; first fit and FFD split like ``pack_documents``);
 * docs/s: documents packed per second (pack_documents: into the yielded tensors; TRL: ``pack_dataset`` on a prebuilt
   in-memory ``datasets.Dataset``, import and first-call costs excluded; first fit / FFD: lengths only, no tensors);
-  ``x TRL``: pack_documents' docs/s over TRL bfd's, measured in the same run (the best of ``--repeat`` runs each).
+  ``x TRL``: pack_documents' docs/s over TRL bfd's, measured in the same run (the best of ``--repeat`` runs each);
+  ``skip docs/s``: ``DocumentPacker.skip`` over every step (what resuming a loader costs: packing, no tensors).
 
 The full run adds two tables: the buffer (``buffer_tokens`` in steps) against fill and DP balance, and the issue's
 case (30,000 documents of ~40 tokens at ``seq_len=32768``) with the default token buffer and the old default
@@ -73,7 +74,7 @@ def step_figures(row_segments: list[list[int]], *, seq_len: int, rows: int, dp: 
     return tokens / slots, float(np.mean(ratios)), float(np.max(ratios))
 
 
-def run_ours(lengths, *, seq_len, rows, dp, repeat=1, **buffer):
+def run_ours(lengths, *, seq_len, rows, dp, repeat=1, skip_rate=False, **buffer):
     docs = [np.arange(n, dtype=np.int64) % 50_000 for n in lengths]
     dt = float("inf")
     for _ in range(repeat):  # the best of `repeat` runs: the machine is shared
@@ -86,8 +87,15 @@ def run_ours(lengths, *, seq_len, rows, dp, repeat=1, **buffer):
             dt = min(dt, time.perf_counter() - t)
     s = packer.stats
     imb = np.array(s.step_imbalance)
+    skip = float("inf")
+    for _ in range(repeat if skip_rate else 0):  # what resuming costs: every step re-packed, no tensor built
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            t = time.perf_counter()
+            pack_documents(docs, seq_len=seq_len, rows=rows, dp_size=dp, **buffer).skip(2**62)
+            skip = min(skip, time.perf_counter() - t)
     return {"fill": s.fill, "kept": s.tokens / sum(lengths), "dp_mean": float(imb.mean()), "dp_worst": float(imb.max()),
-            "split": s.split_documents, "docs_per_s": len(lengths) / dt}
+            "split": s.split_documents, "docs_per_s": len(lengths) / dt, "skip_docs_per_s": len(lengths) / skip}
 
 
 def run_trl(lengths, *, seq_len, rows, dp, strategy, repeat=1):
@@ -160,13 +168,13 @@ def main_table(cfg: dict) -> list[dict]:
     print(f"seq_len={cfg['seq_len']} rows={cfg['rows']} dp={cfg['dp']} docs={cfg['docs']} (pack_documents with its "
           "defaults); fill and DP figures per step of dp x [rows, seq_len]\n")
     print("| distribution | packer | fill | vs FFD | kept | DP busiest/mean (mean) | (worst step) | docs split | docs/s "
-          "| x TRL bfd |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| x TRL bfd | skip docs/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     shape = dict(seq_len=cfg["seq_len"], rows=cfg["rows"], dp=cfg["dp"])
     results = []
     for name, lengths in distributions(cfg["docs"], cfg["seq_len"]).items():
         runs = {
-            "pack_documents": run_ours(lengths, **shape, repeat=cfg["repeat"]),
+            "pack_documents": run_ours(lengths, **shape, repeat=cfg["repeat"], skip_rate=True),
             "trl_bfd": run_trl(lengths, **shape, strategy="bfd", repeat=cfg["repeat"]),
             "trl_bfd_split": run_trl(lengths, **shape, strategy="bfd_split", repeat=cfg["repeat"]),
             "first_fit": run_lengths_only(first_fit, lengths, **shape),
@@ -174,17 +182,19 @@ def main_table(cfg: dict) -> list[dict]:
         }
         for packer, r in runs.items():
             r["vs_ffd"] = r["fill"] - runs["ffd_all"]["fill"]
-            ratio = f"{r['docs_per_s'] / runs['trl_bfd']['docs_per_s']:.2f}" if packer == "pack_documents" else ""
+            ours = packer == "pack_documents"
+            ratio = f"{r['docs_per_s'] / runs['trl_bfd']['docs_per_s']:.2f}" if ours else ""
+            skip = f"{r['skip_docs_per_s']:,.0f}" if ours else ""
             results.append({"distribution": name, "packer": packer, **r})
             print(f"| {name} | {packer} | {r['fill']:.4f} | {100 * r['vs_ffd']:+.2f} | {r['kept']:.3f} | "
-                  f"{r['dp_mean']:.4f} | {r['dp_worst']:.3f} | {r['split']} | {r['docs_per_s']:,.0f} | {ratio} |",
-                  flush=True)
+                  f"{r['dp_mean']:.4f} | {r['dp_worst']:.3f} | {r['split']} | {r['docs_per_s']:,.0f} | {ratio} | "
+                  f"{skip} |", flush=True)
     return results
 
 
 def buffer_table(cfg: dict, multiples=(1, 2, 4, 8, 16)) -> None:
     step = cfg["rows"] * cfg["dp"] * cfg["seq_len"]
-    print(f"\nbuffer_tokens in steps of rows * dp * seq_len = {step} tokens (default: 8 steps, at least 2**21)\n")
+    print(f"\nbuffer_tokens in steps of rows * dp * seq_len = {step} tokens (default: 8 steps, at least 2**22 tokens: 16 steps here)\n")
     print("| distribution | buffer (steps) | fill | vs FFD | DP busiest/mean (mean) | (worst step) | docs/s |")
     print("|---|---|---|---|---|---|---|")
     shape = dict(seq_len=cfg["seq_len"], rows=cfg["rows"], dp=cfg["dp"])

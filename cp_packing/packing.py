@@ -8,7 +8,7 @@ is a list of ``dp_size`` dicts, one per DP replica, each ``{"input_ids", "labels
 How a step is formed (one *round* at a time, memory bounded by ``buffer_tokens`` tokens):
 
 1. **fill**: read documents until the documents held (carried-over ones included) have ``buffer_tokens`` tokens not
-   yet yielded (default: eight steps, at least ``2**21``). A document longer than ``seq_len`` is split into pieces of
+   yet yielded (default: eight steps, at least ``2**22``). A document longer than ``seq_len`` is split into pieces of
    ``seq_len`` tokens (and one shorter tail), truncated to ``seq_len``, or refused, as ``long_documents`` says.
 2. **how many steps**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into
    the open row with the least room that still fits it) gives ``R`` rows; mid-stream the round yields ``n =
@@ -85,16 +85,16 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 
 def default_buffer_tokens(seq_len: int, rows: int, dp_size: int = 1) -> int:
-    """The packer's default buffer: eight steps of tokens (``8 * rows * dp_size * seq_len``), at least ``2**21``.
+    """The packer's default buffer: eight steps of tokens (``8 * rows * dp_size * seq_len``), at least ``2**22``.
 
     Measured (docs/packing.md): fill within 0.5 points of first-fit-decreasing over all documents on short, chat and
     long mixes; DP balance improves with the buffer (more steps per round to spread the costliest pieces over).
     Memory: the held tokens (int32 where the ids fit, else int64).
 
-    >>> default_buffer_tokens(8192, 4, 8)
-    2097152
+    >>> default_buffer_tokens(8192, 4, 8), default_buffer_tokens(32768, 4, 32)
+    (4194304, 33554432)
     """
-    return max(8 * rows * dp_size * seq_len, 2**21)
+    return max(8 * rows * dp_size * seq_len, 2**22)
 
 
 @dataclass
@@ -160,7 +160,7 @@ def _check_buffer(buffer_tokens: Any, buffer_size: Any, step_tokens: int) -> tup
         warnings.warn(
             "pack_documents(buffer_size=...) counts DOCUMENTS and is deprecated: a buffer of short documents may not "
             "hold one step, and the packer then yields steps with empty rows. Pass buffer_tokens= (tokens held at "
-            "most; default max(8 * rows * dp_size * seq_len, 2**21)) instead; buffer_size alone keeps its old "
+            "most; default max(8 * rows * dp_size * seq_len, 2**22)) instead; buffer_size alone keeps its old "
             "meaning (documents only) until it is removed",
             FutureWarning, stacklevel=4)
     if buffer_tokens is None:
@@ -170,7 +170,7 @@ def _check_buffer(buffer_tokens: Any, buffer_size: Any, step_tokens: int) -> tup
         raise ValueError(
             f"buffer_tokens={buffer_tokens} holds less than one step (rows * dp_size * seq_len = {step_tokens} "
             f"tokens): every round must be able to fill a step; pass buffer_tokens >= {step_tokens} or leave it out "
-            f"(default {default_buffer_tokens(step_tokens, 1)}: eight steps, at least 2**21)")
+            f"(default {default_buffer_tokens(step_tokens, 1)}: eight steps, at least 2**22)")
     return buffer_tokens, buffer_size
 
 
@@ -543,7 +543,7 @@ def pack_documents(
             document segment in its own row; :attr:`PackingStats.split_documents`), ``"truncate"``\\ d to
             ``seq_len`` (:attr:`PackingStats.truncated_tokens`), or refused (``"error"``: a ValueError).
         buffer_tokens: tokens held at most (best-fit-decreasing and the balancing work over them); at least one step
-            (``rows * dp_size * seq_len``). Default :func:`default_buffer_tokens`: eight steps, at least ``2**21``.
+            (``rows * dp_size * seq_len``). Default :func:`default_buffer_tokens`: eight steps, at least ``2**22``.
         buffer_size: deprecated (a ``FutureWarning``): documents held at most. Alone, it is the only bound, as
             before; with ``buffer_tokens``, both bound the buffer.
         seed: the order of a round's steps and of the rows within a replica (deterministic for a seed).
