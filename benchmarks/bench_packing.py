@@ -164,8 +164,8 @@ def run_lengths_only(pack, lengths, *, seq_len, rows, dp):
 def main_table(cfg: dict) -> list[dict]:
     print(f"seq_len={cfg['seq_len']} rows={cfg['rows']} dp={cfg['dp']} docs={cfg['docs']} (pack_documents with its "
           "defaults); fill and DP figures per step of dp x [rows, seq_len]\n")
-    print("| distribution | packer | fill | vs FFD | kept | DP busiest/mean (mean) | (worst step) | docs split | docs/s "
-          "| x TRL bfd | skip docs/s |")
+    print("| distribution | packer | fill | vs FFD | kept | DP busiest/mean (mean) | (worst step) | docs split "
+          "| docs/s | x TRL bfd | skip docs/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     shape = dict(seq_len=cfg["seq_len"], rows=cfg["rows"], dp=cfg["dp"])
     results = []
@@ -196,7 +196,8 @@ def main_table(cfg: dict) -> list[dict]:
 
 def buffer_table(cfg: dict, multiples=(1, 2, 4, 8, 16)) -> None:
     step = cfg["rows"] * cfg["dp"] * cfg["seq_len"]
-    print(f"\nbuffer_tokens in steps of rows * dp * seq_len = {step} tokens (default: 8 steps, at least 2**22 tokens: 16 steps here)\n")
+    print(f"\nbuffer_tokens in steps of rows * dp * seq_len = {step} tokens (default: 8 steps, at least 2**22 tokens: "
+          f"{max(8, 2**22 // step)} steps here)\n")
     print("| distribution | buffer (steps) | fill | vs FFD | DP busiest/mean (mean) | (worst step) | docs/s |")
     print("|---|---|---|---|---|---|---|")
     shape = dict(seq_len=cfg["seq_len"], rows=cfg["rows"], dp=cfg["dp"])

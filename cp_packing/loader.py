@@ -251,8 +251,8 @@ def _check_shifted_labels(batch: Mapping[str, torch.Tensor]) -> None:
     if bool(valid.any()) and bool((labels.to(torch.int64)[valid] == ids[valid]).all()):
         raise ValueError(
             f"batch['labels'] look like HF-style UNSHIFTED labels: equal to input_ids at every labelled position, and "
-            f"labels[{b}, {t}] = {int(labels[b, t])} is {where}, where shifted labels are -100. cp-packing takes labels "
-            "shifted on the global stream: convert them with cp_packing.next_token_labels(input_ids, doc_ids, "
+            f"labels[{b}, {t}] = {int(labels[b, t])} is {where}, where shifted labels are -100. cp-packing takes "
+            "labels shifted on the global stream: convert them with cp_packing.next_token_labels(input_ids, doc_ids, "
             "labels=hf_labels) (prompt masks kept), or leave 'labels' out to have them built"
         )
     raise ValueError(

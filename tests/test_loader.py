@@ -421,7 +421,8 @@ def test_make_cp_batch_refuses_unsigned_labels_and_hf_unshifted_labels_naming_ne
     doc = torch.tensor([[1, 1, 1, 2, 2, 0]])
     ids = torch.tensor([[5, 6, 7, 8, 9, 0]])
     shifted = next_token_labels(ids, doc)
-    assert make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted}, cp_size=2, cp_rank=0).num_valid_labels == 3
+    item = make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted}, cp_size=2, cp_rank=0)
+    assert item.num_valid_labels == 3
     with pytest.raises(TypeError, match=r"labels'\] has dtype torch.uint8, which cannot hold -100 .*156.*\.long\(\)"):
         make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted.clamp(min=0).to(torch.uint8)},
                       cp_size=4, cp_rank=0)
