@@ -373,7 +373,7 @@ class CPPackedDataset(IterableDataset):
             an HF ``IterableDataset`` gets ``set_epoch(epoch)`` (its own ``.shuffle(seed=...)`` then reshuffles).
         packer: ``pack_documents``-like callable (default ``cp_packing.packing.pack_documents``), called as
             ``packer(documents, seq_len=, rows=, dp_size=, **pack_kwargs)``; must be deterministic.
-        **pack_kwargs: passed to the packer (``long_documents=``, ``buffer_size=``, ``seed=``, ...).
+        **pack_kwargs: passed to the packer (``long_documents=``, ``buffer_tokens=``, ``seed=``, ...), checked here.
     """
 
     def __init__(self, documents: Any, *, seq_len: int, rows: int, placement: CPMesh,
