@@ -64,7 +64,21 @@ def _as_rows(x: Any, name: str, shape: str = "[B, S] (or [T] for one flattened r
         x = x.unsqueeze(0)
     elif x.dim() != 2:
         raise ValueError(f"{name} must be {shape}, got shape {tuple(x.shape)}; {fix}")
+    _check_fits_int64(x, name)
     return x.to(torch.int64)
+
+
+def _check_fits_int64(x: torch.Tensor, name: str) -> None:
+    """A uint64 tensor's values >= 2**63 would wrap to negative int64, silently: refuse them."""
+    if x.dtype == getattr(torch, "uint64", None):
+        wrapped = x.view(torch.int64).reshape(-1) < 0
+        hit = wrapped.nonzero()
+        if hit.numel():
+            t = int(hit[0, 0])
+            raise ValueError(
+                f"{name} holds {int(x.reshape(-1).view(torch.int64)[t]) + 2**64} (flat position {t}), more than "
+                "int64 holds; no position, index or length is that large: check how the tensor was built"
+            )
 
 
 def _first(bad: torch.Tensor) -> tuple[int, int] | None:
@@ -136,6 +150,21 @@ def _check_total(B: int, S: int, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _check_not_multimodal(position_ids: Any) -> None:
+    """Refuse the 3-D position ids of multimodal RoPE (Qwen2-VL ``[3, B, S]``, or ``[4, B, S]`` with the text
+    positions first), naming the plane to pass instead."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        k, B, S = position_ids.shape
+        plane = ("its first plane holds the text positions HF prepends for packing" if k == 4 else
+                 "for text tokens the planes are equal and restart at 0 per document")
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}: 3-D multimodal RoPE position ids (Qwen2-VL mRoPE "
+            f"[3, B, S], or [4, B, S] with the text positions first), not one [B, S] plane; pass position_ids[0] "
+            f"({plane}). If position_ids[0] does not restart at 0 per document (image tokens share one temporal "
+            "position), convert the collator's cu_seq_lens or seq_idx instead"
+        )
+
+
 def doc_ids_from_position_ids(
     position_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -158,8 +187,9 @@ def doc_ids_from_position_ids(
 
     Raises:
         TypeError: not a tensor, or not an integer dtype; a float mask.
-        ValueError: not 1-D or 2-D; a negative position; a position that neither restarts at 0 nor increases by 1
-            (the message gives ``[b, s]``); a mask of another shape or with values other than 0/1.
+        ValueError: not 1-D or 2-D (3-D multimodal RoPE ids: the message says to pass ``position_ids[0]``); a
+            negative position; a position that neither restarts at 0 nor increases by 1 (the message gives
+            ``[b, s]``); a mask of another shape or with values other than 0/1.
 
     >>> doc_ids_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
     [[1, 1, 1, 2, 2, 3]]
@@ -167,6 +197,7 @@ def doc_ids_from_position_ids(
     ...                           attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]])).tolist()
     [[1, 1, 2, 2, 0, 0]]
     """
+    _check_not_multimodal(position_ids)
     pos = _as_rows(position_ids, "position_ids")
     real = _real_tokens(attention_mask, pos, "position_ids")
     _check_no_negative(pos, real, "position_ids", "positions count 0, 1, 2, ... from each document's start")
@@ -267,6 +298,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_shape: Sequence[i
     >>> doc_ids_from_cu_seqlens(torch.tensor([0, 2, 4, 5]), batch_shape=(2, 4)).tolist()
     [[1, 1, 2, 2], [1, 0, 0, 0]]
     """
+    if isinstance(cu_seqlens, torch.Tensor):
+        _check_fits_int64(cu_seqlens, "cu_seqlens")
     cu = check_cu_seqlens(cu_seqlens, "cu_seqlens")
     B, S = _batch_shape(batch_shape)
     _check_total(B, S, "batch_shape")
@@ -300,38 +333,93 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_shape: Sequence[i
     return torch.from_numpy(flat).view(B, S).to(cu_seqlens.device)
 
 
-def _lens_table(x: Any, name: str) -> torch.Tensor:
-    """int64 ``[B, N]`` of lengths from a tensor or a list of lists (rows padded with -1)."""
+#: The value NeMo AutoModel's ``packed_sequence_thd_collater`` pads ``seq_lens`` / ``seq_lens_padded`` rows with
+#: (to the batch's largest number of sequences): a padding entry at the end of a row, not a length.
+NEMO_PAD = -1000
+
+
+def _length_error(name: str, b: int, k: int, value: int) -> ValueError:
+    if value > INT32_MAX:
+        return ValueError(
+            f"{name}[{b}][{k}] is {value}, more than int32 cu_seqlens can index ({INT32_MAX}): no sequence of a "
+            "batch is that long; check how the lengths were built (an uninitialised or overflowed tensor?)"
+        )
+    return ValueError(
+        f"{name}[{b}][{k}] is {value}; a length is >= 0, -1 or 0 marks an empty sequence slot, and {NEMO_PAD} "
+        "(NeMo's padding entry) may only pad the end of a row"
+    )
+
+
+def _python_table(x: Sequence[Any], name: str) -> torch.Tensor:
+    """int64 ``[B, N]`` from a list of rows (each a list of ints or a 1-D integer tensor), short rows padded with -1;
+    every value checked as a Python int first (``torch.tensor`` would fail on one past int64)."""
+    rows = [x] if x and all(is_int(v) for v in x) else list(x)
+    for b, row in enumerate(rows):
+        if isinstance(row, torch.Tensor) and row.dim() == 1 and row.dtype in INTEGER_DTYPES:
+            rows[b] = row = _as_rows(row, f"{name}[{b}]")[0].tolist()  # a list of per-row 1-D tensors
+        if not isinstance(row, (list, tuple)):
+            raise TypeError(
+                f"{name}[{b}] must be a list of ints (the lengths of row {b}'s sequences), got "
+                f"{type(row).__name__}; pass a list of lists or a [B, N] tensor"
+            )
+        for k, v in enumerate(row):
+            if not is_int(v):
+                raise TypeError(f"{name}[{b}][{k}] must be an int (a length), got {v!r} ({type(v).__name__})")
+            if v > INT32_MAX or (v < -1 and v != NEMO_PAD):
+                raise _length_error(name, b, k, int(v))
+    n = max((len(r) for r in rows), default=0)
+    return torch.tensor([[int(v) for v in r] + [-1] * (n - len(r)) for r in rows], dtype=torch.int64).view(len(rows), n)
+
+
+def _lens_table(x: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lengths, nemo_pad)``: int64 ``[B, N]`` lengths in ``[-1, 2**31 - 1]`` (-1 for an empty slot, NeMo's
+    trailing ``-1000`` entries included) and bool ``[B, N]``, True on those ``-1000`` entries."""
     if isinstance(x, torch.Tensor):
-        table = _as_rows(x, name, "[B, N] (per row, the length of each sequence, -1 or 0 for none) or [N] for one row",
-                         "pass one row of lengths per batch row")
+        table = _as_rows(x, name, "[B, N] (per row, the length of each sequence, -1 or 0 for none, -1000 as NeMo "
+                         "pads) or [N] for one row", "pass one row of lengths per batch row")
     elif isinstance(x, (list, tuple)):
-        rows = [x] if x and all(is_int(v) for v in x) else list(x)
-        for b, row in enumerate(rows):
-            if isinstance(row, torch.Tensor) and row.dim() == 1 and row.dtype in INTEGER_DTYPES:
-                rows[b] = row = row.tolist()  # a list of per-row 1-D tensors
-            if not isinstance(row, (list, tuple)):
-                raise TypeError(
-                    f"{name}[{b}] must be a list of ints (the lengths of row {b}'s sequences), got "
-                    f"{type(row).__name__}; pass a list of lists or a [B, N] tensor"
-                )
-            for k, v in enumerate(row):
-                if not is_int(v):
-                    raise TypeError(f"{name}[{b}][{k}] must be an int (a length), got {v!r} ({type(v).__name__})")
-        n = max((len(r) for r in rows), default=0)
-        table = torch.tensor([list(r) + [-1] * (n - len(r)) for r in rows], dtype=torch.int64).view(len(rows), n)
+        table = _python_table(x, name)
     else:
         raise TypeError(
             f"{name} must be a [B, N] integer tensor or a list of lists of ints, got {type(x).__name__}; "
             "wrap a NumPy array with torch.as_tensor"
         )
-    below = table < -1
-    if (at := _first(below)) is not None:
+    nemo_pad = table == NEMO_PAD
+    if (at := _first(((table < -1) & ~nemo_pad) | (table > INT32_MAX))) is not None:
+        raise _length_error(name, at[0], at[1], int(table[at]))
+    if (at := _first(nemo_pad[:, :-1] & ~nemo_pad[:, 1:])) is not None:
         b, k = at
         raise ValueError(
-            f"{name}[{b}][{k}] is {int(table[b, k])}; a length is >= 0, and -1 or 0 marks an empty sequence slot"
+            f"{name}[{b}][{k}] is {NEMO_PAD} (NeMo's padding entry) but {name}[{b}][{k + 1}] is "
+            f"{int(table[b, k + 1])}: {NEMO_PAD} only pads the end of a row (NeMo's packed_sequence_thd_collater "
+            "pads every row to the batch's largest number of sequences); use -1 or 0 for an empty slot inside a row"
         )
-    return table
+    return table.masked_fill(nemo_pad, -1), nemo_pad
+
+
+def _padded_lengths(seq_lens_padded: Any, real: torch.Tensor, real_pad: torch.Tensor) -> torch.Tensor:
+    """The padded length ``P`` of every slot (``>= L``), checked against the real lengths' layout."""
+    padded, padded_pad = _lens_table(seq_lens_padded, "seq_lens_padded")
+    if padded.shape != real.shape:
+        raise ValueError(
+            f"seq_lens_padded has {tuple(padded.shape)} (rows, slots) but seq_lens has {tuple(real.shape)}; "
+            "give one padded length per sequence, in the same layout"
+        )
+    padded, padded_pad = padded.to(real.device), padded_pad.to(real.device)
+    if (at := _first(padded_pad != real_pad)) is not None:
+        shown = [NEMO_PAD if m[at] else int(t[at]) for t, m in ((real, real_pad), (padded, padded_pad))]
+        raise ValueError(
+            f"seq_lens[{at[0]}][{at[1]}] is {shown[0]} but seq_lens_padded[{at[0]}][{at[1]}] is {shown[1]}: NeMo pads "
+            f"both with {NEMO_PAD} in the same slots; pass the seq_lens and seq_lens_padded of one batch"
+        )
+    L, P = real.clamp(min=0), padded.clamp(min=0)
+    if (at := _first(P < L)) is not None:  # a padded length holds the real tokens plus padding
+        raise ValueError(
+            f"seq_lens_padded[{at[0]}][{at[1]}] is {int(padded[at])} but seq_lens[{at[0]}][{at[1]}] is "
+            f"{int(real[at])}: the padded length must be >= the real length; check the argument order "
+            "(seq_lens = real lengths, seq_lens_padded = padded lengths)"
+        )
+    return P
 
 
 def doc_ids_from_seq_lens(
@@ -347,14 +435,15 @@ def doc_ids_from_seq_lens(
     The padded tail of a sequence belongs to its slot in Megatron's THD layout (``cu_seqlens_padded``) but holds no
     real token: it maps to 0 (padding), never to the sequence's document, so no real token attends to it and no
     label counts it. A slot of length -1 or 0 holds no sequence and gets no number (a slot with 0 real tokens and
-    a positive padded length is padding only).
+    a positive padded length is padding only). NeMo AutoModel's ``packed_sequence_thd_collater`` pads every row to
+    the batch's largest number of sequences with ``-1000``: trailing ``-1000`` entries are read as empty slots.
 
     Args:
         seq_lens: the real length of every sequence of every row: an integer ``[B, N]`` tensor (or ``[N]`` for one
-            row) with -1 or 0 in unused slots, or a list of rows, each a list of ints or a 1-D integer tensor (a
-            list of ints is one row).
-        seq_lens_padded: optional, the same layout: each sequence's padded length (``>= seq_lens``). Megatron's
-            ``cu_seqlens_q_padded.diff()``. Default: no padding inside rows.
+            row) with -1 or 0 in unused slots (``-1000`` at the end of a row, as NeMo pads), or a list of rows, each
+            a list of ints or a 1-D integer tensor (a list of ints is one row).
+        seq_lens_padded: optional, the same layout (``-1000`` in the same slots): each sequence's padded length
+            (``>= seq_lens``). Megatron's ``cu_seqlens_q_padded.diff()``. Default: no padding inside rows.
         seq_len: ``S``, the row length; default the longest row (sum of its padded lengths).
 
     Returns:
@@ -362,36 +451,23 @@ def doc_ids_from_seq_lens(
 
     Raises:
         TypeError: not a tensor or list of lists of ints; a float tensor; ``seq_len`` not an int.
-        ValueError: a length below -1; ``seq_lens_padded`` of another layout or shorter than ``seq_lens``
-            somewhere; a row longer than ``seq_len``.
+        ValueError: a length below -1 (other than a trailing -1000) or above ``2**31 - 1``; ``seq_lens_padded`` of
+            another layout, with ``-1000`` in other slots, or shorter than ``seq_lens`` somewhere; a row longer than
+            ``seq_len``; more than ``2**31 - 1`` tokens. Checked before anything of the output's size is allocated.
 
     >>> doc_ids_from_seq_lens([[3, 2], [4]], seq_len=6).tolist()
     [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]]
     >>> doc_ids_from_seq_lens([[3, 1]], seq_lens_padded=[[4, 2]]).tolist()
     [[1, 1, 1, 0, 2, 0]]
+    >>> doc_ids_from_seq_lens(torch.tensor([[3, 2], [6, -1000]]), seq_lens_padded=torch.tensor([[4, 2], [6, -1000]])
+    ...                       ).tolist()  # NeMo's collated THD batch
+    [[1, 1, 1, 0, 2, 2], [1, 1, 1, 1, 1, 1]]
     """
-    real = _lens_table(seq_lens, "seq_lens")
+    real, real_pad = _lens_table(seq_lens, "seq_lens")
     L = real.clamp(min=0)
-    if seq_lens_padded is None:
-        P = L
-    else:
-        padded = _lens_table(seq_lens_padded, "seq_lens_padded")
-        if padded.shape != real.shape:
-            raise ValueError(
-                f"seq_lens_padded has {tuple(padded.shape)} (rows, slots) but seq_lens has {tuple(real.shape)}; "
-                "give one padded length per sequence, in the same layout"
-            )
-        padded = padded.to(real.device)
-        P = padded.clamp(min=0)
-        at = _first(P < L)  # a padded length holds the real tokens plus padding
-        if at is not None:
-            raise ValueError(
-                f"seq_lens_padded[{at[0]}][{at[1]}] is {int(padded[at])} but seq_lens[{at[0]}][{at[1]}] is "
-                f"{int(real[at])}: the padded length must be >= the real length; check the argument order "
-                "(seq_lens = real lengths, seq_lens_padded = padded lengths)"
-            )
+    P = L if seq_lens_padded is None else _padded_lengths(seq_lens_padded, real, real_pad)
     B, N = L.shape
-    row_total = P.sum(dim=1)
+    row_total = P.sum(dim=1)  # every entry is <= 2**31 - 1: no int64 sum of N < 2**32 of them wraps
     longest = int(row_total.max()) if B else 0
     if seq_len is None:
         S = longest

@@ -23,7 +23,9 @@ and :class:`CPCollator` builds the same :class:`CPBatch` in the workers.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import warnings
 from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -33,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
-from cp_packing._checks import INTEGER_DTYPES, check_bool, check_int, check_tensor
+from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_tensor, is_int
 from cp_packing.agreement import agree
 from cp_packing.formats import doc_ids_from_position_ids
-from cp_packing.groups import GroupLike, as_process_group, resolve_group
+from cp_packing.groups import CPMesh, GroupLike, resolve_group
+from cp_packing.layouts import check_layout
 from cp_packing.loss import next_token_labels
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.padding import pad_rows
@@ -45,6 +48,7 @@ from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 __all__ = [
     "CPBatch",
     "CPCollator",
+    "CPDataLoader",
     "CPPackedDataset",
     "ReplicaBatchSampler",
     "ReplicaRank",
@@ -54,52 +58,23 @@ __all__ = [
     "replica_rank",
 ]
 
-_IGNORE = -100
 _CHUNK = 256  # documents read at a time
+_STATE_VERSION = 1
 
 
 # ------------------------------------------------------------------------------------------------ where this rank is
 
 
-@dataclass(frozen=True)
-class ReplicaRank:
-    """Where this process sits in a DP x CP grid (plain ints: it travels to DataLoader workers).
-
-    Attributes:
-        dp_rank, dp_size: this process's data-parallel replica and the number of replicas.
-        cp_rank, cp_size: this process's rank in its replica's CP group, and the CP group size.
-    """
-
-    dp_rank: int
-    dp_size: int
-    cp_rank: int
-    cp_size: int
-
-    def __post_init__(self) -> None:
-        for name in ("dp_size", "cp_size"):
-            check_int(getattr(self, name), name, min=1)
-        check_int(self.dp_rank, "dp_rank", min=0, max=self.dp_size - 1, hint=f"a replica in [0, {self.dp_size})")
-        check_int(self.cp_rank, "cp_rank", min=0, max=self.cp_size - 1, hint=f"a CP rank in [0, {self.cp_size})")
+ReplicaRank = CPMesh
+"""Compatibility alias: where this process sits in the DP x CP grid is the library's one mesh type,
+:class:`cp_packing.groups.CPMesh` (plain ints travel to DataLoader workers; it pickles without its groups)."""
 
 
-def _group_rank_size(group: GroupLike, name: str) -> tuple[int, int]:
-    g = resolve_group(as_process_group(group, name=name), name=name)
-    return g.rank, g.size
-
-
-def _from_mesh(mesh: Any, dim_names: tuple[str, str]) -> ReplicaRank:
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    dp_name, cp_name = dim_names
-    if mesh.ndim == 1 and names == (cp_name,):
-        return ReplicaRank(0, 1, mesh.get_local_rank(), mesh.size())
-    if mesh.ndim != 2 or dp_name not in names or cp_name not in names:
-        raise ValueError(
-            f"mesh has dims {names or None} (shape {tuple(mesh.mesh.shape)}); pass a 2-D DeviceMesh with dims "
-            f"{dim_names}, e.g. init_device_mesh('cuda', (dp, cp), mesh_dim_names={dim_names}), or dim_names= "
-            "the names of yours"
-        )
-    return ReplicaRank(mesh.get_local_rank(dp_name), mesh.size(names.index(dp_name)),
-                       mesh.get_local_rank(cp_name), mesh.size(names.index(cp_name)))
+def _check_placement(placement: Any) -> CPMesh:
+    if not isinstance(placement, CPMesh):
+        raise TypeError(f"placement must be a cp_packing.groups.CPMesh (ReplicaRank), e.g. replica_rank(mesh) or "
+                        f"CPMesh.from_ints(...), got {type(placement).__name__}")
+    return placement
 
 
 def replica_rank(
@@ -112,12 +87,12 @@ def replica_rank(
     cp_rank: int | None = None,
     cp_size: int | None = None,
     dim_names: tuple[str, str] = ("dp", "cp"),
-) -> ReplicaRank:
-    """This process's place in the DP x CP grid, from ONE of: a DeviceMesh, process groups, or explicit ints.
+) -> CPMesh:
+    """This process's place in the DP x CP grid, from ONE of: a DeviceMesh (or a CPMesh), process groups, or ints.
 
     Args:
-        mesh: a 2-D ``DeviceMesh`` with dims ``dim_names`` (``("dp", "cp")``), or a 1-D mesh named ``"cp"`` (one
-            replica).
+        mesh: a 2-D ``DeviceMesh`` with dims ``dim_names`` (``("dp", "cp")``), a 1-D mesh named ``"cp"`` (one
+            replica), or a :class:`~cp_packing.groups.CPMesh` (returned as it is).
         dp_group, cp_group: the data-parallel and context-parallel process groups (or 1-D meshes); ``dp_group=None``
             with a ``cp_group`` means one replica.
         dp_rank, dp_size, cp_rank, cp_size: explicit ints (no torch.distributed needed); ``dp_rank``/``dp_size``
@@ -125,13 +100,14 @@ def replica_rank(
         dim_names: the names of the mesh's data-parallel and context-parallel dims.
 
     Returns:
-        :class:`ReplicaRank`.
+        :class:`~cp_packing.groups.CPMesh` (``ReplicaRank`` is an alias of it).
 
     Raises:
-        TypeError: more than one way given, or none. ValueError: a mesh without those dims, ranks out of range.
+        TypeError: more than one way given, or none; a mesh that is neither a DeviceMesh nor a CPMesh.
+        ValueError: a mesh without those dims, ranks out of range.
 
-    >>> replica_rank(dp_rank=1, dp_size=2, cp_rank=0, cp_size=2)
-    ReplicaRank(dp_rank=1, dp_size=2, cp_rank=0, cp_size=2)
+    >>> replica_rank(dp_rank=1, dp_size=2, cp_rank=0, cp_size=2).global_rank
+    2
     """
     ints = (dp_rank, dp_size, cp_rank, cp_size)
     ways = [mesh is not None, dp_group is not None or cp_group is not None, any(x is not None for x in ints)]
@@ -141,16 +117,20 @@ def replica_rank(
             f"or cp_rank=/cp_size= (and dp_rank=/dp_size=); got {'none' if not any(ways) else 'several'}"
         )
     if mesh is not None:
-        return _from_mesh(mesh, dim_names)
+        if isinstance(mesh, CPMesh):
+            return mesh
+        if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "get_local_rank")):
+            raise TypeError(f"mesh must be a torch DeviceMesh (dims {dim_names}) or a cp_packing.groups.CPMesh, got "
+                            f"{type(mesh).__name__}")
+        return CPMesh.from_device_mesh(mesh, dim_names)
     if ways[1]:
         if cp_group is None:
             raise TypeError("dp_group= needs cp_group= too (the CP group of this replica)")
-        c_rank, c_size = _group_rank_size(cp_group, "cp_group")
-        d_rank, d_size = (0, 1) if dp_group is None else _group_rank_size(dp_group, "dp_group")
-        return ReplicaRank(d_rank, d_size, c_rank, c_size)
+        return CPMesh.from_groups(cp_group, dp_group)
     if cp_rank is None or cp_size is None:
         raise TypeError("explicit ranks need cp_rank= and cp_size= (dp_rank=/dp_size= default to 0/1)")
-    return ReplicaRank(0 if dp_rank is None else dp_rank, 1 if dp_size is None else dp_size, cp_rank, cp_size)
+    return CPMesh.from_ints(dp_rank=0 if dp_rank is None else dp_rank, dp_size=1 if dp_size is None else dp_size,
+                            cp_rank=cp_rank, cp_size=cp_size)
 
 
 # ------------------------------------------------------------------------------------------------ one item
@@ -232,6 +212,42 @@ def _as_batch(batch: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_shifted_labels(batch: Mapping[str, torch.Tensor]) -> None:
+    """``batch["labels"]`` must be cp-packing's SHIFTED labels: a signed dtype (-100 must fit) and -100 at every
+    document's last token and on padding. HF's unshifted labels (a label at every document's last token) are named
+    as such. One host sync."""
+    labels = batch["labels"]
+    if not labels.dtype.is_signed:
+        raise TypeError(
+            f"batch['labels'] has dtype {labels.dtype}, which cannot hold -100 (the ignored label: it would become "
+            f"{IGNORE_INDEX % 2 ** (8 * labels.element_size())}, a class the loss counts); convert with "
+            "labels.long() (shifted labels are -100 at every document's last token)"
+        )
+    doc = batch["doc_ids"].to(torch.int64)  # every integer dtype compares after this (equality is kept)
+    nxt = torch.cat([doc[:, 1:], torch.full_like(doc[:, :1], -1)], dim=1)
+    ends = (doc == 0) | (doc != nxt)  # padding, and the last token of every segment (row ends included)
+    wrong = (labels != IGNORE_INDEX) & ends
+    hit = wrong.reshape(-1).nonzero()
+    if hit.numel() == 0:
+        return
+    b, t = divmod(int(hit[0, 0]), doc.shape[1])
+    where = "on padding (doc id 0)" if int(doc[b, t]) == 0 else "at the last token of its document"
+    valid = (labels != IGNORE_INDEX) & (doc != 0)
+    ids = batch["input_ids"].to(torch.int64)
+    if bool(valid.any()) and bool((labels.to(torch.int64)[valid] == ids[valid]).all()):
+        raise ValueError(
+            f"batch['labels'] look like HF-style UNSHIFTED labels: equal to input_ids at every labelled position, and "
+            f"labels[{b}, {t}] = {int(labels[b, t])} is {where}, where shifted labels are -100. cp-packing takes "
+            "labels shifted on the global stream: convert them with cp_packing.next_token_labels(input_ids, doc_ids, "
+            "labels=hf_labels) (prompt masks kept), or leave 'labels' out to have them built"
+        )
+    raise ValueError(
+        f"batch['labels'][{b}, {t}] is {int(labels[b, t])} {where}; shifted labels are -100 there (a label there "
+        "would be a target across a document boundary, or on padding). Build them with "
+        "cp_packing.next_token_labels(input_ids, doc_ids, labels=...), or leave 'labels' out to have them built"
+    )
+
+
 def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: int, layout: str = "balanced",
                   step: int | None = None, pad_token_id: int = 0) -> CPBatch:
     """Everything one rank needs for a step, from one replica's packed batch (pure, no communication).
@@ -253,8 +269,10 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
         its own, so no real token attends to it and no label counts it; ``CPBatch.batch`` holds the padded rows.
 
     Raises:
-        TypeError / ValueError: not a dict of integer tensors of one ``[rows, seq_len]`` shape, a missing key, or
-        what ``packed_seq_params_from_doc_ids`` / ``shard_packed_seq_params`` raise.
+        TypeError / ValueError: not a dict of integer tensors of one ``[rows, seq_len]`` shape, a missing key; labels
+        of an unsigned dtype (-100 does not fit), labels that are not shifted (a label at a document's last token or
+        on padding: HF-style unshifted labels are named, with ``cp_packing.next_token_labels`` as the fix); or what
+        ``packed_seq_params_from_doc_ids`` / ``shard_packed_seq_params`` raise.
 
     >>> item = make_cp_batch({"input_ids": torch.arange(8).view(1, 8), "doc_ids": torch.tensor([[1] * 5 + [2] * 3])},
     ...                      cp_size=2, cp_rank=1, layout="contiguous")
@@ -265,13 +283,15 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
     check_int(cp_size, "cp_size", min=1)
     if "labels" not in batch:
         batch["labels"] = next_token_labels(batch["input_ids"], batch["doc_ids"])
+    else:
+        _check_shifted_labels(batch)
     pad_id = check_int(pad_token_id, "pad_token_id", min=0)
-    batch = pad_rows(batch, cp_size, fill={"input_ids": pad_id, "labels": _IGNORE})  # doc id 0, other keys 0
+    batch = pad_rows(batch, cp_size, fill={"input_ids": pad_id, "labels": IGNORE_INDEX})  # doc id 0, other keys 0
     params = packed_seq_params_from_doc_ids(batch["doc_ids"])
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local]
     local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
-    num_valid = int((batch["labels"] != _IGNORE).sum())
+    num_valid = int((batch["labels"] != IGNORE_INDEX).sum())
     return CPBatch(step, batch, params, sharded, local, num_valid)
 
 
@@ -333,22 +353,20 @@ class CPPackedDataset(IterableDataset):
             dataset: not ``split_dataset_by_node``, not a per-worker shard.
         seq_len, rows: each replica's batch is ``[rows, seq_len]`` (the last step may have fewer rows: see the
             packer); ``seq_len`` must be divisible by ``cp_size``.
-        placement: this process's :class:`ReplicaRank` (``replica_rank(mesh)``).
+        placement: this process's :class:`~cp_packing.groups.CPMesh` (``replica_rank(mesh)``).
         layout: the CP layout (``"balanced"`` default).
         shuffle, seed: a map-style dataset is read in a permutation seeded by ``(seed, epoch)`` (else in order);
             an HF ``IterableDataset`` gets ``set_epoch(epoch)`` (its own ``.shuffle(seed=...)`` then reshuffles).
         packer: ``pack_documents``-like callable (default ``cp_packing.packing.pack_documents``), called as
             ``packer(documents, seq_len=, rows=, dp_size=, **pack_kwargs)``; must be deterministic.
-        **pack_kwargs: passed to the packer (``long_documents=``, ``buffer_size=``, ``seed=``, ...).
+        **pack_kwargs: passed to the packer (``long_documents=``, ``buffer_tokens=``, ``seed=``, ...), checked here.
     """
 
-    def __init__(self, documents: Any, *, seq_len: int, rows: int, placement: ReplicaRank,
+    def __init__(self, documents: Any, *, seq_len: int, rows: int, placement: CPMesh,
                  layout: str = "balanced", shuffle: bool = False, seed: int = 0,
                  packer: Callable[..., Iterable[Sequence[Mapping[str, torch.Tensor]]]] | None = None,
                  **pack_kwargs: Any) -> None:
-        if not isinstance(placement, ReplicaRank):
-            raise TypeError(f"placement must be a ReplicaRank (cp_packing.loader.replica_rank(mesh)), got "
-                            f"{type(placement).__name__}")
+        _check_placement(placement)
         if isinstance(documents, Iterator):
             raise TypeError("documents is a one-shot iterator (a generator?): every rank and worker must read the "
                             "whole stream, every epoch; pass a list, a datasets.Dataset / IterableDataset, or an "
@@ -367,36 +385,166 @@ class CPPackedDataset(IterableDataset):
         self.layout = layout
         self.shuffle = check_bool(shuffle, "shuffle")
         self.seed = check_int(seed, "seed")
+        if layout != "auto":
+            check_layout(layout)
         self.packer = packer
         self.pack_kwargs = pack_kwargs
+        _check_packer(packer, seq_len=self.seq_len, rows=self.rows, dp_size=placement.dp_size, **pack_kwargs)
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers too
+        self._start = 0  # the step the next iteration starts at (load_state_dict), consumed by __iter__
+        self._next = 0  # what state_dict reports: the start that resumes after the last step this copy yielded
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (a new document order where ``shuffle`` or the dataset shuffles); call it on every rank."""
-        self._epoch.fill_(check_int(epoch, "epoch", min=0))
+        """Set the epoch (a new document order where ``shuffle`` or the dataset shuffles); call it on every rank.
+        A new epoch starts at step 0 (the same epoch keeps a loaded state's step)."""
+        epoch = check_int(epoch, "epoch", min=0)
+        if epoch != self.epoch:
+            self._start = self._next = 0
+        self._epoch.fill_(epoch)
 
     @property
     def epoch(self) -> int:
         return int(self._epoch)
 
+    def _config(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len, "rows": self.rows, "dp_size": self.placement.dp_size,
+                "shuffle": self.shuffle, "seed": self.seed, "pack_kwargs": repr(sorted(self.pack_kwargs.items())),
+                "packer": getattr(self.packer, "__qualname__", repr(self.packer))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "next_step", ...}``: where the next iteration starts (torchdata's ``Stateful`` protocol).
+
+        In a ``torchdata.stateful_dataloader.StatefulDataLoader`` worker it is that worker's own position; in the
+        main process (``num_workers=0``) the step after the last one yielded. ``cp_dataloader``'s loader keeps its
+        own (:meth:`CPDataLoader.state_dict`)."""
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "next_step": self._next, "config": self._config()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: set the epoch; the next iteration starts at ``state["next_step"]``
+        (each worker re-packs the steps before it without building their tensors). Raises a ValueError when the
+        state was saved by a loader with other packing arguments."""
+        if not isinstance(state, Mapping) or "next_step" not in state:
+            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state has version {state.get('version')!r}; this loader reads version {_STATE_VERSION}")
+        mine, theirs = self._config(), dict(state.get("config", {}))
+        diff = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if diff:
+            shown = ", ".join(f"{k}={theirs.get(k)!r} (this loader: {mine[k]!r})" for k in diff)
+            raise ValueError(f"state was saved by a loader with {shown}; build the loader with the arguments of the "
+                             "run you resume")
+        self._epoch.fill_(check_int(state["epoch"], "state['epoch']", min=0))
+        self._start = self._next = check_int(state["next_step"], "state['next_step']", min=0)
+
     def steps(self) -> Iterator[Sequence[Mapping[str, torch.Tensor]]]:
         """The packer's steps of this epoch (every replica's batch), identical in every process."""
         packer = self.packer or _default_packer()
         documents = map(_document, _documents(self.documents, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch))
-        return iter(packer(documents, seq_len=self.seq_len, rows=self.rows, dp_size=self.placement.dp_size,
-                           **self.pack_kwargs))
+        with warnings.catch_warnings():  # a deprecation was shown once, when the loader was built
+            warnings.simplefilter("ignore", FutureWarning)
+            return iter(packer(documents, seq_len=self.seq_len, rows=self.rows, dp_size=self.placement.dp_size,
+                               **self.pack_kwargs))
 
     def __iter__(self) -> Iterator[CPBatch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        start, self._start = self._start, 0  # read now (not at the first next()): a resumed start is used once
+        self._next = start
+        return self._items(start + worker, workers, worker)
+
+    def _items(self, first: int, stride: int, worker: int) -> Iterator[CPBatch]:
+        """This copy's items: steps ``first, first + stride, ...``; the other steps are skipped (the default packer
+        does not build their tensors)."""
         p = self.placement
-        for step, replicas in enumerate(self.steps()):
+        for step, replicas in _every(self.steps(), first, stride):
             if len(replicas) != p.dp_size:
                 raise ValueError(f"the packer gave step {step} {len(replicas)} replica batches; expected dp_size="
                                  f"{p.dp_size}")
-            if step % workers == worker:
-                yield make_cp_batch(replicas[p.dp_rank], cp_size=p.cp_size, cp_rank=p.cp_rank, layout=self.layout,
-                                    step=step)
+            item = make_cp_batch(replicas[p.dp_rank], cp_size=p.cp_size, cp_rank=p.cp_rank, layout=self.layout,
+                                 step=step)
+            self._next = step + stride - worker
+            yield item
+
+
+def _every(steps: Iterator[Any], first: int, stride: int) -> Iterator[tuple[int, Any]]:
+    """``(k, steps[k])`` for ``k = first, first + stride, ...``; ``DocumentPacker.skip`` passes over the others."""
+    skip = getattr(steps, "skip", None)
+    if skip is None:
+        for k, step in enumerate(steps):
+            if k >= first and (k - first) % stride == 0:
+                yield k, step
+        return
+    k = first
+    if skip(first) < first:
+        return
+    for step in steps:
+        yield k, step
+        k += stride
+        if skip(stride - 1) < stride - 1:
+            return
+
+
+def _check_packer(packer: Any, **arguments: Any) -> None:
+    """The packer's arguments checked in the main process, when the loader is built (not at the first batch inside
+    a worker): the default packer is built over no documents (it reads nothing), another is bound to them."""
+    try:
+        if packer is None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", FutureWarning)
+                _default_packer()((), **arguments)
+            for w in caught:  # shown once, pointing at the caller of cp_dataloader / CPPackedDataset
+                warnings.warn(w.message, w.category, stacklevel=4)
+            return
+        if not callable(packer):
+            raise TypeError(f"packer must be a callable like cp_packing.pack_documents, got {type(packer).__name__}")
+        try:
+            signature = inspect.signature(packer)
+        except (TypeError, ValueError):  # no signature to check (a builtin)
+            return
+        signature.bind((), **arguments)
+    except (TypeError, ValueError) as exc:
+        extra = sorted(set(arguments) - {"seq_len", "rows", "dp_size"})
+        raise type(exc)(f"the packer's arguments (seq_len, rows, dp_size and cp_dataloader's extra keyword arguments "
+                        f"{extra}) are refused: {exc}") from None
+
+
+class CPDataLoader(DataLoader):
+    """The ``DataLoader`` :func:`cp_dataloader` returns: items are :class:`CPBatch` in step order, and it is
+    resumable (torchdata's ``Stateful`` protocol, also for ``torch.distributed.checkpoint``): :meth:`state_dict`
+    after ``k`` steps, then :meth:`load_state_dict` on a new loader built with the same arguments, gives the steps
+    the uninterrupted run would have given, whatever ``num_workers`` is (docs/data.md)."""
+
+    def __init__(self, dataset: CPPackedDataset, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=None, in_order=True, **kwargs)
+        self._position: tuple[int, int] | None = None  # (epoch, next step) of the steps handed out
+
+    def __iter__(self) -> Iterator[CPBatch]:
+        epoch, start = self.dataset.epoch, self.dataset._start
+        self._position = (epoch, start)
+        items = super().__iter__()  # workers copy the dataset (and its start) now
+        self.dataset._start = 0
+        return self._track(items, epoch)
+
+    def _track(self, items: Iterator[CPBatch], epoch: int) -> Iterator[CPBatch]:
+        for item in items:
+            self._position = (epoch, item.step + 1)
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "next_step", ...}``: the epoch and the step after the last one this loader handed out (step 0
+        of the dataset's epoch once ``set_epoch`` moved on). Small: no tokens, no packer state."""
+        state = self.dataset.state_dict()
+        epoch, step = self._position if self._position is not None else (state["epoch"], self.dataset._start)
+        if epoch != self.dataset.epoch:
+            epoch, step = self.dataset.epoch, 0
+        return {**state, "epoch": epoch, "next_step": step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where :meth:`state_dict` was taken: the next iteration starts at its step of its epoch (call it
+        before iterating; ``set_epoch`` with the same epoch keeps it). Persistent workers are restarted."""
+        self.dataset.load_state_dict(state)
+        self._position = (self.dataset.epoch, self.dataset._start)
+        self._iterator = None  # persistent workers hold the old start: new ones copy the dataset again
 
 
 def cp_dataloader(
@@ -407,7 +555,7 @@ def cp_dataloader(
     mesh: Any = None,
     dp_group: GroupLike = None,
     cp_group: GroupLike = None,
-    placement: ReplicaRank | None = None,
+    placement: CPMesh | None = None,
     layout: str = "balanced",
     shuffle: bool = False,
     seed: int = 0,
@@ -417,18 +565,22 @@ def cp_dataloader(
     persistent_workers: bool = False,
     packer: Callable[..., Iterable[Sequence[Mapping[str, torch.Tensor]]]] | None = None,
     **pack_kwargs: Any,
-) -> DataLoader:
-    """A ``DataLoader`` of :class:`CPBatch` for this rank of a DP x CP grid (see :class:`CPPackedDataset`).
+) -> CPDataLoader:
+    """A resumable ``DataLoader`` of :class:`CPBatch` for this rank of a DP x CP grid (see :class:`CPPackedDataset`).
+
+    Every argument is checked here, in the main process (the packer's too: a misspelled keyword is a TypeError now,
+    not at the first batch inside a worker).
 
     Args:
         documents, seq_len, rows, layout, shuffle, seed, packer, pack_kwargs: as :class:`CPPackedDataset`.
-        mesh, dp_group, cp_group, placement: where this rank is (one of them; see :func:`replica_rank`).
+        mesh, dp_group, cp_group, placement: where this rank is (one of them; see :func:`replica_rank`; ``mesh`` may
+            be a :class:`~cp_packing.groups.CPMesh`).
         num_workers, pin_memory, prefetch_factor, persistent_workers: as ``torch.utils.data.DataLoader``; the
             metadata is computed in the workers when ``num_workers > 0``.
 
     Returns:
-        ``DataLoader`` (``batch_size=None``: each item is one step's :class:`CPBatch`); ``loader.dataset.set_epoch(e)``
-        before each epoch.
+        :class:`CPDataLoader` (``batch_size=None``: each item is one step's :class:`CPBatch`);
+        ``loader.dataset.set_epoch(e)`` before each epoch; ``state_dict()`` / ``load_state_dict()`` to resume.
     """
     if placement is None:
         placement = replica_rank(mesh, dp_group=dp_group, cp_group=cp_group)
@@ -438,11 +590,20 @@ def cp_dataloader(
                               shuffle=shuffle, seed=seed, packer=packer, **pack_kwargs)
     num_workers = check_int(num_workers, "num_workers", min=0)
     extra = {} if num_workers == 0 else {"prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers}
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, in_order=True,
-                      **extra)
+    return CPDataLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **extra)
 
 
 # ------------------------------------------------------------------------------------------------ pre-packed rows
+
+
+def _num_rows(num_rows: Any) -> int:
+    """The dataset's length: an int (NumPy ints too), or ``len`` of a dataset."""
+    if is_int(num_rows):
+        return int(num_rows)
+    if isinstance(num_rows, (str, bytes, float, bool)) or num_rows is None or not hasattr(num_rows, "__len__"):
+        raise TypeError(f"num_rows must be the number of packed rows (an int) or the dataset itself, got {num_rows!r} "
+                        f"({type(num_rows).__name__}); pass len(dataset)")
+    return len(num_rows)
 
 
 class ReplicaBatchSampler(Sampler):
@@ -455,18 +616,17 @@ class ReplicaBatchSampler(Sampler):
     replica get the same indices (they depend on ``dp_rank``, ``seed`` and the epoch only).
 
     Args:
-        num_rows: the dataset's length (or the dataset itself).
+        num_rows: the dataset's length (an int, NumPy ints too) or the dataset itself.
         rows: rows per replica per step.
-        placement: this process's :class:`ReplicaRank`.
+        placement: this process's :class:`~cp_packing.groups.CPMesh`.
         shuffle, seed: a seeded permutation per epoch (``set_epoch``) instead of the dataset's order.
     """
 
-    def __init__(self, num_rows: Any, *, rows: int, placement: ReplicaRank, shuffle: bool = False,
+    def __init__(self, num_rows: Any, *, rows: int, placement: CPMesh, shuffle: bool = False,
                  seed: int = 0) -> None:
-        self.num_rows = check_int(num_rows if isinstance(num_rows, int) else len(num_rows), "num_rows", min=0)
+        self.num_rows = check_int(_num_rows(num_rows), "num_rows", min=0)
         self.rows = check_int(rows, "rows", min=1)
-        if not isinstance(placement, ReplicaRank):
-            raise TypeError(f"placement must be a ReplicaRank, got {type(placement).__name__}")
+        _check_placement(placement)
         self.placement = placement
         self.shuffle = check_bool(shuffle, "shuffle")
         self.seed = check_int(seed, "seed")
@@ -486,10 +646,23 @@ class ReplicaBatchSampler(Sampler):
             yield share.tolist()
 
 
-def _row_tensor(row: Mapping[str, Any], key: str) -> torch.Tensor:
-    x = torch.as_tensor(row[key])
+def _row_tensor(row: Mapping[str, Any], key: str, i: int) -> torch.Tensor:
+    """``row[key]`` as an int64 ``[seq_len]`` tensor, or a TypeError / ValueError naming row ``i`` and ``key``."""
+    value = row[key]
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"row {i}[{key!r}] is a string ({value[:20]!r}...); packed rows hold token ids: tokenize first")
+    try:
+        x = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"row {i}[{key!r}] is not a flat sequence of ints ({type(value).__name__}: ragged, nested or "
+                         f"not numbers; torch says: {exc}); every key of a packed row is one [seq_len] sequence"
+                         ) from None
     if x.dim() != 1 or (x.numel() and x.dtype not in INTEGER_DTYPES and x.dtype != torch.bool):
-        raise ValueError(f"row[{key!r}] must be a 1-D integer sequence [seq_len], got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"row {i}[{key!r}] must be a 1-D integer sequence [seq_len], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if key == "labels" and not x.dtype.is_signed and x.dtype != torch.bool:
+        raise TypeError(f"row {i}['labels'] has dtype {x.dtype}, which cannot hold -100 (the ignored label); store "
+                        "labels in a signed dtype (int64)")
     return x.to(torch.int64)
 
 
@@ -503,37 +676,54 @@ class CPCollator:
     :class:`ReplicaBatchSampler`) gives one all-padding row, so every replica still runs the step.
 
     Args:
-        placement: this process's :class:`ReplicaRank`.
+        placement: this process's :class:`~cp_packing.groups.CPMesh`.
         seq_len: the row length (checked; needed for the all-padding row).
         layout: the CP layout.
         pad_token_id: the input id of the all-padding row.
     """
 
-    def __init__(self, placement: ReplicaRank, *, seq_len: int, layout: str = "balanced", pad_token_id: int = 0):
-        if not isinstance(placement, ReplicaRank):
-            raise TypeError(f"placement must be a ReplicaRank, got {type(placement).__name__}")
+    def __init__(self, placement: CPMesh, *, seq_len: int, layout: str = "balanced", pad_token_id: int = 0):
+        _check_placement(placement)
         self.placement = placement
         self.seq_len = check_int(seq_len, "seq_len", min=1)
         self.layout = layout
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0)
 
+    @staticmethod
+    def _keys(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+        """The keys the collator reads, the same in every row (or a TypeError / ValueError naming the row)."""
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise TypeError(f"row {i} must be a dict with 'input_ids' and 'doc_ids' (or 'position_ids'), got "
+                                f"{type(row).__name__}" + ("; tokenize first" if isinstance(row, (str, bytes)) else ""))
+            if "input_ids" not in row or not ("doc_ids" in row or "position_ids" in row):
+                raise ValueError(f"row {i} must be a dict with 'input_ids' and 'doc_ids' (or 'position_ids'), got "
+                                 f"{sorted(row, key=str)}")
+        keys = ["input_ids", "doc_ids" if "doc_ids" in rows[0] else "position_ids"]
+        keys += [k for k in ("labels", "attention_mask") if k in rows[0]]
+        wanted = set(keys)
+        for i, row in enumerate(rows):
+            read = {k for k in ("input_ids", "doc_ids", "position_ids", "labels", "attention_mask") if k in row}
+            if not wanted <= read or (read - wanted) & {"labels", "attention_mask"}:
+                missing, extra = sorted(wanted - read), sorted((read - wanted) & {"labels", "attention_mask"})
+                raise ValueError(f"row {i} has keys {sorted(read)} but row 0 has {sorted(wanted)} (missing "
+                                 f"{missing or 'none'}, extra {extra or 'none'}); every row of a batch needs the "
+                                 "same keys")
+        return keys
+
     def _rows(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence):
+            raise TypeError(f"CPCollator takes a list of rows (dicts), got {type(rows).__name__}; use it as the "
+                            "DataLoader's collate_fn with a batch_sampler (ReplicaBatchSampler)")
         if len(rows) == 0:
             shape = (1, self.seq_len)
             return {"input_ids": torch.full(shape, self.pad_token_id, dtype=torch.int64),
                     "doc_ids": torch.zeros(shape, dtype=torch.int64),
-                    "labels": torch.full(shape, _IGNORE, dtype=torch.int64)}
-        for i, row in enumerate(rows):
-            has_map = isinstance(row, Mapping) and ("doc_ids" in row or "position_ids" in row)
-            if not has_map or "input_ids" not in row:
-                keys = sorted(row) if isinstance(row, Mapping) else type(row).__name__
-                raise ValueError(f"row {i} must be a dict with 'input_ids' and 'doc_ids' (or 'position_ids'), got "
-                                 f"{keys}")
-        keys = ["input_ids", "doc_ids" if "doc_ids" in rows[0] else "position_ids"]
-        keys += [k for k in ("labels", "attention_mask") if k in rows[0]]
+                    "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.int64)}
+        keys = self._keys(rows)
         out = {}
         for key in keys:
-            parts = [_row_tensor(row, key) for row in rows]
+            parts = [_row_tensor(row, key, i) for i, row in enumerate(rows)]
             for i, x in enumerate(parts):
                 if x.numel() != self.seq_len:
                     raise ValueError(f"row {i}[{key!r}] has {x.numel()} tokens; every packed row must have seq_len="

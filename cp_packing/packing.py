@@ -5,16 +5,17 @@ is a list of ``dp_size`` dicts, one per DP replica, each ``{"input_ids", "labels
 ``[rows, seq_len]``: the global batch a replica's CP group shards (``doc_ids`` is the 1-based doc map,
 ``labels`` are already shifted on the global stream as :func:`cp_packing.next_token_labels` shifts them).
 
-How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` documents):
+How a step is formed (one *round* at a time, memory bounded by ``buffer_tokens`` tokens):
 
-1. **fill**: read documents until ``buffer_size`` are held (documents carried over from the last round count). A
-   document longer than ``seq_len`` is split into pieces of ``seq_len`` tokens (and one shorter tail), truncated to
-   ``seq_len``, or refused, as ``long_documents`` says.
+1. **fill**: read documents until the documents held (carried-over ones included) have ``buffer_tokens`` tokens not
+   yet yielded (default: eight steps, at least ``2**22``). A document longer than ``seq_len`` is split into pieces of
+   ``seq_len`` tokens (and one shorter tail), truncated to ``seq_len``, or refused, as ``long_documents`` says.
 2. **how many steps**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into
-   the open row with the least room that still fits it) gives ``R`` rows; the round yields ``n = R // (rows *
-   dp_size)`` steps (when the source is exhausted, also a last, smaller step: ``ceil(left rows / dp_size)`` rows per
-   replica, the same on every replica, or, with ``drop_last=True``, nothing, counted in
-   :attr:`PackingStats.dropped_tokens` and logged).
+   the open row with the least room that still fits it) gives ``R`` rows; mid-stream the round yields ``n =
+   min(R // (rows * dp_size), held tokens // (rows * dp_size * seq_len))`` steps, so the least-full rows are carried
+   over rather than yielded (when the source is exhausted: ``R // (rows * dp_size)`` steps and a last, smaller step:
+   ``ceil(left rows / dp_size)`` rows per replica, the same on every replica, or, with ``drop_last=True``, nothing,
+   counted in :attr:`PackingStats.dropped_tokens` and logged once per process).
 3. **balanced packing** into those ``n`` steps (``balanced_pack``): the cost of a replica is the causal attention
    work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over the segments of its rows (documents and padding runs,
    which the varlen kernel attends like documents). A piece that costs more than a replica's fair share cannot be
@@ -23,8 +24,8 @@ How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` d
    fits, and the short pieces that hold the last 2% of the work close the gaps by best fit. It is used when it is as
    full as best fit (it leaves no more tokens over); else the fullest best-fit rows are dealt to replicas
    (``form_steps``). Then ``polish_step`` exchanges pieces (one, or a row's shortest few together) between the
-   busiest replica and the others while that lowers the busiest. Pieces left over are carried to the next round,
-   where new documents can fill the room they left.
+   busiest replica and the others while that lowers the busiest (a bounded search: time and memory linear in the
+   pieces). Pieces left over are carried to the next round, where new documents can fill the room they left.
 4. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last), the rows of a
    replica shuffled too. A split document's pieces are cut at emit time in stream order, so they are consecutive
    slices of the document in the order they are yielded (step, then replica, then row).
@@ -32,32 +33,68 @@ How a step is formed (one *round* at a time, memory bounded by ``buffer_size`` d
 Every token of every document is yielded exactly once (``truncate`` drops what is past ``seq_len``, counted;
 ``drop_last`` drops the last step, counted). Labels: ``labels[t] = input_ids[t + 1]`` inside a document segment,
 ``-100`` at its last token (a split piece's last token too: attention cannot cross rows), on padding, and where the
-caller's unshifted labels were ``-100`` at ``t + 1`` (prompt masking). See docs/packing.md for the benchmark against
-TRL's ``pack_dataset(strategy="bfd")``.
+caller's unshifted labels were ``-100`` at ``t + 1`` (prompt masking). The packer is resumable:
+:meth:`DocumentPacker.state_dict` / :meth:`DocumentPacker.load_state_dict` (docs/packing.md). See docs/packing.md for
+the benchmark against TRL's ``pack_dataset(strategy="bfd")``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import logging
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
-from cp_packing._checks import INTEGER_DTYPES, check_bool, check_choice, check_int, check_number
+from cp_packing._checks import (
+    IGNORE_INDEX,
+    INT32_MAX,
+    INTEGER_DTYPES,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 
-__all__ = ["LONG_DOCUMENTS", "DocumentPacker", "PackingStats", "pack_documents"]
+__all__ = ["LONG_DOCUMENTS", "DocumentPacker", "PackingStats", "default_buffer_tokens", "pack_documents"]
 
 logger = logging.getLogger("cp_packing")
 
 #: What ``pack_documents`` does with a document longer than ``seq_len``.
 LONG_DOCUMENTS = ("split", "truncate", "error")
 
-IGNORE_INDEX = -100
 _KEY = 1 << 32  # best-fit keys: room * _KEY + row (rows < 2**32)
+_STATE_VERSION = 1
+_logged: set[str] = set()  # notices given once per process
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    """``logger.warning`` the first time ``key`` is seen in this process, ``logger.debug`` afterwards (a packer per
+    epoch must not repeat the same notice every epoch)."""
+    if key in _logged:
+        logger.debug(message, *args)
+    else:
+        _logged.add(key)
+        logger.warning(message + " (logged once per process)", *args)
+
+
+def default_buffer_tokens(seq_len: int, rows: int, dp_size: int = 1) -> int:
+    """The packer's default buffer: eight steps of tokens (``8 * rows * dp_size * seq_len``), at least ``2**22``.
+
+    Measured (docs/packing.md): fill within 0.5 points of first-fit-decreasing over all documents on short, chat and
+    long mixes; DP balance improves with the buffer (more steps per round to spread the costliest pieces over).
+    Memory: the held tokens (int32 where the ids fit, else int64).
+
+    >>> default_buffer_tokens(8192, 4, 8), default_buffer_tokens(32768, 4, 32)
+    (4194304, 33554432)
+    """
+    return max(8 * rows * dp_size * seq_len, 2**22)
 
 
 @dataclass
@@ -115,14 +152,37 @@ class _Doc:
     left: int = 0  # pieces not yet placed
 
 
+def _check_buffer(buffer_tokens: Any, buffer_size: Any, step_tokens: int) -> tuple[int | None, int | None]:
+    """``(buffer_tokens, buffer_size)``: the token bound (default :func:`default_buffer_tokens`; none when only the
+    deprecated document count ``buffer_size`` is given) and the document bound (``None``: none)."""
+    if buffer_size is not None:
+        buffer_size = check_int(buffer_size, "buffer_size", min=1, hint="documents held at most (deprecated)")
+        warnings.warn(
+            "pack_documents(buffer_size=...) counts DOCUMENTS and is deprecated: a buffer of short documents may not "
+            "hold one step, and the packer then yields steps with empty rows. Pass buffer_tokens= (tokens held at "
+            "most; default max(8 * rows * dp_size * seq_len, 2**22)) instead; buffer_size alone keeps its old "
+            "meaning (documents only) until it is removed",
+            FutureWarning, stacklevel=4)
+    if buffer_tokens is None:
+        return (None if buffer_size is not None else default_buffer_tokens(step_tokens, 1)), buffer_size
+    buffer_tokens = check_int(buffer_tokens, "buffer_tokens", hint="tokens held at most (default: eight steps)")
+    if buffer_tokens < step_tokens:
+        raise ValueError(
+            f"buffer_tokens={buffer_tokens} holds less than one step (rows * dp_size * seq_len = {step_tokens} "
+            f"tokens): every round must be able to fill a step; pass buffer_tokens >= {step_tokens} or leave it out "
+            f"(default {default_buffer_tokens(step_tokens, 1)}: eight steps, at least 2**22)")
+    return buffer_tokens, buffer_size
+
+
 class DocumentPacker:
     """Iterator over packed, DP-balanced steps of tokenized documents; see :func:`pack_documents` (the same
     arguments) and the module docstring for how a step is formed. ``.stats`` (:class:`PackingStats`) is updated as
-    steps are yielded.
+    steps are yielded. Resumable: :meth:`state_dict` / :meth:`load_state_dict` (torchdata's ``Stateful``
+    protocol); :meth:`skip` advances without building tensors.
 
     >>> packer = DocumentPacker([[5, 6, 7], [8, 9], [3, 4, 5, 6]], seq_len=5, rows=1, dp_size=2)
     >>> [[d["doc_ids"].tolist() for d in step] for step in packer]
-    [[[[1, 1, 1, 1, 0]], [[1, 1, 2, 2, 2]]]]
+    [[[[1, 1, 1, 1, 0]], [[1, 1, 1, 2, 2]]]]
     >>> packer.stats.fill, packer.stats.steps
     (0.9, 1)
     """
@@ -135,7 +195,8 @@ class DocumentPacker:
         rows: int,
         dp_size: int = 1,
         long_documents: str = "split",
-        buffer_size: int = 4096,
+        buffer_tokens: int | None = None,
+        buffer_size: int | None = None,
         seed: int = 0,
         pad_token_id: int = 0,
         drop_last: bool = False,
@@ -145,8 +206,14 @@ class DocumentPacker:
         self.seq_len = check_int(seq_len, "seq_len", min=1, hint="the row length in tokens")
         self.rows = check_int(rows, "rows", min=1, hint="rows per replica per step")
         self.dp_size = check_int(dp_size, "dp_size", min=1, hint="the number of data-parallel replicas")
+        if self.rows * self.seq_len > INT32_MAX:
+            raise ValueError(
+                f"a replica batch of rows * seq_len = {self.rows} * {self.seq_len} = {self.rows * self.seq_len} "
+                f"tokens is more than int32 cu_seqlens can index ({INT32_MAX}); pass a smaller seq_len or rows "
+                f"(seq_len={self.seq_len} is a row length in tokens)")
         self.long_documents = check_choice(long_documents, "long_documents", LONG_DOCUMENTS)
-        self.buffer_size = check_int(buffer_size, "buffer_size", min=1, hint="documents held at most")
+        self.buffer_tokens, self.buffer_size = _check_buffer(buffer_tokens, buffer_size,
+                                                             self.rows * self.dp_size * self.seq_len)
         self.seed = check_int(seed, "seed")
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0, max=2**63 - 1)
         self.drop_last = check_bool(drop_last, "drop_last")
@@ -157,26 +224,51 @@ class DocumentPacker:
                             f"with 'input_ids'), got {type(documents).__name__}")
         self.stats = PackingStats(seq_len=self.seq_len)
         self._source = iter(documents)
-        self._exhausted = False
+        self._exhausted = False  # the source has no document left
+        self._done = False  # every round has run
         self._held: dict[int, _Doc] = {}  # source index -> document with tokens not yet yielded
+        self._held_tokens = 0  # their tokens not yet yielded
         self._carry: list[tuple[int, int]] = []  # (length, source index) pieces carried to the next round
+        self._pending: deque = deque()  # the current round's steps not yet yielded
         self._rng = np.random.default_rng(self.seed)
-        self._warned_small_buffer = False
-        self._steps = self._generate()
 
     def __iter__(self) -> DocumentPacker:
         return self
 
     def __next__(self) -> list[dict[str, torch.Tensor]]:
-        return next(self._steps)
+        return self._emit(self._next_step(), build=True)
+
+    def _next_step(self) -> list[list[list[tuple[int, int]]]]:
+        while not self._pending:
+            if self._done:
+                raise StopIteration
+            self._round()
+        return self._pending.popleft()
+
+    def skip(self, n: int) -> int:
+        """Advance past the next ``n`` steps without building their tensors (stats are counted as if yielded).
+
+        Returns:
+            The steps skipped (fewer than ``n`` when the documents run out).
+        """
+        n = check_int(n, "n", min=0)
+        for k in range(n):
+            try:
+                self._emit(self._next_step(), build=False)
+            except StopIteration:
+                return k
+        return n
 
     # ------------------------------------------------------------------------------------------------------------
     # reading
 
     def _read(self) -> list[tuple[int, int]]:
-        """Read documents until ``buffer_size`` are held; return the new pieces ``(length, source index)``."""
+        """Read documents while the held ones have fewer than ``buffer_tokens`` tokens (and, with the deprecated
+        ``buffer_size``, fewer than that many documents); return the new pieces ``(length, source index)``."""
         pieces: list[tuple[int, int]] = []
-        while not self._exhausted and len(self._held) < self.buffer_size:
+        tokens, docs = self.buffer_tokens, self.buffer_size
+        while not self._exhausted and (tokens is None or self._held_tokens < tokens) and (
+                docs is None or len(self._held) < docs):
             try:
                 raw = next(self._source)
             except StopIteration:
@@ -185,6 +277,8 @@ class DocumentPacker:
             index = self.stats.documents
             self.stats.documents += 1
             ids, keep = _as_document(raw, index)
+            if int(ids.max()) <= INT32_MAX:  # held in half the memory (written to int64 input_ids at emit)
+                ids = ids.astype(np.int32)
             n = ids.size
             lengths = [n]
             if n > self.seq_len:
@@ -195,48 +289,53 @@ class DocumentPacker:
                 if self.long_documents == "truncate":
                     self.stats.truncated_documents += 1
                     self.stats.truncated_tokens += n - self.seq_len
-                    ids, keep, lengths = ids[: self.seq_len], None if keep is None else keep[: self.seq_len], [self.seq_len]
+                    ids, lengths = ids[: self.seq_len], [self.seq_len]
+                    keep = None if keep is None else keep[: self.seq_len]
                 else:
                     lengths = [self.seq_len] * (n // self.seq_len) + ([n % self.seq_len] if n % self.seq_len else [])
                     self.stats.split_documents += 1
                     self.stats.split_pieces += len(lengths)
             self._held[index] = _Doc(index, ids, keep, left=len(lengths))
+            self._held_tokens += ids.size
             pieces.extend((length, index) for length in lengths)
         return pieces
 
     # ------------------------------------------------------------------------------------------------------------
     # rounds
 
-    def _generate(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def _round(self) -> None:
+        """One round: read, count the steps, pack them, queue them in ``_pending`` (shuffled by ``seed``)."""
+        pieces = self._carry + self._read()
+        self._carry = []
+        if not pieces:
+            self._done = True
+            return
         step_rows = self.rows * self.dp_size
-        while True:
-            pieces = self._carry + self._read()
-            self._carry = []
-            if not pieces:
-                return
-            rows = [[pieces[i] for i in row] for row in best_fit_decreasing([p[0] for p in pieces], self.seq_len)]
-            rows.sort(key=lambda row: -sum(p[0] for p in row))  # fullest first (stable)
-            n_full = len(rows) // step_rows
-            if n_full == 0 and not self._exhausted:  # the buffer cannot fill a step: yield what it holds
-                self._warn_small_buffer(len(rows), step_rows)
+        rows = [[pieces[i] for i in row] for row in best_fit_decreasing([p[0] for p in pieces], self.seq_len)]
+        rows.sort(key=lambda row: -sum(p[0] for p in row))  # fullest first (stable)
+        n_full = len(rows) // step_rows
+        if not self._exhausted:  # only as many steps as the tokens fill: the least-full rows wait for new documents
+            n_full = min(n_full, sum(p[0] for p in pieces) // (step_rows * self.seq_len))
+            if n_full == 0:  # only with the deprecated buffer_size: it cannot hold a step
+                _log_once("small-buffer", "pack_documents: buffer_size=%d documents fill only %d of the %d rows of a "
+                          "step (rows * dp_size); yielding steps with empty rows: pass buffer_tokens= instead",
+                          self.buffer_size, len(rows), step_rows)
                 rows += [[] for _ in range(step_rows - len(rows))]
                 n_full = 1
-            steps, rest = self._steps_of(pieces, rows, n_full)
-            steps = [steps[i] for i in self._rng.permutation(len(steps))]
-            if not self._exhausted:
-                self._carry = [p for row in rest for p in row]
-            elif rest:  # the last, smaller step
-                k_last = -(-len(rest) // self.dp_size)
-                rest += [[] for _ in range(k_last * self.dp_size - len(rest))]
-                last = self._balance(rest, 1, k_last)[0]
-                if self.drop_last:
-                    self._drop(last)
-                else:
-                    steps.append(last)
-            for step in steps:
-                yield self._emit(step)
-            if self._exhausted:
-                return
+        steps, rest = self._steps_of(pieces, rows, n_full)
+        self._pending.extend(steps[i] for i in self._rng.permutation(len(steps)))
+        if not self._exhausted:
+            self._carry = [p for row in rest for p in row]
+            return
+        if rest:  # the last, smaller step
+            k_last = -(-len(rest) // self.dp_size)
+            rest += [[] for _ in range(k_last * self.dp_size - len(rest))]
+            last = self._balance(rest, 1, k_last)[0]
+            if self.drop_last:
+                self._drop(last)
+            else:
+                self._pending.append(last)
+        self._done = True
 
     def _steps_of(self, pieces: list[tuple[int, int]], rows: list[list[tuple[int, int]]], n_full: int):
         """``n_full`` steps from a round's pieces, and the rows left over (best-fit rows of the rest).
@@ -259,31 +358,21 @@ class DocumentPacker:
                 return self._polished(packed), left_rows
         return self._balance(rows[:n_full * step_rows], n_full, self.rows), rest
 
-    def _warn_small_buffer(self, n_rows: int, step_rows: int) -> None:
-        if not self._warned_small_buffer:
-            self._warned_small_buffer = True
-            logger.warning(
-                "pack_documents: buffer_size=%d documents fill only %d of the %d rows of a step (rows * dp_size); "
-                "yielding steps with empty rows: raise buffer_size", self.buffer_size, n_rows, step_rows)
-
     def _row_costs(self, rows: list[list[tuple[int, int]]]) -> np.ndarray:
-        """float64 ``[R]``: ``attention_weight * sum L(L+1)/2`` (segments and the padding run) ``+ token_weight * S``."""
+        """float64 ``[R]``: ``attention_weight * sum L(L+1)/2`` (segments and the padding run) plus
+        ``token_weight * S``."""
         costs = np.empty(len(rows), dtype=np.float64)
         for r, row in enumerate(rows):
             pad = self.seq_len - sum(p[0] for p in row)
             costs[r] = sum(p[0] * (p[0] + 1) // 2 for p in row) + pad * (pad + 1) // 2
         return self.attention_weight * costs + self.token_weight * self.seq_len
 
-    def _balance(self, rows: list[list[tuple[int, int]]], n_steps: int, k: int) -> list[list[list[list[tuple[int, int]]]]]:
+    def _balance(self, rows: list[list[tuple[int, int]]], n_steps: int, k: int) -> list:
         """Deal ``n_steps * dp_size * k`` rows into ``n_steps`` steps of ``dp_size`` replicas of ``k`` rows, then
         move documents between the replicas of each step while that lowers its busiest replica."""
         costs = self._row_costs(rows)
-        steps = []
-        for group in form_steps(costs, n_steps=n_steps, dp_size=self.dp_size, per_replica=k):
-            step = [[list(rows[i]) for i in b] for b in group]
-            polish_step(step, self.seq_len)
-            steps.append([[step_rows[i] for i in self._rng.permutation(len(step_rows))] for step_rows in step])
-        return steps
+        groups = form_steps(costs, n_steps=n_steps, dp_size=self.dp_size, per_replica=k)
+        return self._polished([[[list(rows[i]) for i in b] for b in group] for group in groups])
 
     def _polished(self, steps: list[list[list[list[tuple[int, int]]]]]) -> list[list[list[list[tuple[int, int]]]]]:
         """Each step polished (``polish_step``), its rows shuffled within each replica."""
@@ -296,35 +385,39 @@ class DocumentPacker:
     # ------------------------------------------------------------------------------------------------------------
     # emitting
 
-    def _emit(self, step: list[list[list[tuple[int, int]]]]) -> list[dict[str, torch.Tensor]]:
+    def _emit(self, step: list[list[list[tuple[int, int]]]], *, build: bool) -> list[dict[str, torch.Tensor]]:
         out, costs = [], []
         for replica_rows in step:
-            out.append(self._tensors(replica_rows))
+            out.append(self._tensors(replica_rows, build))
             costs.append(float(self._row_costs(replica_rows).sum()))
         mean = sum(costs) / len(costs)
         self.stats.steps += 1
         self.stats.step_imbalance.append(max(costs) / mean if mean > 0 else 1.0)
         return out
 
-    def _tensors(self, rows: list[list[tuple[int, int]]]) -> dict[str, torch.Tensor]:
+    def _tensors(self, rows: list[list[tuple[int, int]]], build: bool = True) -> dict[str, torch.Tensor] | None:
         k, S = len(rows), self.seq_len
-        input_ids = np.full((k, S), self.pad_token_id, dtype=np.int64)
-        labels = np.full((k, S), IGNORE_INDEX, dtype=np.int64)
-        doc_ids = np.zeros((k, S), dtype=np.int32)
+        if build:
+            input_ids = np.full((k, S), self.pad_token_id, dtype=np.int64)
+            labels = np.full((k, S), IGNORE_INDEX, dtype=np.int64)
+            doc_ids = np.zeros((k, S), dtype=np.int32)
         for r, row in enumerate(rows):
             pos = 0
             for d, (length, index) in enumerate(row, start=1):
                 x, keep = self._take(index, length)
-                input_ids[r, pos:pos + length] = x
-                doc_ids[r, pos:pos + length] = d
-                lab = labels[r, pos:pos + length - 1]
-                lab[:] = x[1:]
-                if keep is not None:
-                    lab[~keep[1:]] = IGNORE_INDEX
+                if build:
+                    input_ids[r, pos:pos + length] = x
+                    doc_ids[r, pos:pos + length] = d
+                    lab = labels[r, pos:pos + length - 1]
+                    lab[:] = x[1:]
+                    if keep is not None:
+                        lab[~keep[1:]] = IGNORE_INDEX
                 pos += length
             self.stats.tokens += pos
             self.stats.empty_rows += pos == 0
         self.stats.rows += k
+        if not build:
+            return None
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
                 "doc_ids": torch.from_numpy(doc_ids)}
 
@@ -334,6 +427,7 @@ class DocumentPacker:
         a = doc.cursor
         doc.cursor += length
         doc.left -= 1
+        self._held_tokens -= length
         if doc.left == 0:
             del self._held[index]
         return doc.ids[a:a + length], None if doc.keep is None else doc.keep[a:a + length]
@@ -345,8 +439,75 @@ class DocumentPacker:
         self.stats.dropped_tokens += sum(p[0] for p in pieces)
         self.stats.dropped_documents += len({p[1] for p in pieces})
         if pieces:
-            logger.warning("pack_documents: drop_last=True dropped the last, smaller step: %d tokens of %d documents",
-                           self.stats.dropped_tokens, self.stats.dropped_documents)
+            _log_once("drop-last", "pack_documents: drop_last=True dropped the last, smaller step: %d tokens of %d "
+                      "documents (counted in PackingStats.dropped_tokens)",
+                      sum(p[0] for p in pieces), len({p[1] for p in pieces}))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # state (torchdata's Stateful protocol)
+
+    def _config(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len, "rows": self.rows, "dp_size": self.dp_size,
+                "long_documents": self.long_documents, "buffer_tokens": self.buffer_tokens,
+                "buffer_size": self.buffer_size, "seed": self.seed, "pad_token_id": self.pad_token_id,
+                "drop_last": self.drop_last, "attention_weight": self.attention_weight,
+                "token_weight": self.token_weight}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly where this packer is: a dict of tensors, ints, floats, strings and
+        lists (``torch.save`` / ``torch.load(weights_only=True)`` and ``torch.distributed.checkpoint`` take it).
+
+        It holds the tokens of the held documents not yet yielded (at most about ``buffer_tokens``), the
+        steps of the current round not yet yielded, the carried pieces, the seeded RNG, the stats and how many
+        source documents were read. :meth:`load_state_dict` on a new packer over the same documents continues
+        with the steps this one would yield next.
+        """
+        held = [[d.index, torch.from_numpy(d.ids[d.cursor:].copy()),
+                 None if d.keep is None else torch.from_numpy(d.keep[d.cursor:].copy()), d.left]
+                for d in self._held.values()]
+        return {"version": _STATE_VERSION, "config": self._config(), "documents_read": self.stats.documents,
+                "exhausted": self._exhausted, "done": self._done, "held": held,
+                "carry": [list(p) for p in self._carry],
+                "pending": [[[[list(p) for p in row] for row in rep] for rep in step] for step in self._pending],
+                "rng": self._rng.bit_generator.state, "stats": dataclasses.asdict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state``: this packer must be new (nothing read yet), with the same
+        arguments, over the same documents; the documents read before the state was taken are skipped (read and
+        dropped, not converted).
+
+        Raises:
+            TypeError: ``state`` not a dict. ValueError: another version, other arguments (named), a packer that
+            has started, or documents that run out before the position the state was taken at.
+        """
+        if not isinstance(state, dict) or "config" not in state:
+            raise TypeError(f"state must be a dict from DocumentPacker.state_dict(), got {type(state).__name__}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state has version {state.get('version')!r}; this packer reads version {_STATE_VERSION}")
+        diff = {k: (v, state["config"].get(k)) for k, v in self._config().items() if state["config"].get(k) != v}
+        if diff:
+            shown = ", ".join(f"{k}={theirs!r} (this packer: {mine!r})" for k, (mine, theirs) in diff.items())
+            raise ValueError(f"state was saved by a packer with {shown}; build the packer with the arguments of the "
+                             "run you resume")
+        if self.stats.documents or self._pending or self._done or self._carry:
+            raise ValueError("load_state_dict needs a new packer (this one has started); build a new one over the "
+                             "same documents and load the state into it before iterating")
+        for k in range(state["documents_read"]):
+            try:
+                next(self._source)
+            except StopIteration:
+                raise ValueError(f"the documents hold {k} items, fewer than the {state['documents_read']} read when "
+                                 "the state was saved; load the state into a packer over the same documents") from None
+        self._exhausted, self._done = bool(state["exhausted"]), bool(state["done"])
+        self._held = {int(i): _Doc(int(i), ids.numpy(),
+                                   None if keep is None else keep.numpy().astype(bool, copy=False), 0, int(left))
+                      for i, ids, keep, left in state["held"]}
+        self._held_tokens = sum(d.ids.size for d in self._held.values())
+        self._carry = [(int(a), int(b)) for a, b in state["carry"]]
+        self._pending = deque([[[[(int(a), int(b)) for a, b in row] for row in rep] for rep in step]
+                               for step in state["pending"]])
+        self._rng.bit_generator.state = state["rng"]
+        self.stats = PackingStats(**state["stats"])
 
 
 def pack_documents(
@@ -356,7 +517,8 @@ def pack_documents(
     rows: int,
     dp_size: int = 1,
     long_documents: str = "split",
-    buffer_size: int = 4096,
+    buffer_tokens: int | None = None,
+    buffer_size: int | None = None,
     seed: int = 0,
     pad_token_id: int = 0,
     drop_last: bool = False,
@@ -366,37 +528,43 @@ def pack_documents(
     """Pack tokenized documents into steps of ``dp_size`` replica batches ``[rows, seq_len]``, balanced across DP.
 
     How steps are formed, how documents flow between them and what the cost is: the module docstring and
-    docs/packing.md. Reads ``documents`` lazily: at most ``buffer_size`` documents are held at any time.
+    docs/packing.md. Reads ``documents`` lazily: the documents held at any time have at most ``buffer_tokens``
+    tokens not yet yielded, plus the last document read.
 
     Args:
         documents: an iterable (a list, a generator, a HF ``datasets.Dataset``) of documents, each a sequence of
             non-negative int token ids, a 1-D integer tensor or array, or a dict with ``"input_ids"`` and optional
             ``"labels"`` (HF's unshifted convention: the input ids with ``-100`` where a token is not a target, e.g.
             the prompt; same length). Other keys are ignored.
-        seq_len: tokens per row.
+        seq_len: tokens per row; ``rows * seq_len`` at most ``2**31 - 1`` (int32 ``cu_seqlens``).
         rows: rows per replica per step.
         dp_size: data-parallel replicas; a step is a list of ``dp_size`` dicts.
         long_documents: a document longer than ``seq_len`` is ``"split"`` into pieces of ``seq_len`` (each a new
             document segment in its own row; :attr:`PackingStats.split_documents`), ``"truncate"``\\ d to
             ``seq_len`` (:attr:`PackingStats.truncated_tokens`), or refused (``"error"``: a ValueError).
-        buffer_size: documents held at most (best-fit-decreasing works over them); larger packs fuller.
+        buffer_tokens: tokens held at most (best-fit-decreasing and the balancing work over them); at least one step
+            (``rows * dp_size * seq_len``). Default :func:`default_buffer_tokens`: eight steps, at least ``2**22``.
+        buffer_size: deprecated (a ``FutureWarning``): documents held at most. Alone, it is the only bound, as
+            before; with ``buffer_tokens``, both bound the buffer.
         seed: the order of a round's steps and of the rows within a replica (deterministic for a seed).
         pad_token_id: the input id of padding tokens (their label is -100 and doc id 0 whatever it is).
-        drop_last: drop the last, smaller step (counted in :attr:`PackingStats.dropped_tokens`, logged) instead of
-            yielding it with ``ceil(remaining rows / dp_size)`` rows per replica.
+        drop_last: drop the last, smaller step (counted in :attr:`PackingStats.dropped_tokens`, logged once per
+            process) instead of yielding it with ``ceil(remaining rows / dp_size)`` rows per replica.
         attention_weight, token_weight: the row cost ``attention_weight * sum L(L+1)/2 + token_weight * seq_len``.
             Every replica gets ``rows * seq_len`` tokens, so the linear part is the same on each and cannot move the
             assignment; with the default 0 :attr:`PackingStats.step_imbalance` is the strict attention-only figure.
 
     Returns:
         A :class:`DocumentPacker`: iterate it for steps, each a list of ``dp_size`` dicts ``{"input_ids": int64,
-        "labels": int64, "doc_ids": int32}`` of shape ``[rows, seq_len]``; its ``.stats`` is a :class:`PackingStats`.
+        "labels": int64, "doc_ids": int32}`` of shape ``[rows, seq_len]``; its ``.stats`` is a :class:`PackingStats`;
+        ``state_dict()`` / ``load_state_dict()`` resume it.
 
     Raises:
         TypeError: a bad argument type; while iterating, a document (or token) that is not an int sequence.
-        ValueError: a non-positive ``seq_len`` / ``rows`` / ``dp_size`` / ``buffer_size``, an unknown
-            ``long_documents``; while iterating, an empty document, a negative token, labels of another length or
-            that are neither -100 nor the input id, or a document longer than ``seq_len`` under ``"error"``.
+        ValueError: a non-positive ``seq_len`` / ``rows`` / ``dp_size`` / ``buffer_size``, ``rows * seq_len`` past
+            int32, ``buffer_tokens`` below one step, an unknown ``long_documents``; while iterating, an empty, ragged
+            or nested document, a negative token, labels of another length or that are neither -100 nor the input
+            id, or a document longer than ``seq_len`` under ``"error"``.
 
     >>> step = next(pack_documents([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, [4, 5]], seq_len=6, rows=1))
     >>> step[0]["input_ids"].tolist(), step[0]["labels"].tolist(), step[0]["doc_ids"].tolist()
@@ -404,8 +572,8 @@ def pack_documents(
     """
     return DocumentPacker(
         documents, seq_len=seq_len, rows=rows, dp_size=dp_size, long_documents=long_documents,
-        buffer_size=buffer_size, seed=seed, pad_token_id=pad_token_id, drop_last=drop_last,
-        attention_weight=attention_weight, token_weight=token_weight)
+        buffer_tokens=buffer_tokens, buffer_size=buffer_size, seed=seed, pad_token_id=pad_token_id,
+        drop_last=drop_last, attention_weight=attention_weight, token_weight=token_weight)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -422,13 +590,20 @@ def _as_tokens(x: Any, what: str) -> np.ndarray:
         raise TypeError(f"{what} must be a sequence of int token ids, got {type(x).__name__}; tokenize it first"
                         + (" (documents is a list of documents, not one document)" if isinstance(x, int) else ""))
     else:
-        arr = np.asarray(x)
+        try:
+            arr = np.asarray(x)
+        except ValueError:  # NumPy >= 1.24 on a ragged nested sequence
+            raise ValueError(f"{what} is a ragged nested sequence (parts of different lengths, e.g. a list of lists), "
+                             "not one document's token ids: pass each document as a flat sequence of ints (flatten "
+                             "it, or pass its parts as separate documents)") from None
         if arr.dtype.kind not in "iu" and arr.size:
             flat = x if arr.ndim == 1 else np.ravel(arr)
             bad = next((v for v in flat if not isinstance(v, (int, np.integer)) or isinstance(v, bool)), arr.dtype)
             raise TypeError(f"{what} must hold int token ids, got {bad!r} ({type(bad).__name__}) in it")
     if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D (one document), got shape {tuple(arr.shape)}")
+        raise ValueError(f"{what} must be 1-D (one document), got shape {tuple(arr.shape)}: a nested sequence; pass "
+                         "each document as a flat sequence of token ids (flatten it, or pass its rows as separate "
+                         "documents)")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 2**63 - 1:
         raise ValueError(f"{what} has a token id above int64")
     return arr.astype(np.int64, copy=False)
@@ -437,7 +612,8 @@ def _as_tokens(x: Any, what: str) -> np.ndarray:
 def _as_document(raw: Any, index: int) -> tuple[np.ndarray, np.ndarray | None]:
     """``(ids int64 [L], keep bool [L] or None)`` of one source document; ``keep`` False where its label is -100."""
     labels = None
-    if isinstance(raw, dict) or (hasattr(raw, "keys") and hasattr(raw, "__getitem__") and not isinstance(raw, torch.Tensor)):
+    mapping = hasattr(raw, "keys") and hasattr(raw, "__getitem__") and not isinstance(raw, torch.Tensor)
+    if isinstance(raw, dict) or mapping:
         if "input_ids" not in raw:
             raise ValueError(f"document {index} is a dict without 'input_ids' (keys: {sorted(raw.keys())})")
         labels = raw.get("labels")
@@ -531,6 +707,8 @@ def form_steps(costs: np.ndarray, *, n_steps: int, dp_size: int, per_replica: in
 
 
 _GROUP = 16  # polish_step also exchanges the m smallest pieces of a row together, m = 2 .. _GROUP
+_STRATA_MINE = 64  # length strata of the busiest replica's candidates kept per exchange (3 candidates each)
+_STRATA_THEIRS = 512  # length strata of the other replicas' candidates kept per exchange, over all of them
 
 
 def _f(x):
@@ -538,31 +716,101 @@ def _f(x):
     return x * (x + 1) // 2
 
 
-def _candidates(rows: list[list[tuple[int, int]]], seq_len: int):
-    """What a replica's rows can give away: every piece, the ``m`` smallest pieces of a row together, or nothing
-    (a move rather than a swap). Returns ``(row, m or -index, length, cost, padding)`` lists; ``m > 0`` means the
-    ``m`` smallest pieces of the row, ``-1 - i`` the single piece ``i``, ``0`` nothing."""
-    out = []
-    for q, pieces in enumerate(rows):
-        pieces.sort()
-        pad = seq_len - sum(p[0] for p in pieces)
-        out.append((q, 0, 0, 0, pad))
-        length = cost = 0
-        for i, (x, _) in enumerate(pieces):
-            out.append((q, -1 - i, x, _f(x), pad))
-            length, cost = length + x, cost + _f(x)
-            if 1 <= i < _GROUP:
-                out.append((q, i + 1, length, cost, pad))
-    return out
+@dataclass
+class _Candidates:
+    """What every row of a step can give away in one exchange, flat over the step's ``R`` rows (``polish_step``):
+    one piece (``kind`` 0, ``ref`` the piece), its ``m`` shortest pieces together (``kind`` m >= 2, ``ref`` the
+    row) or nothing (``kind`` -1, a move rather than a swap)."""
+
+    row: np.ndarray  # int64 [C]
+    kind: np.ndarray  # int64 [C]
+    ref: np.ndarray  # int64 [C]
+    length: np.ndarray  # int64 [C] tokens given
+    cost: np.ndarray  # float64 [C] attention cost given
+    order: np.ndarray  # int64 [P] pieces by (row, length, index)
+    row_start: np.ndarray  # int64 [R] where a row's pieces start in ``order``
+    pad: np.ndarray  # int64 [R] room left in each row
+    row_cost: np.ndarray  # float64 [R] sum f(L) + f(pad)
 
 
-def _give(rows: list[list[tuple[int, int]]], q: int, which: int) -> list[tuple[int, int]]:
-    """Remove and return the pieces a candidate names (see ``_candidates``)."""
-    pieces = rows[q]
-    if which > 0:
-        taken, rows[q] = pieces[:which], pieces[which:]
-        return taken
-    return [pieces.pop(-1 - which)] if which < 0 else []
+def _row_candidates(L: np.ndarray, row_of: np.ndarray, n_rows: int, seq_len: int) -> _Candidates:
+    """Every candidate of every row: O(P log P) (one sort), no Python loop over pieces."""
+    P = L.size
+    order = np.lexsort((np.arange(P), L, row_of))
+    r, length = row_of[order], L[order]
+    cost = _f(length).astype(np.float64)
+    counts = np.bincount(row_of, minlength=n_rows)
+    row_start = np.cumsum(counts) - counts
+    rank = np.arange(P) - row_start[r]  # 0 for a row's shortest piece
+    cum_l, cum_c = np.cumsum(length), np.cumsum(cost)
+    first = row_start[r]
+    prefix_l, prefix_c = cum_l - (cum_l - length)[first], cum_c - (cum_c - cost)[first]
+    pad = seq_len - np.bincount(row_of, weights=L, minlength=n_rows).astype(np.int64)
+    row_cost = np.bincount(row_of, weights=_f(L).astype(np.float64), minlength=n_rows) + _f(pad).astype(np.float64)
+    group = (rank >= 1) & (rank < _GROUP)
+    every = np.arange(n_rows)
+    none = np.zeros(n_rows, dtype=np.int64)
+    return _Candidates(
+        row=np.concatenate([r, r[group], every]),
+        kind=np.concatenate([np.zeros(P, np.int64), rank[group] + 1, none - 1]),
+        ref=np.concatenate([order, r[group], every]), length=np.concatenate([length, prefix_l[group], none]),
+        cost=np.concatenate([cost, prefix_c[group], none.astype(np.float64)]), order=order, row_start=row_start,
+        pad=pad, row_cost=row_cost)
+
+
+def _thinned(idx: np.ndarray, cand: _Candidates, strata: int) -> np.ndarray:
+    """``idx`` (candidates of one replica) thinned to at most 3 per length stratum: the cheapest, the costliest and
+    the one in the row with the most room; a row's "nothing" candidate is always kept."""
+    nothing = idx[cand.kind[idx] < 0]
+    idx = idx[cand.kind[idx] >= 0]
+    n = idx.size
+    if n <= 3 * strata:
+        return np.concatenate([idx, nothing])
+    o = idx[np.argsort(cand.length[idx], kind="stable")]
+    stratum = np.arange(n) * strata // n  # sorted
+    keep = [nothing]
+    for key in (cand.cost[o], cand.pad[cand.row[o]]):
+        s = np.lexsort((key, stratum))
+        edge = np.flatnonzero(np.diff(stratum[s])) + 1
+        keep += [o[s[np.r_[0, edge]]], o[s[np.r_[edge - 1, n - 1]]]]
+    return np.unique(np.concatenate(keep[:3] + keep[4:]))  # cheapest, costliest, roomiest
+
+
+def _best_exchange(cand: _Candidates, totals: np.ndarray, row_rep: np.ndarray, busiest: int):
+    """``(i, j)``: the exchange of candidate ``i`` of the busiest replica and ``j`` of another that lowers the
+    larger of the two replicas' new costs the most, among a bounded choice (``_thinned``); ``None`` when none lowers
+    the busiest. Memory O(_STRATA_MINE * _STRATA_THEIRS), whatever the number of pieces."""
+    dp = totals.size
+    rep = row_rep[cand.row]
+    by_rep = np.argsort(rep, kind="stable")
+    bounds = np.r_[0, np.cumsum(np.bincount(rep, minlength=dp))]
+    k_theirs = max(4, _STRATA_THEIRS // (dp - 1))
+    mine = _thinned(by_rep[bounds[busiest]:bounds[busiest + 1]], cand, _STRATA_MINE)
+    theirs = np.concatenate([_thinned(by_rep[bounds[r]:bounds[r + 1]], cand, k_theirs)
+                             for r in range(dp) if r != busiest])
+    la, ca, pa = cand.length[mine, None], cand.cost[mine, None], cand.pad[cand.row[mine], None]
+    lb, cb, pb = cand.length[None, theirs], cand.cost[None, theirs], cand.pad[cand.row[theirs]][None, :]
+    diff = la - lb  # [na, nb] tokens the busiest row gives away
+    fits = (pa + diff >= 0) & (pb - diff >= 0) & ((la > 0) | (lb > 0))
+    work = cb - ca  # [na, nb] piece cost the busiest replica gains
+    new_a = totals[busiest] + (work + (_f(pa + diff) - _f(pa)).astype(np.float64))
+    new_b = totals[rep[theirs]][None, :] + ((_f(pb - diff) - _f(pb)).astype(np.float64) - work)
+    worst = np.where(fits, np.maximum(new_a, new_b), np.inf)
+    i, j = np.unravel_index(np.argmin(worst), worst.shape)
+    if not worst[i, j] < totals[busiest] * (1 - 1e-9):
+        return None
+    return int(mine[i]), int(theirs[j])
+
+
+def _given(cand: _Candidates, c: int) -> np.ndarray:
+    """The pieces candidate ``c`` gives away."""
+    kind = int(cand.kind[c])
+    if kind < 0:
+        return cand.order[:0]
+    if kind == 0:
+        return cand.ref[c:c + 1]
+    start = int(cand.row_start[cand.ref[c]])
+    return cand.order[start:start + kind]
 
 
 def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves: int = 256, tol: float = 2e-3) -> None:
@@ -574,37 +822,39 @@ def polish_step(step: list[list[list[tuple[int, int]]]], seq_len: int, max_moves
     or nothing (a move). The cost of a row is ``sum f(L)`` over its pieces plus ``f(padding)``, ``f(L) = L(L+1)/2``,
     so a piece moved into a padded row also shortens its padding run. Stops at a local optimum, after ``max_moves``
     exchanges, or once the busiest replica is within ``tol`` of the mean.
+
+    Bounded: each exchange is chosen among at most ``3 * _STRATA_MINE`` candidates of the busiest replica and
+    ``3 * _STRATA_THEIRS`` of the others (the cheapest, costliest and roomiest of each length stratum, plus every
+    row's "nothing"), never a pieces x pieces matrix: time O(max_moves * P log P), memory O(P) for ``P`` pieces.
     """
     dp = len(step)
     if dp < 2:
         return
+    row_rep = np.repeat(np.arange(dp), [len(rows) for rows in step])
+    flat = [(p, g) for g, row in enumerate(row for rows in step for row in rows) for p in row]
+    L = np.array([p[0][0] for p in flat], dtype=np.int64)
+    row_of = np.array([p[1] for p in flat], dtype=np.int64)
+    n_rows, moved = row_rep.size, False
     for _ in range(max_moves):
-        cands = [_candidates(rows, seq_len) for rows in step]
-        totals = np.array([sum(c[3] for c in cs if c[1] < 0) + sum(_f(c[4]) for c in cs if c[1] == 0) for cs in cands],
-                          dtype=np.float64)
+        cand = _row_candidates(L, row_of, n_rows, seq_len)
+        totals = np.bincount(row_rep, weights=cand.row_cost, minlength=dp)
         busiest = int(np.argmax(totals))
         if totals[busiest] <= (1 + tol) * totals.mean():
-            return
-        mine = np.array(cands[busiest], dtype=np.int64)  # [na, 5]
-        others = [(r, c) for r in range(dp) if r != busiest for c in cands[r]]
-        theirs = np.array([c for _, c in others], dtype=np.int64)  # [nb, 5]
-        owner = np.array([r for r, _ in others])
-        la, ca, pa = (mine[:, i, None] for i in (2, 3, 4))
-        lb, cb, pb = (theirs[None, :, i] for i in (2, 3, 4))
-        diff = la - lb  # [na, nb] tokens the busiest row gives away
-        fits = (pa + diff >= 0) & (pb - diff >= 0) & ((la > 0) | (lb > 0))
-        work = cb - ca  # [na, nb] piece cost the busiest replica gains
-        new_a = totals[busiest] + (work + _f(pa + diff) - _f(pa))
-        new_b = totals[owner][None, :] + (_f(pb - diff) - _f(pb) - work)
-        worst = np.where(fits, np.maximum(new_a, new_b), np.inf)
-        i, j = np.unravel_index(np.argmin(worst), worst.shape)
-        if not worst[i, j] < totals[busiest] * (1 - 1e-9):
-            return
-        other = int(owner[j])
-        x = _give(step[busiest], int(mine[i, 0]), int(mine[i, 1]))
-        y = _give(step[other], int(theirs[j, 0]), int(theirs[j, 1]))
-        step[busiest][int(mine[i, 0])] += y
-        step[other][int(theirs[j, 0])] += x
+            break
+        best = _best_exchange(cand, totals, row_rep, busiest)
+        if best is None:
+            break
+        x, y = _given(cand, best[0]), _given(cand, best[1])
+        row_a, row_b = cand.row[best[0]], cand.row[best[1]]
+        row_of[x], row_of[y] = row_b, row_a
+        moved = True
+    if moved:  # write the rows back, every row's pieces in their original order
+        rows: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]
+        for (piece, _), g in zip(flat, row_of.tolist()):
+            rows[g].append(piece)
+        it = iter(rows)
+        for replica in step:
+            replica[:] = [next(it) for _ in replica]
 
 
 def step_costs(step: list[list[list[tuple[int, int]]]], seq_len: int) -> list[int]:

@@ -17,6 +17,7 @@ doc map, in two steps:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -25,7 +26,13 @@ import torch
 from cp_packing._checks import INT32_MAX, check_doc_ids, check_fits_dtype, check_int, check_tensor
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
-__all__ = ["PaddedBatch", "pad_rows", "pad_segments"]
+__all__ = ["MAX_BYTES", "PaddedBatch", "pad_rows", "pad_segments"]
+
+MAX_BYTES = 4 * 2**30
+"""``pad_segments``' default memory budget (4 GiB): it refuses, before allocating, an output whose estimated peak
+memory (``_bytes_per_token`` per output token) is larger; pass ``max_bytes=`` to change it."""
+
+_MAP_BYTES = 48  # peak bytes per output token of the doc-map step (measured: 43-48 for int32/int64 maps)
 
 # torch has no index_select / index_copy / comparisons for these: index their bits through a signed view.
 _SIGNED_VIEW = {getattr(torch, u): getattr(torch, s) for u, s in (("uint16", "int16"), ("uint32", "int32"),
@@ -215,9 +222,23 @@ def _new_segment_lengths(doc: torch.Tensor, cu: torch.Tensor, m: int) -> tuple[t
     return seg_doc, seg_row, lengths, is_doc, new_len
 
 
-def _pad_doc_map(doc_ids: torch.Tensor, m: int, row_length: int | None, max_tokens: int) -> PaddedBatch:
+def _bytes_per_token(tensors: Mapping[str, torch.Tensor], position_keys: Sequence[str]) -> int:
+    """Estimated peak bytes per OUTPUT token of ``pad_segments``: the doc-map step (the new map, ``index``,
+    ``is_pad`` and their temporaries), plus 3x each tensor's bytes per token (its output, the gathered real tokens,
+    the filled copy), 6x for position tensors (their count runs). An upper bound of what was measured (docs/padding.md).
+    """
+    total = _MAP_BYTES
+    for name, x in tensors.items():
+        per_token = x.element_size() * math.prod(x.shape[2:])
+        total += (6 if name in position_keys else 3) * per_token
+    return total
+
+
+def _pad_doc_map(doc_ids: torch.Tensor, m: int, row_length: int | None, max_tokens: int,
+                 budget: tuple[int, int] = (_MAP_BYTES, MAX_BYTES)) -> PaddedBatch:
     """Step 1: the new doc map, ``index`` and ``is_pad`` (``tensors`` empty). One host sync; refuses an output of
-    more than ``max_tokens`` tokens before allocating it."""
+    more than ``max_tokens`` tokens, or of more than ``budget = (bytes per output token, max_bytes)``, before
+    allocating it."""
     cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens.to(torch.int64)  # validates doc_ids
     B, S = doc_ids.shape
     device = doc_ids.device
@@ -233,7 +254,7 @@ def _pad_doc_map(doc_ids: torch.Tensor, m: int, row_length: int | None, max_toke
             f"segment to a multiple of {m}; pass row_length >= {longest} (a multiple of {m}) or None"
         )
     Sp = longest if row_length is None else row_length
-    _check_bound(B, Sp, m, max_tokens)
+    _check_bound(B, Sp, m, max_tokens, *budget)
 
     # New segment starts; every original token moves with its segment (original padding: -1).
     excl = torch.cumsum(new_len, 0) - new_len  # [N] covered tokens before each segment, whole batch
@@ -253,12 +274,22 @@ def _pad_doc_map(doc_ids: torch.Tensor, m: int, row_length: int | None, max_toke
                        num_separator_tokens=num_sep, num_dropped_tokens=B * S - num_real)
 
 
-def _check_bound(B: int, Sp: int, m: int, max_tokens: int) -> None:
+def _check_bound(B: int, Sp: int, m: int, max_tokens: int, per_token: int = _MAP_BYTES,
+                 max_bytes: int = MAX_BYTES) -> None:
+    """Python ints throughout: nothing here can wrap."""
     if B * Sp > max_tokens:
         raise ValueError(
             f"the padded batch would hold B*S' = {B}*{Sp} = {B * Sp} tokens, more than max_tokens={max_tokens} "
             f"(default {INT32_MAX}, what int32 cu_seqlens can index); nothing was allocated. Use a smaller "
             f"multiple (got {m}) or row_length, split the batch, or raise max_tokens"
+        )
+    need = B * Sp * per_token
+    if need > max_bytes:
+        raise ValueError(
+            f"pad_segments would need about {need / 2**30:.2f} GiB ({need} bytes: B*S' = {B}*{Sp} = {B * Sp} output "
+            f"tokens x {per_token} bytes per token for the doc map, its index and every tensor), more than "
+            f"max_bytes={max_bytes} (default {MAX_BYTES}, 4 GiB); nothing was allocated. Pass max_bytes= a larger "
+            f"budget if the machine has it, or use a smaller multiple (got {m}) or row_length, or split the batch"
         )
 
 
@@ -304,6 +335,7 @@ def pad_segments(
     position_keys: Sequence[str] = ("position_ids",),
     row_length: int | None = None,
     max_tokens: int | None = None,
+    max_bytes: int = MAX_BYTES,
 ) -> PaddedBatch:
     """Re-lay a doc map and its per-token tensors so that every segment's length is a multiple of ``multiple``.
 
@@ -323,6 +355,9 @@ def pad_segments(
             Default: the longest padded row.
         max_tokens: refuse (``ValueError``, before allocating) an output of more than this many tokens ``B * S'``.
             Default and upper limit: ``2**31 - 1``, what int32 ``cu_seqlens`` can index.
+        max_bytes: the memory budget: refuse (``ValueError``, before allocating) an output whose estimated peak
+            memory, ``B * S'`` times the bytes per output token (48 for the doc map, plus 3x each tensor's bytes per
+            token, 6x for position tensors), is larger. Default :data:`MAX_BYTES` (4 GiB).
 
     Returns:
         ``PaddedBatch``: the new ``doc_ids`` ``[B, S']``, re-laid ``tensors``, ``index`` ``[B, S]``, ``is_pad``.
@@ -335,6 +370,7 @@ def pad_segments(
     """
     m = check_int(multiple, "multiple", min=1, max=INT32_MAX, hint="e.g. 2 * cp_size for the zigzag layout")
     limit = INT32_MAX if max_tokens is None else check_int(max_tokens, "max_tokens", min=0, max=INT32_MAX)
+    max_bytes = check_int(max_bytes, "max_bytes", min=0, hint=f"a memory budget in bytes (default {MAX_BYTES}, 4 GiB)")
     if row_length is not None:
         row_length = check_int(row_length, "row_length", min=0, hint="or None")
         if row_length % m:
@@ -360,7 +396,7 @@ def pad_segments(
     check_doc_ids(doc_ids)
     for name, x in tensors.items():
         _check_per_token(name, x, doc_ids.shape[0], doc_ids.shape[1], doc_ids.device)
-    batch = _pad_doc_map(doc_ids, m, row_length, limit)
+    batch = _pad_doc_map(doc_ids, m, row_length, limit, (_bytes_per_token(tensors, position_keys), max_bytes))
     _check_label_padding(tensors, doc_ids, label_keys, ignore_index)
     out: dict[str, torch.Tensor] = {}
     for name, x in tensors.items():
@@ -371,6 +407,31 @@ def pad_segments(
     return dataclasses.replace(batch, tensors=out)
 
 
+def _check_rows(tensors: object, fill: object) -> tuple[int, int]:
+    """``(B, S)`` shared by every ``[B, S, ...]`` tensor of ``tensors``; every fill value must fit its tensor."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a dict name -> [B, S, ...] tensor, got {type(tensors).__name__}")
+    if not isinstance(fill, Mapping):
+        raise TypeError(f"fill must be a dict name -> pad value, got {type(fill).__name__}; e.g. "
+                        "fill={'labels': -100}")
+    unknown = sorted(set(fill) - set(tensors), key=str)
+    if unknown:
+        raise ValueError(f"fill names {unknown}, which are not in tensors ({sorted(tensors, key=str)}); fix the name")
+    shape = None
+    for key, x in tensors.items():
+        check_tensor(x, f"tensors[{key!r}]", "of shape [B, S, ...]")
+        if x.dim() < 2 or (shape is not None and tuple(x.shape[:2]) != shape):
+            want = "[B, S, ...]" if shape is None else f"[{shape[0]}, {shape[1]}, ...] like the others"
+            raise ValueError(f"tensors[{key!r}] has shape {tuple(x.shape)}; every tensor must be {want} (add the "
+                             "batch dimension with x.unsqueeze(0) for one row)")
+        shape = tuple(x.shape[:2])
+        value = fill.get(key, 0)
+        check_fits_dtype(value, x.dtype, f"the pad value {value!r} for tensors[{key!r}]",
+                         fix=f"convert tensors[{key!r}] to a dtype that holds it first (labels: .long(); -100 in "
+                             "uint8 would become 156, a class the loss counts)")
+    return shape if shape is not None else (0, 0)
+
+
 def pad_rows(tensors: Mapping[str, torch.Tensor], multiple: int, *,
              fill: Mapping[str, int | float] | None = None) -> dict[str, torch.Tensor]:
     """Every ``[B, S, ...]`` tensor padded at the END of its rows to the next multiple of ``multiple`` tokens.
@@ -379,16 +440,27 @@ def pad_rows(tensors: Mapping[str, torch.Tensor], multiple: int, *,
     segment of every row, so give the doc map fill 0 and labels ``-100``. ``fill`` maps a key to its pad value
     (default 0). The tensors are returned as they are (no copy) when ``S`` is already a multiple.
 
+    Raises:
+        TypeError: ``tensors`` / ``fill`` not dicts, a value that is not a tensor, ``multiple`` not an int.
+        ValueError: ``multiple < 1``; tensors that are not ``[B, S, ...]`` of one ``(B, S)``; a fill key that is not
+            in ``tensors``; a fill value its tensor's dtype cannot hold (``-100`` in uint8 labels); an output of
+            more than ``2**31 - 1`` tokens (checked before allocating).
+
     >>> out = pad_rows({"doc_ids": torch.tensor([[1, 1, 2]]), "labels": torch.tensor([[5, -100, -100]])}, 2,
     ...                fill={"labels": -100})
     >>> out["doc_ids"].tolist(), out["labels"].tolist()
     ([[1, 1, 2, 0]], [[5, -100, -100, -100]])
     """
-    multiple = check_int(multiple, "multiple", min=1)
+    multiple = check_int(multiple, "multiple", min=1, hint="every row is padded to a multiple of it, e.g. cp_size")
     fill = {} if fill is None else fill
+    B, S = _check_rows(tensors, fill)
+    extra = -S % multiple
+    if B * (S + extra) > INT32_MAX:
+        raise ValueError(f"padding rows of {S} tokens to a multiple of {multiple} gives B*S' = {B}*{S + extra} tokens, "
+                         f"more than int32 cu_seqlens can index ({INT32_MAX}); nothing was allocated. Pass the "
+                         "multiple the layout needs (cp_size)")
     out = {}
     for key, x in tensors.items():
-        extra = -x.shape[1] % multiple
         if extra == 0:
             out[key] = x
             continue

@@ -207,12 +207,12 @@ def test_cu_seqlens_hf_flash_kwargs_and_empty_segments():
 
 
 @FAST
-@given(doc_maps(), st.sampled_from(["list", "tensor-1", "tensor-0"]))
+@given(doc_maps(), st.sampled_from(["list", "tensor-1", "tensor-0", "tensor-nemo"]))
 def test_seq_lens_round_trip(doc_ids, kind):
     B, S = doc_ids.shape
     real, padded = seq_lens_of(doc_ids)
     if kind != "list":
-        fill = -1 if kind == "tensor-1" else 0
+        fill = {"tensor-1": -1, "tensor-0": 0, "tensor-nemo": -1000}[kind]  # NeMo's collate pads rows with -1000
         real, padded = as_table(real, fill), as_table(padded, fill)
     got = doc_ids_from_seq_lens(real, seq_lens_padded=padded, seq_len=S)
     assert_same_segmentation(got, doc_ids)
@@ -266,8 +266,8 @@ def test_per_token_converters_refuse_bad_tensors_and_masks(convert):
         convert([[0, 1]])
     with pytest.raises(TypeError, match=r"integer dtype.*\.long\(\)"):
         convert(ok.float())
-    with pytest.raises(ValueError, match=r"\[B, S\].*shape \(3, 1, 3\)"):
-        convert(ok.expand(3, 1, 3))
+    with pytest.raises(ValueError, match=r"\[B, S\].*shape \(2, 3, 1, 3\)"):
+        convert(ok.expand(2, 3, 1, 3))
     with pytest.raises(TypeError, match="attention_mask must be bool or integer"):
         convert(ok, attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 1, 3, 3\).*not a 4-D"):
@@ -353,6 +353,63 @@ def test_seq_lens_errors():
         doc_ids_from_seq_lens([[3], [4, 3]], seq_len=6)
     with pytest.raises(TypeError, match="seq_len must be an int"):
         doc_ids_from_seq_lens([[3]], seq_len=3.0)
+
+
+def test_seq_lens_reads_nemo_thd_batches_padded_with_minus_1000():
+    """NeMo AutoModel's packed_sequence_thd_collater pads seq_lens / seq_lens_padded rows with -1000 (its own
+    example: two rows, the second with one sequence); trailing -1000 entries are padding slots, not errors."""
+    seq_lens = torch.tensor([[3, 2], [6, -1000]])
+    seq_lens_padded = torch.tensor([[4, 2], [6, -1000]])
+    doc_ids = doc_ids_from_seq_lens(seq_lens, seq_lens_padded=seq_lens_padded)
+    assert doc_ids.tolist() == [[1, 1, 1, 0, 2, 2], [1, 1, 1, 1, 1, 1]]
+    # NeMo's cu_seqlens (from seq_lens_padded) put a boundary at 4: the padded tail is a segment of its own here
+    assert packed_seq_params_from_doc_ids(doc_ids).cu_seqlens.tolist() == [0, 3, 4, 6, 12]
+    assert doc_ids_from_seq_lens([[3, -1000, -1000]], seq_len=4).tolist() == [[1, 1, 1, 0]]
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]\[0\] is -1000 \(NeMo's padding entry\) but "
+                                         r"seq_lens\[0\]\[1\] is 3: -1000 only pads the end of a row"):
+        doc_ids_from_seq_lens(torch.tensor([[-1000, 3]]))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]\[1\] is -1000 but seq_lens_padded\[1\]\[1\] is 4: "
+                                         r"NeMo pads both"):
+        doc_ids_from_seq_lens(seq_lens, seq_lens_padded=torch.tensor([[4, 2], [6, 4]]))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]\[1\] is -999; a length is >= 0"):
+        doc_ids_from_seq_lens([[3, -999]])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"seq_lens": [[2**62] * 4], "seq_len": 4},  # the int64 sum wraps to 0: used to pass the check and crash
+    {"seq_lens": [[1, 1]], "seq_lens_padded": [[2**62, 2**62]], "seq_len": 8},
+    {"seq_lens": torch.tensor([[2**62] * 4]), "seq_len": 4},
+    {"seq_lens": torch.tensor([[1, 1]]), "seq_lens_padded": torch.tensor([[2**62, 2**62]])},
+    {"seq_lens": [[2**70]]},  # past int64: torch.tensor itself would fail
+    {"seq_lens": [[2**31]]},
+])
+def test_seq_lens_that_would_wrap_int64_are_refused_before_allocating(kwargs):
+    name = "seq_lens_padded" if "seq_lens_padded" in kwargs else "seq_lens"
+    with pytest.raises(ValueError, match=rf"{name}\[0\]\[0\] is \d+, more than int32 cu_seqlens can index"):
+        doc_ids_from_seq_lens(**kwargs)
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint64"), reason="no torch.uint64")
+def test_uint64_values_past_int64_are_refused_not_wrapped():
+    big = torch.tensor([[0, 2**63 + 5]], dtype=torch.uint64)
+    for convert in (doc_ids_from_position_ids, doc_ids_from_seq_idx):
+        with pytest.raises(ValueError, match=r"holds 9223372036854775813 \(flat position 1\), more than int64"):
+            convert(big)
+    with pytest.raises(ValueError, match=r"holds 9223372036854775813 .*more than int64"):
+        doc_ids_from_cu_seqlens(big[0], batch_shape=(1, 4))
+    with pytest.raises(ValueError, match=r"seq_lens holds 9223372036854775813"):
+        doc_ids_from_seq_lens(big)
+
+
+@pytest.mark.parametrize("planes", [3, 4])
+def test_multimodal_rope_position_ids_are_refused_naming_position_ids_0(planes):
+    """Qwen2-VL mRoPE position ids are [3, B, S] (HF prepends the text positions for packing: [4, B, S])."""
+    text = torch.tensor([[0, 1, 2, 0, 1]])
+    mrope = text.unsqueeze(0).expand(planes, 1, 5)
+    with pytest.raises(ValueError, match=rf"position_ids has shape \({planes}, 1, 5\): 3-D multimodal RoPE.*"
+                                         r"pass position_ids\[0\]"):
+        doc_ids_from_position_ids(mrope)
+    assert doc_ids_from_position_ids(mrope[0]).tolist() == [[1, 1, 1, 2, 2]]
 
 
 # ----------------------------------------------------------------------------------------------------------------

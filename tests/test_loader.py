@@ -32,6 +32,7 @@ from cp_packing.loader import (
     num_items_in_batch,
     replica_rank,
 )
+from cp_packing.groups import CPMesh
 from cp_packing.loss import next_token_labels
 from cp_packing.testing import run_distributed
 from tests.maps import runs_of_row
@@ -228,7 +229,9 @@ def _loader_worker(rank: int, world: int, columns: dict, model) -> dict:
     multiprocessing.current_process().daemon = False
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
     place = replica_rank(mesh)
-    assert place == ReplicaRank(rank // CP, DP, rank % CP, CP)
+    assert isinstance(place, CPMesh) and (place.dp_rank, place.dp_size, place.cp_rank, place.cp_size) == (
+        rank // CP, DP, rank % CP, CP)
+    assert place.cp_group is mesh["cp"].get_group() and place.device_mesh is mesh
     ds = datasets.Dataset.from_dict(columns)
     sources = {"map": ds, "iterable": ds.to_iterable_dataset(num_shards=2)}
     out: dict = {"runs": {}}
@@ -311,3 +314,164 @@ def test_dp2_cp2_loader_gives_replicas_their_share_and_the_model_its_loss():
     assert all(abs(x) > 0 for s in parity["shares"] for x in s)  # genuine shares on every rank and micro-batch
     assert_grads_close({n: torch.from_numpy(g) for n, g in parity["grads"].items()}, ref_grads)
     assert all(r["parity"]["num_items"] == int((labels != -100).sum()) for r in results)
+
+
+# ------------------------------------------------------------------------------------------------ resuming
+
+
+def step_keys(items) -> list:
+    return [(item.step, {k: v.tolist() for k, v in item.batch.items()}) for item in items]
+
+
+def test_state_dict_resumes_with_the_uninterrupted_runs_steps_whatever_num_workers():
+    """Consume k steps, save the loader's state (torch.save / torch.load(weights_only=True)), build a new loader,
+    load the state: the following steps equal the uninterrupted run's, exactly, with 0, 1 and 2 workers."""
+    import io
+
+    docs = datasets.Dataset.from_dict(make_documents(150, seed=2))
+    place = CPMesh.from_ints(dp_rank=1, dp_size=DP, cp_rank=0, cp_size=CP)
+    full = step_keys(cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=3))
+    assert len(full) >= 8
+    for workers, ks in ((0, (0, 1, 5, len(full) - 1, len(full))), (1, (3,)), (2, (0, 5))):
+        for k in ks:
+            loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=3,
+                                   num_workers=workers)
+            items = iter(loader)
+            head = step_keys(next(items) for _ in range(k))
+            buffer = io.BytesIO()
+            torch.save(loader.state_dict(), buffer)
+            buffer.seek(0)
+            state = torch.load(buffer, weights_only=True)
+            del items
+            resumed = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place, shuffle=True, seed=3,
+                                    num_workers=workers)
+            resumed.load_state_dict(state)
+            resumed.dataset.set_epoch(0)  # the same epoch keeps the loaded step
+            assert head + step_keys(resumed) == full, (workers, k)
+    # after the epoch, set_epoch moves the state to the next epoch's step 0
+    loader = cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place)
+    list(loader)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["next_step"]) == (0, len(full))
+    loader.dataset.set_epoch(1)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["next_step"]) == (1, 0)
+    with pytest.raises(ValueError, match=r"saved by a loader with rows=4 \(this loader: 2\)"):
+        cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=place).load_state_dict(
+            cp_dataloader(docs, seq_len=SEQ, rows=4, placement=place).state_dict())
+
+
+def test_torchdata_stateful_dataloader_resumes_the_dataset_exactly():
+    """The dataset follows torchdata's Stateful protocol: a StatefulDataLoader saves each worker's position."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    docs = datasets.Dataset.from_dict(make_documents(150, seed=4))
+    place = CPMesh.from_ints(dp_rank=0, dp_size=DP, cp_rank=1, cp_size=CP)
+    full = step_keys(CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place))
+    for workers, k in ((0, 4), (1, 3)):
+        loader = stateful.StatefulDataLoader(CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place),
+                                             batch_size=None, num_workers=workers)
+        items = iter(loader)
+        head = step_keys(next(items) for _ in range(k))
+        state = loader.state_dict()
+        del items
+        resumed = stateful.StatefulDataLoader(CPPackedDataset(docs, seq_len=SEQ, rows=ROWS, placement=place),
+                                              batch_size=None, num_workers=workers)
+        resumed.load_state_dict(state)
+        assert head + step_keys(resumed) == full, workers
+
+
+# ------------------------------------------------------------------------------------------------ checked at build
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"bufer_tokens": 4096}, TypeError, r"the packer's arguments .*\['bufer_tokens'\].*unexpected keyword argument "
+                                        r"'bufer_tokens'"),
+    ({"long_documents": "drop"}, ValueError, "unknown long_documents 'drop'"),
+    ({"buffer_tokens": 3}, ValueError, "holds less than one step"),
+    ({"layout": "zigzg"}, ValueError, "unknown layout 'zigzg'"),
+])
+def test_packer_arguments_are_checked_when_the_loader_is_built(kwargs, exc, match):
+    """They used to fail only at the first batch, inside a worker."""
+    place = CPMesh.from_ints(cp_size=2)
+    with pytest.raises(exc, match=match):
+        cp_dataloader([[1, 2, 3]], seq_len=8, rows=1, placement=place, num_workers=2, **kwargs)
+
+
+def test_a_custom_packer_is_bound_to_its_arguments_when_the_loader_is_built():
+    def packer(documents, *, seq_len, rows, dp_size):
+        yield from ()
+
+    place = CPMesh.from_ints(cp_size=1)
+    assert list(cp_dataloader([[1, 2]], seq_len=8, rows=1, placement=place, packer=packer)) == []
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seed_'"):
+        cp_dataloader([[1, 2]], seq_len=8, rows=1, placement=place, packer=packer, seed_=1)
+
+
+# ------------------------------------------------------------------------------------------------ labels
+
+
+def test_make_cp_batch_refuses_unsigned_labels_and_hf_unshifted_labels_naming_next_token_labels():
+    doc = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0]])
+    shifted = next_token_labels(ids, doc)
+    item = make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted}, cp_size=2, cp_rank=0)
+    assert item.num_valid_labels == 3
+    with pytest.raises(TypeError, match=r"labels'\] has dtype torch.uint8, which cannot hold -100 .*156.*\.long\(\)"):
+        make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": shifted.clamp(min=0).to(torch.uint8)},
+                      cp_size=4, cp_rank=0)
+    hf = ids.masked_fill(doc == 0, -100)  # HF's unshifted convention: labels = input_ids
+    with pytest.raises(ValueError, match=r"HF-style UNSHIFTED labels.*labels\[0, 2\] = 7 is at the last token of its "
+                                         r"document.*cp_packing.next_token_labels\(input_ids, doc_ids, labels="):
+        make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": hf}, cp_size=2, cp_rank=0)
+    on_padding = shifted.clone()
+    on_padding[0, 5] = 3
+    with pytest.raises(ValueError, match=r"labels'\]\[0, 5\] is 3 on padding \(doc id 0\); shifted labels are -100"):
+        make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": on_padding}, cp_size=2, cp_rank=0)
+    collator = CPCollator(CPMesh.from_ints(cp_size=2), seq_len=6)
+    with pytest.raises(ValueError, match="HF-style UNSHIFTED labels"):
+        collator([{"input_ids": ids[0].tolist(), "doc_ids": doc[0].tolist(), "labels": hf[0].tolist()}])
+
+
+# ------------------------------------------------------------------------------------------------ obscure inputs
+
+
+def test_replica_batch_sampler_num_rows():
+    place = CPMesh.from_ints(dp_rank=0, dp_size=2)
+    assert list(ReplicaBatchSampler(np.int64(5), rows=1, placement=place)) == [[0], [2], [4]]
+    assert len(ReplicaBatchSampler(list(range(5)), rows=1, placement=place)) == 3
+    for bad in (None, 5.0, "5", True):
+        with pytest.raises(TypeError, match=r"num_rows must be the number of packed rows \(an int\) or the dataset"):
+            ReplicaBatchSampler(bad, rows=1, placement=place)
+
+
+@pytest.mark.parametrize("rows,exc,match", [
+    ([{"input_ids": [[1, 2], [3]], "doc_ids": [1, 1, 1]}], ValueError,
+     r"row 0\['input_ids'\] is not a flat sequence of ints \(list: ragged, nested"),
+    ([{"input_ids": [1, 2, 3], "doc_ids": [[1, 1], [1, 1]]}], ValueError,
+     r"row 0\['doc_ids'\] must be a 1-D integer sequence \[seq_len\], got torch.int64 \(2, 2\)"),
+    (["abc"], TypeError, r"row 0 must be a dict .* got str; tokenize first"),
+    ([{"input_ids": "hello", "doc_ids": [1, 1, 1]}], TypeError, r"row 0\['input_ids'\] is a string"),
+    ([{"input_ids": [1, 2, 3], "doc_ids": [1, 1, 1], "labels": [2, 3, -100]}, {"input_ids": [1, 2, 3],
+                                                                                "doc_ids": [1, 1, 1]}],
+     ValueError, r"row 1 has keys \['doc_ids', 'input_ids'\] but row 0 has .*missing \['labels'\]"),
+    ([{"input_ids": [1, 2, 3], "doc_ids": [1, 1, 1]}, {"input_ids": [1, 2, 3], "position_ids": [0, 1, 2]}],
+     ValueError, r"row 1 has keys .*missing \['doc_ids'\]"),
+    ("abc", TypeError, "CPCollator takes a list of rows"),
+    ([{"input_ids": [1, 2, 3], "doc_ids": [1, 1, 1]}, {"input_ids": [1, 2], "doc_ids": [1, 1]}], ValueError,
+     r"row 1\['input_ids'\] has 2 tokens; every packed row must have seq_len=3"),
+])
+def test_collator_refuses_ragged_string_and_mismatched_rows(rows, exc, match):
+    collator = CPCollator(CPMesh.from_ints(cp_size=1), seq_len=3)
+    with pytest.raises(exc, match=match):
+        collator(rows)
+
+
+def test_replica_rank_is_cp_mesh_and_cp_dataloader_takes_a_cp_mesh():
+    assert ReplicaRank is CPMesh
+    place = replica_rank(dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    assert isinstance(place, CPMesh) and place.global_rank == 3
+    assert replica_rank(place) is place
+    with pytest.raises(TypeError, match="mesh must be a torch DeviceMesh"):
+        replica_rank(object())
+    docs = make_documents(20)["input_ids"]
+    a = step_keys(cp_dataloader(docs, seq_len=SEQ, rows=ROWS, mesh=place))
+    b = step_keys(cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=pickle.loads(pickle.dumps(place))))
+    assert a == b and len(a) >= 2

@@ -505,3 +505,63 @@ def test_pad_rows_pads_the_tail_of_every_row_with_each_keys_fill():
     assert same["doc_ids"] is doc
     with pytest.raises(ValueError, match="multiple"):
         pad_rows({"doc_ids": doc}, 0)
+
+
+def test_memory_budget_is_a_byte_count_refused_before_allocating_with_its_name_and_fix():
+    """Issue: the only bound was 2**31 - 1 output tokens (~40 GB at ~20 bytes a token). The budget is now bytes:
+    48 per output token for the map, plus 3x each tensor's bytes per token (6x for position ids)."""
+    doc_ids = torch.tensor([[1, 1, 1, 2, 0, 0]])  # S' = 8 with m = 4
+    ids = torch.arange(6).view(1, 6)
+    assert pad_segments(doc_ids, multiple=4, max_bytes=8 * 48).doc_ids.shape == (1, 8)
+    with pytest.raises(ValueError, match=r"\(384 bytes: .*more than max_bytes=383"):
+        pad_segments(doc_ids, multiple=4, max_bytes=383)
+    need = 8 * (48 + 3 * 8 + 6 * 8)  # the map, int64 input_ids, int64 position_ids
+    assert pad_segments(doc_ids, multiple=4, tensors={"input_ids": ids, "position_ids": ids},
+                        max_bytes=need).doc_ids.shape == (1, 8)
+    with pytest.raises(ValueError, match=rf"\({need} bytes: B\*S' = 1\*8 = 8 output tokens x {need // 8} bytes per "
+                                         rf"token.*more than max_bytes={need - 1} \(default 4294967296, 4 GiB\); "
+                                         r"nothing was allocated. Pass max_bytes="):
+        pad_segments(doc_ids, multiple=4, tensors={"input_ids": ids, "position_ids": ids}, max_bytes=need - 1)
+    # the default budget: one token padded to 2**27 would need 6 GiB for the map alone
+    with pytest.raises(ValueError, match=r"about 6.00 GiB .*more than max_bytes=4294967296"):
+        pad_segments(torch.tensor([[1]]), multiple=2**27)
+    with pytest.raises(TypeError, match="max_bytes must be an int"):
+        pad_segments(doc_ids, multiple=4, max_bytes=1e9)
+
+
+@pytest.mark.parametrize("cp_size,exc,match", [
+    (0, ValueError, "multiple must be >= 1, got 0"),
+    ("2", TypeError, r"multiple must be an int, got '2' \(str\)"),
+    (None, TypeError, "multiple must be an int, got None"),
+    (2.0, TypeError, "multiple must be an int, got 2.0"),
+])
+def test_pad_rows_refuses_a_bad_multiple(cp_size, exc, match):
+    from cp_packing.padding import pad_rows
+
+    with pytest.raises(exc, match=match):
+        pad_rows({"doc_ids": torch.tensor([[1, 1, 2]])}, cp_size)
+
+
+def test_pad_rows_refuses_unsigned_labels_that_cannot_hold_minus_100_and_bad_tensors():
+    """-100 in uint8 is 156: a real class id the loss would count (it used to be padded in, silently)."""
+    from cp_packing.padding import pad_rows
+
+    doc = torch.tensor([[1, 1, 2]])
+    with pytest.raises(ValueError, match=r"pad value -100 for tensors\['labels'\] does not fit its dtype torch.uint8.*"
+                                         r"\.long\(\).*156"):
+        pad_rows({"doc_ids": doc, "labels": torch.tensor([[5, 6, 7]], dtype=torch.uint8)}, 2, fill={"labels": -100})
+    with pytest.raises(TypeError, match="tensors must be a dict"):
+        pad_rows([doc], 2)
+    with pytest.raises(TypeError, match=r"tensors\['x'\] must be a torch.Tensor"):
+        pad_rows({"doc_ids": doc, "x": [[1, 2, 3]]}, 2)
+    with pytest.raises(ValueError, match=r"tensors\['doc_ids'\] has shape \(3,\); every tensor must be \[B, S, ...\]"):
+        pad_rows({"doc_ids": doc[0]}, 2)
+    with pytest.raises(ValueError, match=r"tensors\['labels'\] has shape \(1, 2\); every tensor must be \[1, 3, ...\]"):
+        pad_rows({"doc_ids": doc, "labels": doc[:, :2]}, 2)
+    with pytest.raises(ValueError, match=r"fill names \['label'\], which are not in tensors"):
+        pad_rows({"doc_ids": doc, "labels": doc}, 2, fill={"label": -100})
+    with pytest.raises(TypeError, match="fill must be a dict"):
+        pad_rows({"doc_ids": doc}, 2, fill=-100)
+    with pytest.raises(ValueError, match=r"B\*S' = 4\*2147483647 tokens, more than int32 cu_seqlens can "
+                                         r"index.*nothing"):
+        pad_rows({"doc_ids": torch.ones(4, 1, dtype=torch.int64)}, 2**31 - 1)
