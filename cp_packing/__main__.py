@@ -3,6 +3,7 @@
     python -m cp_packing verify --nproc 2          # CP attention == full attention (cp_packing.tools.verify)
     python -m cp_packing train --nproc 2           # a tiny Llama trained with CP (cp_packing.tools.train)
     python -m cp_packing train --nproc 2 --model DIR --data FILE.jsonl --output-dir OUT   # your model and data
+    python -m cp_packing train --nproc 2 --model DIR --data FILE.jsonl --resume OUT       # after a preemption
     python -m cp_packing report --cp 8             # load balance of every layout on a map (cp_packing.tools.report)
     python -m cp_packing show --cp 2               # what a map becomes on every rank (cp_packing.tools.show)
 

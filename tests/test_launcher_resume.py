@@ -20,21 +20,15 @@ pytest.importorskip("transformers")
 from cp_packing.testing import under_torchrun  # noqa: E402
 from cp_packing.tools import train  # noqa: E402
 from cp_packing.tools.checkpoint import find_checkpoint  # noqa: E402
+from tests.test_train import _alive, _children, _env  # noqa: E402
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(under_torchrun(), reason="spawns its own ranks (--nproc, torchrun)")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Every state a resume must restore exactly: gradient accumulation, a warmup + cosine schedule, clipping.
 TRAINING = ["--nproc", "2", "--seq-len", "32", "--layers", "1", "--log-every", "1", "--grad-accum", "2",
             "--lr-scheduler", "cosine", "--warmup-steps", "1", "--max-grad-norm", "0.5", "--steps", "4"]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -128,28 +122,6 @@ def test_the_sigterm_handler_is_in_place_before_the_data_is_read(tmp_path):
     assert "SIGTERM before the first step" in proc.stdout
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("launcher", ["torchrun", "nproc"])
 def test_no_rank_keeps_training_after_its_launcher_is_killed_with_sigkill(launcher):
@@ -184,3 +156,27 @@ def test_no_rank_keeps_training_after_its_launcher_is_killed_with_sigkill(launch
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def test_a_rank_that_cannot_write_its_part_fails_the_save_on_every_rank(tmp_path, monkeypatch, capfd):
+    """Rank 1 fails to write its RNG file: every rank raises (no rank waits for it), the run exits 1, the partial
+    directory is removed and no checkpoint claims to be complete."""
+    import cp_packing.tools.checkpoint as checkpoint
+
+    states = checkpoint._rng_state
+
+    def fails_on_rank_1():
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return states()
+
+    monkeypatch.setattr(checkpoint, "_rng_state", fails_on_rank_1)  # the forked ranks inherit it
+    out = tmp_path / "out"
+    code = train.main(["--nproc", "2", "--seq-len", "32", "--layers", "1", "--steps", "2", "--save-every", "1",
+                       "--output-dir", str(out)])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert "No space left on device" in err and "failed on rank 1" in err, err  # rank 1's cause, rank 0's echo
+    assert os.listdir(out) == []

@@ -210,7 +210,7 @@ def load_documents(path: str, *, tokenizer: Any = None, vocab_size: int | None =
                      f"optional 'labels'); the first row has {columns}")
 
 
-# ------------------------------------------------------------------------------------------------ the launcher's streams
+# --------------------------------------------------------------------------------------------- the launcher's streams
 # What ``python -m cp_packing train`` feeds its steps: every rank computes the same stream (so a micro-batch's place
 # in it, an int, is the data position a checkpoint stores), and ``lay_out`` picks and applies each batch's layout.
 

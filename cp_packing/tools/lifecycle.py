@@ -120,13 +120,19 @@ def forward_signals_to_ranks(run: Callable[[], Any], grace: float) -> Any:
     try:
         worker = threading.Thread(target=target, name="cp-packing-ranks", daemon=True)
         worker.start()
+        gone = None  # when the last rank ended after a SIGTERM
         while worker.is_alive():
             worker.join(0.2)
-            if deadline[0] is not None and time.monotonic() > deadline[0]:
-                print(f"error: the ranks did not stop within {grace:g} s of SIGTERM (--save-timeout): killed",
-                      file=sys.stderr, flush=True)
+            if deadline[0] is None:
+                continue
+            if time.monotonic() > deadline[0] and _ranks():
+                print(f"error: the ranks did not stop within {grace:g} s of SIGTERM: killed", file=sys.stderr,
+                      flush=True)
                 _kill_after(0.0)
-                deadline[0] = None
+            gone = gone or (time.monotonic() if not _ranks() else None)
+            if gone and time.monotonic() > gone + 2.0:  # dead without a word: the runner would wait out its grace
+                print("error: the ranks ended on SIGTERM without reporting back", file=sys.stderr, flush=True)
+                raise SystemExit(1)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

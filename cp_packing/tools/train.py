@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cp_packing._checks import IGNORE_INDEX
 from cp_packing.cost import layout_cost
 from cp_packing.distributed import distribute_batch
 from cp_packing.groups import CPMesh
@@ -144,9 +145,9 @@ def reference_loss(ref_model, batches: list[dict]) -> torch.Tensor:
         logits = ref_model(input_ids=batch["input_ids"].to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev),
                            use_cache=False).logits
         ce = F.cross_entropy(logits.float().reshape(B * S, -1), batch["labels"].to(dev).reshape(-1),
-                             ignore_index=-100, reduction="sum")
+                             ignore_index=IGNORE_INDEX, reduction="sum")
         total = ce if total is None else total + ce
-        count += int((batch["labels"] != -100).sum())
+        count += int((batch["labels"] != IGNORE_INDEX).sum())
     return total / max(count, 1)
 
 
@@ -350,11 +351,11 @@ class Run:
         if args.fsdp:
             shard_with_fsdp2(self.model, self.mesh, device)
         self.opt, self.sched = make_optimizer(self.model, args)
-        self.start = 0
+        self.start, position = 0, 0
         if setup.resume is not None:
-            self.start = load_checkpoint(setup.resume, model=self.model, optimizer=self.opt,
-                                         scheduler=self.sched)["step"]
-        self.stream = batch_stream(args, setup.data, self.mesh.dp_size, start=self.start * args.grad_accum)
+            state = load_checkpoint(setup.resume, model=self.model, optimizer=self.opt, scheduler=self.sched)
+            self.start, position = state["step"], state["micro_batches"]
+        self.stream = batch_stream(args, setup.data, self.mesh.dp_size, start=position)
         self.eval_set = None
         if args.eval_every:
             self.eval_set = [[lay_out(b, args, args.cp) for b in step]
@@ -363,8 +364,9 @@ class Run:
 
     def save(self, step: int) -> str:
         """Write ``checkpoint-<step>`` (every rank); the data position is the micro-batches consumed."""
-        state = {**resume_facts(self.args, self.setup.world, self.args.cp), "micro_batches": step * self.args.grad_accum,
-                 "steps": self.args.steps, "lr_scheduler": self.args.lr_scheduler}
+        args = self.args
+        state = {**resume_facts(args, self.setup.world, args.cp), "micro_batches": step * args.grad_accum,
+                 "steps": args.steps, "lr_scheduler": args.lr_scheduler}
         self.saves += 1
         kill = self.args.inject_fault == "kill-mid-save" and self.saves == 2
         path = save_checkpoint(self.args.output_dir, step, model=self.model, optimizer=self.opt,
