@@ -15,7 +15,12 @@ Bad input exits with status 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+
+_sigterm: list = []  # a SIGTERM while `train` imports torch and transformers: handed to its flag (see there)
+if __name__ == "__main__" and sys.argv[1:2] == ["train"]:
+    signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.append(signum))
 
 RANK_COMMANDS = ("verify", "train")  # commands with their own parser, run on every rank
 
@@ -40,10 +45,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in RANK_COMMANDS:
         if argv[0] == "verify":
-            from cp_packing.tools.verify import main as command
-        else:
-            from cp_packing.tools.train import main as command
-        return command(argv[1:])
+            from cp_packing.tools.verify import main as verify
+
+            return verify(argv[1:])
+        from cp_packing.tools.train import main as train
+
+        return train(argv[1:], early_signals=_sigterm)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

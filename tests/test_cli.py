@@ -172,3 +172,12 @@ def test_a_map_saved_in_another_byte_order_is_read(dtype, tmp_path, capsys):
     from cp_packing.tools import load_doc_ids
 
     assert load_doc_ids(path).tolist() == [[1, 1, 2, 2, 2, 0]]
+
+
+@pytest.mark.parametrize("module", ["cp_packing.tools", "cp_packing.tools.data", "cp_packing.tools.checkpoint"])
+def test_tool_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), extraglobs={"torch": torch})
+    assert result.attempted > 0 and result.failed == 0, result

@@ -180,3 +180,19 @@ def test_a_rank_that_cannot_write_its_part_fails_the_save_on_every_rank(tmp_path
     assert code == 1, err
     assert "No space left on device" in err and "failed on rank 1" in err, err  # rank 1's cause, rank 0's echo
     assert os.listdir(out) == []
+
+
+def test_a_sigterm_while_the_torchrun_entry_point_imports_torch_stops_cleanly(tmp_path):
+    """launch/train.py (what torchrun and run.sh start on every rank) catches SIGTERM from its first line (a stdlib
+    handler while torch and transformers import): a signal during the imports ends the run with status 3, not
+    -15. (``python -m cp_packing train`` imports the package, and torch with it, before any line of its own.)"""
+    hook = tmp_path / "sitecustomize.py"  # runs before the entry point's imports: signal ourselves once they start
+    hook.write_text("import os, signal, threading\n"
+                    "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--nproc", "2", "--seq-len",
+                           "32", "--layers", "1"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "SIGTERM before the first step" in proc.stdout

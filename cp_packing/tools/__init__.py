@@ -23,7 +23,11 @@ __all__ = ["finite_float", "launch", "load_doc_ids", "nonnegative_int", "positiv
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
-    """The argparse type of an integer ``>= minimum`` (a usage error naming the option, exit 2, otherwise)."""
+    """The argparse type of an integer ``>= minimum`` (a usage error naming the option, exit 2, otherwise).
+
+    >>> int_at_least(0)("3")
+    3
+    """
 
     def parse(text: str) -> int:
         try:
@@ -45,7 +49,14 @@ nonnegative_int = int_at_least(0)
 
 def finite_float(minimum: float, *, strict: bool = False) -> Callable[[str], float]:
     """The argparse type of a finite real number ``>= minimum`` (``> minimum`` with ``strict``): ``inf`` and ``nan``
-    are refused like any other bad value (a usage error naming the option)."""
+    are refused like any other bad value (a usage error naming the option).
+
+    >>> finite_float(0.0, strict=True)("3e-3")
+    0.003
+    >>> finite_float(0.0, strict=True)("inf")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: must be a finite number > 0, got 'inf'
+    """
     bound = f"{'>' if strict else '>='} {minimum:g}"
 
     def parse(text: str) -> float:

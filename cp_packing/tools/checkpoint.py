@@ -46,7 +46,17 @@ def checkpoint_dirs(out_dir: str) -> list[tuple[int, str]]:
 
 
 def find_checkpoint(path: str) -> str | None:
-    """``path`` itself when it is a checkpoint, else its newest complete ``checkpoint-<step>``; ``None``: none."""
+    """``path`` itself when it is a checkpoint, else its newest complete ``checkpoint-<step>``; ``None``: none.
+
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> for name in ("checkpoint-2", "checkpoint-10", ".checkpoint-12.partial"):
+    ...     os.makedirs(os.path.join(out, name))
+    >>> for name in ("checkpoint-2", "checkpoint-10"):
+    ...     _ = open(os.path.join(out, name, STATE_FILE), "w").write("{}")
+    >>> os.path.basename(find_checkpoint(out))  # the newest COMPLETE one: 10, not the partial 12, not 2
+    'checkpoint-10'
+    """
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         return path
     found = checkpoint_dirs(path)

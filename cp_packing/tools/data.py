@@ -248,7 +248,16 @@ def batch_stream(args, data: Documents | None, dp_size: int, *, start: int = 0):
     position ``k`` is always the same micro-batch, so resuming at ``start`` continues the stream exactly.
 
     TODO(loader): a ``--data`` stream is skipped to ``start`` by re-packing (deterministic, but O(start)); use
-    ``cp_packing.loader.cp_dataloader``'s ``state_dict()`` / ``load_state_dict()`` once it has them."""
+    ``cp_packing.loader.cp_dataloader``'s ``state_dict()`` / ``load_state_dict()`` once it has them.
+
+    >>> import argparse
+    >>> args = argparse.Namespace(seed=0, batch=1, seq_len=8, vocab=16, mean_doc_len=3.0, doc_len_sigma=1.0)
+    >>> third = next(batch_stream(args, None, 1, start=2))[0]["input_ids"]
+    >>> stream = batch_stream(args, None, 1)
+    >>> _, _ = next(stream), next(stream)
+    >>> bool((next(stream)[0]["input_ids"] == third).all())  # position 2 is position 2, resumed or not
+    True
+    """
     if data is None:
         step = start
         while True:

@@ -29,17 +29,20 @@ class Preemption:
     def handler(self, signum: int, frame: Any) -> None:
         self.requested = True
 
-    def install(self) -> None:
-        """Clear the flag and take SIGTERM (main thread only; a no-op elsewhere: a test thread, a library user)."""
-        self.requested = False
+    def install(self, early: list | None = None) -> None:
+        """Take SIGTERM (main thread only; a no-op elsewhere: a test thread, a library user). ``early``: the signals
+        a stdlib handler caught before this module could be imported (``launch/train.py``), now requests too."""
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, self.handler)
+        if early:
+            self.requested = True
 
     def restore(self) -> None:
-        """Give SIGTERM back to the handler ``install`` replaced."""
+        """Give SIGTERM back to the handler ``install`` replaced, and clear the flag (the run it stopped is over)."""
         if self.previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.previous)
             self.previous = None
+        self.requested = False
 
 
 PREEMPTION = Preemption()

@@ -620,10 +620,11 @@ def world_size(args) -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or 2)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, early_signals: list | None = None) -> int:
     """``python -m cp_packing train``: returns the exit status (0 ok, 1 error or parity FAIL, 2 usage error, 3
-    stopped by SIGTERM without a checkpoint, 143 stopped by SIGTERM after writing one)."""
-    PREEMPTION.install()  # before anything else: a SIGTERM while the data is read is a request to stop, not a kill
+    stopped by SIGTERM without a checkpoint, 143 stopped by SIGTERM after writing one). ``early_signals``: SIGTERMs
+    an entry point caught while it imported this module (they count as requests to stop)."""
+    PREEMPTION.install(early_signals)  # first: a SIGTERM while the data is read is a request to stop, not a kill
     try:
         return _main(argv)
     finally:
