@@ -3,6 +3,7 @@
     python -m cp_packing verify --nproc 2          # CP attention == full attention (cp_packing.tools.verify)
     python -m cp_packing train --nproc 2           # a tiny Llama trained with CP (cp_packing.tools.train)
     python -m cp_packing train --nproc 2 --model DIR --data FILE.jsonl --output-dir OUT   # your model and data
+    python -m cp_packing train --nproc 2 --model DIR --data FILE.jsonl --resume OUT       # after a preemption
     python -m cp_packing report --cp 8             # load balance of every layout on a map (cp_packing.tools.report)
     python -m cp_packing show --cp 2               # what a map becomes on every rank (cp_packing.tools.show)
 
@@ -14,7 +15,12 @@ Bad input exits with status 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+
+_sigterm: list = []  # a SIGTERM while `train` imports torch and transformers: handed to its flag (see there)
+if __name__ == "__main__" and sys.argv[1:2] == ["train"]:
+    signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.append(signum))
 
 RANK_COMMANDS = ("verify", "train")  # commands with their own parser, run on every rank
 
@@ -39,10 +45,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in RANK_COMMANDS:
         if argv[0] == "verify":
-            from cp_packing.tools.verify import main as command
-        else:
-            from cp_packing.tools.train import main as command
-        return command(argv[1:])
+            from cp_packing.tools.verify import main as verify
+
+            return verify(argv[1:])
+        from cp_packing.tools.train import main as train
+
+        return train(argv[1:], early_signals=_sigterm)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

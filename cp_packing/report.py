@@ -20,10 +20,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import check_windows
-from cp_packing.cost import LayoutCost, backend_bytes, choose_backend_by_bytes, layout_cost
+from cp_packing._checks import check_int, check_weighted_cost_tokens, check_windows
+from cp_packing.cost import COST_LAYOUTS, LayoutCost, backend_bytes, choose_backend_by_bytes, layout_cost
 from cp_packing.layouts.work import window_weights
-from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 
 __all__ = [
     "REPORT_LAYOUTS",
@@ -38,7 +38,25 @@ REPORT_LAYOUTS = ("contiguous", "rowzigzag", "zigzag", "balanced", "auto")
 
 
 def _params(doc_ids: torch.Tensor | PackedSeqParams) -> PackedSeqParams:
-    return doc_ids if isinstance(doc_ids, PackedSeqParams) else packed_seq_params_from_doc_ids(doc_ids)
+    if isinstance(doc_ids, PackedSeqParams):
+        return check_params(doc_ids, "doc_ids")  # O(segments): the row boundaries the row-zigzag pricing relies on
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be a [B, S] doc map tensor or PackedSeqParams, got {type(doc_ids).__name__}; "
+                        "build the params with packed_seq_params_from_doc_ids(doc_ids)")
+    return packed_seq_params_from_doc_ids(doc_ids)
+
+
+def _layouts(layouts: object) -> tuple[str, ...]:
+    """``layouts`` as a tuple of known names: one string is one layout (``"contiguous"``, not its letters)."""
+    names = (layouts,) if isinstance(layouts, str) else layouts
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"layouts must be a layout name or a non-empty list of them (from {', '.join(REPORT_LAYOUTS)})"
+                        f", got {layouts!r}")
+    unknown = [n for n in names if n not in COST_LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown layout {unknown[0]!r} in layouts={layouts!r}; choose among "
+                         f"{', '.join(REPORT_LAYOUTS)}")
+    return tuple(names)
 
 
 def balance_costs(
@@ -59,31 +77,33 @@ def balance_costs(
 
     Args:
         doc_ids: ``[B, S]`` doc map or ``PackedSeqParams``.
-        cp_size: the CP group size.
-        layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
+        cp_size: the CP group size (an int >= 1).
+        layouts: names from ``cp_packing.cost.COST_LAYOUTS`` (one name alone is one layout).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte figures.
         window: the attention's sliding window (``None``, an int or a per-layer list; see ``layout_cost``).
 
     Returns:
         ``{layout name: LayoutCost}``, in the order of ``layouts``.
 
+    Raises:
+        TypeError / ValueError: a ``cp_size`` that is not an int >= 1, an unknown layout name, a map or params that
+        are not one (``packed_seq.check_params``), and whatever ``layout_cost`` refuses.
+
     >>> list(balance_costs(torch.tensor([[1, 1, 2, 2, 2, 0]]), cp_size=4))
     ['rowzigzag', 'zigzag']
     """
+    cp_size = check_int(cp_size, "cp_size", min=1, hint="the CP group size, e.g. cp_size=8")
+    layouts = _layouts(layouts)
     params = _params(doc_ids)
     out: dict[str, LayoutCost] = {}
+    kv = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, window=window)
     for name in layouts:
         if name in ("contiguous", "balanced", "auto") and params.total_tokens % cp_size:
             continue
-        out[name] = layout_cost(
-            params,
-            cp_size=cp_size,
-            layout=name,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype_bytes=dtype_bytes,
-            window=window,
-        )
+        if name == "rowzigzag":
+            out[name] = _rowzigzag_cost(params, cp_size=cp_size, **kv)
+        else:
+            out[name] = layout_cost(params, cp_size=cp_size, layout=name, **kv)
     return out
 
 
@@ -99,9 +119,10 @@ def balance_report(
     Args: as in ``balance_costs``.
 
     Returns:
-        The table as one string (print it). In memory linear in the segments (zigzag's padding is priced in closed
-        form).
+        The table as one string (print it). In memory linear in the segments (zigzag's padding and the row-zigzag
+        reference are priced in closed form).
     """
+    cp_size = check_int(cp_size, "cp_size", min=1, hint="the CP group size, e.g. cp_size=8")
     params = _params(doc_ids)
     window = check_windows(window)
     costs = balance_costs(
@@ -134,6 +155,124 @@ def balance_report(
             "apply (pad the rows)"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ rowzigzag
+# The row-zigzag reference cuts EVERY row at the same in-row bounds, so each figure is a sum over rows of a function
+# of the in-row offsets: it is priced from the segments' in-row [lo, end) sorted once (O(segments log segments)),
+# never from the B x 2cp ranges (cp_packing.cost prices those: O(B * cp) memory, GBs at cp 128 on a [1M x 16] map).
+
+
+_INT64_SAFE = 2**62  # running sums above this are taken in exact Python ints (object arrays), slower but exact
+
+
+def _running(values: np.ndarray, dtype: object) -> np.ndarray:
+    """``[0, v0, v0 + v1, ...]`` in ``dtype`` (int64, or object: exact Python ints where int64 could overflow)."""
+    out = np.zeros(values.size + 1, dtype=dtype)
+    np.cumsum(values.astype(dtype), out=out[1:])
+    return out
+
+
+def _offset_cost(lo: np.ndarray, end: np.ndarray, weights, offsets: np.ndarray, dtype: object) -> np.ndarray:
+    """``G(o)`` for every ``o`` of ``offsets``: the cost, over ALL rows, of the tokens at in-row offsets ``[0, o)``.
+
+    The token at offset ``x`` of a segment ``[lo, end)`` costs ``sum_w count * min(x - lo + 1, w)``, linear in ``x``
+    between ``lo``, ``lo + w`` and ``end``. Each change is an event ``(q, c1, c0)`` that adds ``c1 x + c0`` for
+    ``x >= q``, so adds ``c1 (T(o) - T(q)) + c0 (o - q)`` to ``G(o)`` with ``T(x) = x (x - 1) / 2``: four running
+    sums over the events sorted by ``q``."""
+    q, c1, c0 = [], [], []
+    for w, count in weights:
+        cut = np.zeros(lo.size, dtype=bool) if w is None else w < end - lo  # the window closes inside the segment
+        w = 0 if w is None else w
+        base = count * (1 - lo)  # c0 of the linear part: count * (x - lo + 1)
+        q += [lo, lo[cut] + w, end[cut], end[~cut]]
+        c1 += [np.full(lo.size, count), np.full(int(cut.sum()), -count), np.zeros(int(cut.sum()), np.int64),
+               np.full(int((~cut).sum()), -count)]
+        c0 += [base, count * w - base[cut], np.full(int(cut.sum()), -count * w), -base[~cut]]
+    q = np.concatenate(q)
+    order = np.argsort(q, kind="stable")
+    q, c1, c0 = q[order], np.concatenate(c1)[order].astype(dtype), np.concatenate(c0)[order].astype(dtype)
+    n = np.searchsorted(q, offsets, side="left")  # the events with q < o
+    tq = (q * (q - 1) // 2).astype(dtype)
+    a1, b1, a0, b0 = (_running(v, dtype)[n] for v in (c1, c1 * tq, c0, c0 * q.astype(dtype)))
+    o = offsets.astype(dtype)
+    return (o * (o - 1) // 2) * a1 - b1 + o * a0 - b0
+
+
+def _key_reach(lo_sorted, lo_sum, end_sorted, end_sum, len_sum, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Over all rows, ``sum (min(end, y) - lo)`` over the segments that meet ``[x, y)``: the keys a rank holding
+    ``[x, y)`` of every row needs, from each of those segments' start to its last token there. The segments meeting
+    it are those with ``lo < y`` less those with ``end <= x`` (segments tile a row)."""
+    n_lo = np.searchsorted(lo_sorted, y, side="left")
+    n_end = np.searchsorted(end_sorted, y, side="right")
+    return end_sum[n_end] + y * (n_lo - n_end) - lo_sum[n_lo] - len_sum[np.searchsorted(end_sorted, x, side="right")]
+
+
+def _rowzigzag_runs_and_keys(lo: np.ndarray, end: np.ndarray, B: int, bounds: np.ndarray, cp: int, dtype: object):
+    """Per rank ``(runs, keys needed)`` under the row zigzag: rank r holds ``[x1, y1) = chunk r`` and ``[x2, y2) =
+    chunk 2cp-1-r`` of every row (one interval where they touch). A nonempty interval holds ``B`` runs plus one per
+    segment start inside it. A segment met by both intervals (``lo < y1`` and ``end > x2``) counts its keys once,
+    to its end in the second: since ``y1`` grows and ``x2`` shrinks with r, it is met by both for every rank from
+    ``max(first r with y1 > lo, first r with x2 < end)`` on."""
+    r = np.arange(cp)
+    x1, y1, x2, y2 = bounds[r], bounds[r + 1], bounds[2 * cp - 1 - r], bounds[2 * cp - r]
+    has1, has2 = y1 > x1, y2 > x2
+    touch = has1 & has2 & (y1 == x2)
+    lo_sorted, end_order = np.sort(lo), np.argsort(end, kind="stable")
+    end_sorted = end[end_order]
+    sums = [_running(v, dtype) for v in (lo_sorted, end_sorted, (end - lo)[end_order])]
+
+    def runs(x, y):
+        inside = np.searchsorted(lo_sorted, y, side="left") - np.searchsorted(lo_sorted, x, side="right")
+        return np.where(y > x, B + inside, 0)
+
+    def keys(x, y):
+        return np.where(y > x, _key_reach(lo_sorted, sums[0], end_sorted, sums[1], sums[2], x, y), 0)
+
+    first = np.maximum(np.searchsorted(y1, lo, side="right"), cp - np.searchsorted(bounds[cp:2 * cp], end, "left"))
+    both = np.bincount(first, minlength=cp + 1)[:cp].astype(dtype)  # segments met by both intervals, from rank r on
+    both_lo = np.zeros(cp + 1, dtype=dtype)
+    np.add.at(both_lo, first, lo.astype(dtype))
+    twice = y1.astype(dtype) * np.cumsum(both) - np.cumsum(both_lo[:cp])  # their keys counted up to y1 as well
+    split = has1 & has2 & ~touch
+    run = np.where(touch, runs(x1, y2), runs(x1, y1) + runs(x2, y2))
+    need = np.where(touch, keys(x1, y2), keys(x1, y1) + keys(x2, y2) - np.where(split, twice, 0))
+    return run.astype(np.int64), need.astype(np.int64)
+
+
+def _rowzigzag_cost(params: PackedSeqParams, *, cp_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    window: object) -> LayoutCost:
+    """``layout_cost(params, layout="rowzigzag", ...)`` in closed form over the segments (the same figures)."""
+    for value, name in ((num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"), (dtype_bytes, "dtype_bytes")):
+        check_int(value, name, min=1)
+    window = check_windows(window)
+    weights = window_weights(window)
+    B, S = params.doc_ids.shape
+    cp = cp_size
+    layers = sum(c for _, c in weights)
+    check_weighted_cost_tokens(B * S, layers)
+    cu = params.cu_seqlens.to("cpu", torch.int64).numpy()
+    lo = cu[:-1] % S  # in-row offsets: a segment never crosses a row (check_params)
+    end = lo + np.diff(cu)
+    magnitude = 8 * (3 * lo.size * len(weights) + 1) * layers * (S + 1) ** 2  # bounds the running sums
+    dtype = object if magnitude >= _INT64_SAFE else np.int64
+    bounds = (np.arange(2 * cp + 1, dtype=np.int64) * S) // (2 * cp)  # chunk bounds inside a row
+    chunk_cost = np.diff(_offset_cost(lo, end, weights, bounds, dtype))  # [2cp], over all rows
+    chunk_tokens = B * np.diff(bounds)
+    r = np.arange(cp)
+    rank_cost = (chunk_cost[r] + chunk_cost[2 * cp - 1 - r]).astype(np.int64)
+    tokens = (chunk_tokens[r] + chunk_tokens[2 * cp - 1 - r]).astype(np.int64)
+    runs, needed = _rowzigzag_runs_and_keys(lo, end, B, bounds, cp, dtype)
+    mean = rank_cost.sum() / cp
+    per_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token, one layer
+    return LayoutCost(
+        layout="rowzigzag", cp_size=cp, rank_cost=torch.from_numpy(rank_cost), tokens_per_rank=torch.from_numpy(tokens),
+        runs_per_rank=torch.from_numpy(runs), imbalance=float(rank_cost.max() / mean) if mean > 0 else 1.0,
+        ideal_cost=float(int(rank_cost.sum())) / cp, padding_overhead=0.0,
+        kv_bytes_allgather=torch.from_numpy((needed - tokens) * per_token),
+        kv_bytes_ring=(cp - 1) * int(tokens.max()) * per_token, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype_bytes=dtype_bytes,
+    )
 
 
 def _window_text(window: int | tuple[int | None, ...]) -> str:
@@ -211,13 +350,17 @@ def plot_balance(
     Args:
         doc_ids: ``[B, S]`` doc map or ``PackedSeqParams``.
         cp_size: the CP group size.
-        path: where to write the PNG.
+        path: the file to write (exactly this name, PNG data whatever its suffix).
         layouts: names from ``cp_packing.cost.COST_LAYOUTS``.
         window: the attention's sliding window: the costs drawn are the windowed ones.
 
     Raises:
         ImportError: matplotlib is not installed (the message names the ``plot`` extra).
+        ValueError: ``path`` is a directory.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"path {os.fspath(path)!r} is a directory; give a file name, e.g. "
+                         f"{os.path.join(path, 'balance.png')!r}")
     try:
         import matplotlib
 
@@ -247,5 +390,5 @@ def plot_balance(
     ax.set_title(f"per-rank causal attention cost, cp={cp_size}{under}")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # exactly ``path``: matplotlib would add ".png" to a bare name
     plt.close(fig)

@@ -127,3 +127,57 @@ def test_train_through_the_module_entry_point_lists_its_options_and_checks_them(
     assert code == 0 and "dry run" in out, err
     code, _, err = cli("train", "--nproc", "2", "--dry-run", "--data", "missing.jsonl", capsys=capsys)
     assert code == 2 and err.strip().count("\n") == 0 and "does not exist" in err, err
+
+
+def test_report_png_names_the_file_it_writes_and_refuses_a_directory(tmp_path, capsys):
+    """``--png DIR`` used to write DIR.png and say it wrote DIR; a directory, another suffix or a missing parent is
+    now a one-line usage error before any work, and a .png name is written as given."""
+    target = tmp_path / "charts"
+    target.mkdir()
+    for png, message in ((str(target), "is a directory; give a file name, e.g. --png"),
+                         (str(tmp_path / "chart"), "does not end in .png"),
+                         (str(tmp_path / "missing" / "chart.png"), "does not exist; create it first")):
+        code, _, err = cli("report", "--cp", "2", "--batch", "1", "--seqlen", "64", "--png", png, capsys=capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(tmp_path) == ["charts"] and not os.listdir(target)  # nothing written anywhere
+    pytest.importorskip("matplotlib")
+    path = target / "chart.png"
+    code, out, _ = cli("report", "--cp", "2", "--batch", "1", "--seqlen", "64", "--png", str(path), capsys=capsys)
+    assert code == 0 and f"wrote {path}" in out and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--cp", "2", "--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of --kv-heads 2"),
+    (["report", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["show", "--doc-ids", "[]"], "--doc-ids '[]' is an empty map"),
+    (["report", "--doc-ids", "[[]]"], "--doc-ids '[[]]' is an empty map"),
+])
+def test_obscure_bad_input_is_a_one_line_usage_error(argv, message, capsys):
+    code, _, err = cli(*argv, capsys=capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 or err.startswith("usage:"), err
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">i8", "<i2"])
+def test_a_map_saved_in_another_byte_order_is_read(dtype, tmp_path, capsys):
+    """A big-endian .npy map (numpy.save of a '>i4' array, as written on such machines or by astype) is read as the
+    same numbers, not refused by torch.from_numpy."""
+    import numpy as np
+
+    path = str(tmp_path / "map.npy")
+    np.save(path, np.array([[1, 1, 2, 2, 2, 0]], dtype=dtype))
+    code, out, err = cli("show", "--doc-ids", path, "--cp", "2", capsys=capsys)
+    assert code == 0, err
+    assert "cu_seqlens   [0, 2, 5, 6]" in out
+    from cp_packing.tools import load_doc_ids
+
+    assert load_doc_ids(path).tolist() == [[1, 1, 2, 2, 2, 0]]
+
+
+@pytest.mark.parametrize("module", ["cp_packing.tools", "cp_packing.tools.data", "cp_packing.tools.checkpoint"])
+def test_tool_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), extraglobs={"torch": torch})
+    assert result.attempted > 0 and result.failed == 0, result

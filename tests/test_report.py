@@ -203,3 +203,65 @@ def test_report_under_a_window_shows_the_windowed_figures(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--window", "0"])
     assert "every window must be >= 1" in capsys.readouterr().err
+
+
+def _same_cost(got, ref) -> None:
+    for field in ("rank_cost", "tokens_per_rank", "runs_per_rank", "kv_bytes_allgather"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), (field, getattr(got, field), getattr(ref, field))
+    for field in ("layout", "cp_size", "imbalance", "ideal_cost", "padding_overhead", "kv_bytes_ring"):
+        assert getattr(got, field) == getattr(ref, field), field
+
+
+@pytest.mark.parametrize("exact_ints", [False, True], ids=["int64", "python-ints"])
+def test_the_report_prices_rowzigzag_in_closed_form_with_the_cost_modules_figures(exact_ints, monkeypatch):
+    """The report's row-zigzag column (closed form over the segments, O(segments)) gives exactly the figures of
+    cost.layout_cost's range-by-range pricing (O(rows x cp)), on maps with rows shorter and longer than 2cp, padding,
+    a huge document, windows and per-layer windows; also on the exact-Python-int path taken near int64's limit."""
+    import numpy as np
+
+    import cp_packing.cost as cost
+    import cp_packing.report as report
+
+    if exact_ints:
+        monkeypatch.setattr(report, "_INT64_SAFE", 0)
+    ranges = cost._layout_ranges
+
+    def no_row_ranges(cu, cp, layout, rows, window=None):
+        assert layout != "rowzigzag", "the report built the B x 2cp row-zigzag ranges (O(rows x cp) memory)"
+        return ranges(cu, cp, layout, rows, window)
+
+    for seed in range(12 if exact_ints else 40):
+        rng = np.random.default_rng(seed)
+        B, S = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+        doc_ids = synthetic_doc_ids(SYNTHETIC_KINDS[seed % len(SYNTHETIC_KINDS)], B, S, seed=seed,
+                                    median=float(rng.integers(1, 12)))
+        params = packed_seq_params_from_doc_ids(doc_ids)
+        for cp in (1, 2, 3, 7, 16):
+            for window in (None, 1, 3, [2, None, 5]):
+                ref = layout_cost(params, cp_size=cp, layout="rowzigzag", window=window)
+                monkeypatch.setattr(cost, "_layout_ranges", no_row_ranges)
+                got = balance_costs(params, cp_size=cp, layouts="rowzigzag", window=window)["rowzigzag"]
+                monkeypatch.setattr(cost, "_layout_ranges", ranges)
+                _same_cost(got, ref)
+
+
+def test_balance_report_and_costs_check_their_inputs():
+    doc_ids = torch.tensor([[1, 1, 2, 2]])
+    for bad, error in ((0, ValueError), ("2", TypeError), (None, TypeError), (2.0, TypeError)):
+        for fn in (balance_costs, balance_report):
+            with pytest.raises(error, match="cp_size"):
+                fn(doc_ids, cp_size=bad)
+    assert list(balance_costs(doc_ids, cp_size=2, layouts="contiguous")) == ["contiguous"]  # one name, one layout
+    assert "contiguous" in balance_report(doc_ids, cp_size=2, layouts="contiguous")
+    with pytest.raises(ValueError, match="unknown layout 'zigzg'.*choose among contiguous, rowzigzag"):
+        balance_costs(doc_ids, cp_size=2, layouts=("contiguous", "zigzg"))
+    with pytest.raises(TypeError, match="layouts must be a layout name or a non-empty list"):
+        balance_report(doc_ids, cp_size=2, layouts=[])
+    with pytest.raises(TypeError, match="doc_ids must be a"):
+        balance_costs([[1, 1, 2, 2]], cp_size=2)
+    import dataclasses
+
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1], [1, 1]]))
+    merged = dataclasses.replace(params, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32), max_seqlen=4)
+    with pytest.raises(ValueError, match="no boundary at the start of row 1"):
+        balance_costs(merged, cp_size=2, layouts="rowzigzag")  # a segment across rows: refused, not mispriced

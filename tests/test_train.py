@@ -14,6 +14,7 @@ import time
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _env() -> dict[str, str]:
 def test_parity_check_fails_without_the_cp_gradient_reduction(capfd):
     """--check-parity is not a rubber stamp: a trainer that skips the CP all-reduce of gradients exits 1 with FAIL."""
     code = train.main(["--nproc", "2", "--steps", "1", "--check-parity", "--layout", "zigzag", "--seq-len", "32",
-                       "--inject-fault"])
+                       "--inject-fault", "grad-reduction"])
     out = capfd.readouterr().out
     assert code == 1, out
     assert "FAIL" in out and "MISMATCH" in out, out
@@ -238,13 +239,14 @@ def test_trains_on_parquet_token_ids_with_fsdp2(local, tmp_path, capfd):
 @not_under_torchrun
 @pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigterm_finishes_the_step_saves_and_exits_143(local, tmp_path):
-    """A scheduler's SIGTERM to the ranks mid-run (FSDP2): they stop after the same step, the full state dict is
-    gathered and saved, and it loads."""
+def test_sigterm_finishes_the_step_checkpoints_exits_143_and_resumes_under_fsdp2(local, tmp_path):
+    """A scheduler's SIGTERM to the ranks mid-run (FSDP2): they stop after the same step, the full state is gathered
+    into a checkpoint that loads with from_pretrained (model and tokenizer), and --resume continues it under FSDP2."""
     out = tmp_path / "trained"
+    common = ["--nproc", "2", "--model", local["model"], "--data", local["text"], "--seq-len", "64", "--fsdp",
+              "--log-every", "1"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cp_packing", "train", "--nproc", "2", "--model", local["model"], "--data",
-         local["text"], "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--fsdp", "--output-dir", str(out)],
+        [sys.executable, "-m", "cp_packing", "train", *common, "--steps", "100000", "--output-dir", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True,
     )
     lines: list[str] = []
@@ -264,8 +266,15 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(local, tmp_path):
             proc.wait(timeout=10)
     text = "".join(lines) + rest
     assert proc.returncode == train.EXIT_SIGTERM == 143, text
-    assert "SIGTERM: stopped after step" in text and "saved the model and tokenizer" in text, text
-    assert "Traceback" not in text, text
+    assert "SIGTERM: stopped after step" in text and "Traceback" not in text, text
+    step = int(text.split("SIGTERM: stopped after step ")[1].split()[0])
+    checkpoint = out / f"checkpoint-{step}"
+    assert f"saved checkpoint {checkpoint}" in text, text
+    assert_trained(str(checkpoint), local["model"])
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)("w1 w2")["input_ids"]
+    assert train.main([*common, "--steps", str(step + 1), "--resume", str(out)]) == 0
     assert_trained(str(out), local["model"])
 
 
@@ -290,6 +299,19 @@ def test_every_usage_error_exits_2_before_training_printed_once_under_torchrun(l
     (no_weights / "config.json").write_text(open(os.path.join(local["model"], "config.json")).read())
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    corrupt = tmp_path / "corrupt_weights"
+    corrupt.mkdir()
+    for name in os.listdir(local["model"]):
+        data = open(os.path.join(local["model"], name), "rb").read()
+        (corrupt / name).write_bytes(data[: len(data) // 2] if name == "model.safetensors" else data)  # truncated
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"text": "w1 caf\u00e9"}\n'.encode("latin-1"))
+    earlier = tmp_path / "earlier"  # an --output-dir holding a checkpoint of another run
+    (earlier / "checkpoint-3").mkdir(parents=True)
+    (earlier / "checkpoint-3" / "trainer_state.json").write_text('{"step": 3}')
+    other = tmp_path / "other_run" / "checkpoint-2"  # a checkpoint of a run with other options
+    shutil.copytree(local["model"], other)
+    (other / "trainer_state.json").write_text(json.dumps({"step": 2, "model": local["model"], "batch": 9}))
     m = ["--model", local["model"]]
     cases = [
         (["--model", str(tmp_path / "missing")], "is neither a preset (llama, qwen3) nor a local directory"),
@@ -311,6 +333,17 @@ def test_every_usage_error_exits_2_before_training_printed_once_under_torchrun(l
         (["--cp", "3"], "--cp 3 does not divide the world size 2"),
         (["--nproc", "2"], "--nproc is for runs without torchrun"),
         (["--output-dir", str(a_file)], "is a file"),
+        (["--dry-run", "--output-dir", str(a_file / "out")], f"--output-dir {str(a_file / 'out')!r} is not writable"),
+        (["--dry-run", "--output-dir", "/proc/cp-packing-out"], "is not writable"),  # root passes os.access here
+        (["--dry-run", "--model", str(corrupt)], "the weights file model.safetensors does not load"),
+        ([*m, "--data", str(latin1)], f"--data {str(latin1)!r} line 1 is not UTF-8"),
+        ([*m, "--eval-data", str(latin1)], f"--eval-data {str(latin1)!r} line 1 is not UTF-8"),
+        (["--output-dir", str(earlier)], "holds checkpoint-3 of an earlier run"),
+        (["--resume", str(tmp_path / "none")], "is not a directory"),
+        (["--resume", str(empty)], "holds no complete checkpoint"),
+        ([*m, "--resume", str(other.parent)], "batch=9 (now 2)"),
+        ([*m, "--resume", str(other), "--check-parity"], "--check-parity trains a reference model"),
+        (["--lr-scheduler", "constant", "--warmup-steps", "2"], "use --lr-scheduler constant_with_warmup"),
         (["--dry-run", "--kernel", "torch_varlen"], "--kernel torch_varlen is not available on cpu"),
         (["--dry-run", "--attn-backend", "ulysses", "--heads", "3", "--kv-heads", "1", "--hidden", "48"],
          "does not divide the 3 query heads"),
@@ -328,6 +361,26 @@ def test_every_usage_error_exits_2_before_training_printed_once_under_torchrun(l
     monkeypatch.setenv("RANK", "0")
     assert train.main([*m, "--data", local["text"], "--seq-len", "64", "--dry-run"]) == 0
     assert "dry run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got 'inf'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--doc-len-sigma", "nan"], "argument --doc-len-sigma: must be a finite number >= 0, got 'nan'"),
+    (["--doc-len-sigma", "-1"], "argument --doc-len-sigma: must be a finite number >= 0, got '-1'"),
+    (["--mean-doc-len", "inf"], "argument --mean-doc-len: must be a finite number > 0"),
+    (["--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["--grad-accum", "0"], "argument --grad-accum: must be an integer >= 1"),
+    (["--lr-scheduler", "cosine_with_min_lr"], "argument --lr-scheduler: invalid choice"),
+])
+def test_a_bad_number_is_a_one_line_usage_error_naming_the_option(argv, message, capsys):
+    """inf / nan / out-of-range values are refused by the parser, naming the option (not accepted, not a
+    traceback later)."""
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_no_option_collides_with_torchrun_and_no_abbreviation_is_accepted(capsys):
@@ -393,3 +446,69 @@ def test_load_documents_reads_text_ids_and_labels(local, tmp_path):
     bad.write_text('{"input_ids": [1]}\n{oops\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         load_documents(str(bad))
+
+
+# ------------------------------------------------------------------------------------------ training options, eval
+
+
+def _lines(out: str, prefix: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(prefix)]
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", ["2", "1"], ids=["cp2", "dp2"])
+def test_accumulation_clipping_and_schedule_keep_parity_and_follow_transformers(cp, capfd):
+    """--grad-accum 2 (each micro-batch over the step's global count), --max-grad-norm (the global norm, after the
+    CP / DP sums: a rank clipping its own partial gradient would break parity from step 2), a linear warmup
+    schedule: the gradients equal those of one process on the union of every micro-batch of every replica for 3
+    steps, and the learning rate of each step is transformers.get_scheduler's."""
+    from transformers import get_scheduler
+
+    code = train.main(["--nproc", "2", "--cp", cp, "--steps", "3", "--seq-len", "32", "--layers", "1",
+                       "--log-every", "1", "--grad-accum", "2", "--max-grad-norm", "0.05", "--lr-scheduler", "linear",
+                       "--warmup-steps", "1", "--lr", "0.01", "--check-parity", "--parity-steps", "3"])
+    out = capfd.readouterr().out
+    assert code == 0 and "PASS" in out, out
+    assert len(_lines(out, "parity step ")) == 3 and "MISMATCH" not in out, out
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
+    want = []
+    for _ in range(3):
+        want.append(f"{opt.param_groups[0]['lr']:.3g}")
+        opt.step()
+        sched.step()
+    lines = _lines(out, "step ")
+    assert [line.split(" lr ")[1].split()[0] for line in lines] == want, out
+    assert all(float(line.split(" grad norm ")[1].split()[0]) > 0.05 for line in lines), out  # clipping was active
+    assert "batch=2x32x2" in out, out
+
+
+@not_under_torchrun
+@pytest.mark.distributed
+@pytest.mark.parametrize("source", ["synthetic", "file"])
+def test_the_eval_loss_under_cp_equals_the_loss_of_one_process(source, local, tmp_path, capfd):
+    """--eval-every at cp 2 (no grad, eval mode): the printed eval loss equals the loss of the saved model on the
+    same eval batches in one process without CP (HF sdpa, block-diagonal mask), on a synthetic eval stream and on
+    --eval-data."""
+    from transformers import AutoModelForCausalLM
+
+    from cp_packing.tools.data import eval_batches
+
+    out = tmp_path / "out"
+    argv = ["--nproc", "2", "--steps", "2", "--seq-len", "32", "--eval-every", "2", "--eval-steps", "3",
+            "--output-dir", str(out)]
+    argv += ["--model", local["model"], "--eval-data", local["text"]] if source == "file" else ["--layers", "1"]
+    assert train.main(argv) == 0
+    text = capfd.readouterr().out
+    evals = _lines(text, "eval after step 2: loss ")
+    assert len(evals) == 1, text
+    cp_loss = float(evals[0].split(" loss ")[1].split()[0])
+    args = train.parse_args(argv)
+    setup = train.prepare(args, 2)
+    batches = [b for step in eval_batches(args, setup.eval_data, 1) for b in step]
+    assert len(batches) == 3
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        ref = float(train.reference_loss(model, batches))
+    assert abs(cp_loss - ref) <= 1e-5 * max(1.0, abs(ref)) + 1e-6, (cp_loss, ref)

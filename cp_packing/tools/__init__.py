@@ -4,31 +4,71 @@
 
 Shared here: ``launch`` runs a tool's per-rank function under torchrun or on ranks it forks itself (``--nproc``),
 ``rank0_parser`` makes a parser print its help and usage errors once under torchrun, not once per rank,
-``load_doc_ids`` reads a map from a file or a JSON literal, and ``positive_int`` is the argparse type of sizes.
+``load_doc_ids`` reads a map from a file or a JSON literal, and ``positive_int`` / ``nonnegative_int`` /
+``finite_float`` are the argparse types of sizes, seeds and real numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Callable
 
 import torch
 
-__all__ = ["launch", "load_doc_ids", "positive_int", "rank0_parser"]
+__all__ = ["finite_float", "launch", "load_doc_ids", "nonnegative_int", "positive_int", "rank0_parser"]
 
 
-def positive_int(text: str) -> int:
-    """argparse type of a size: an integer >= 1 (a usage error, exit 2, otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """The argparse type of an integer ``>= minimum`` (a usage error naming the option, exit 2, otherwise).
+
+    >>> int_at_least(0)("3")
+    3
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+"""argparse type of a size: an integer >= 1."""
+nonnegative_int = int_at_least(0)
+"""argparse type of a seed or a count that may be 0: an integer >= 0."""
+
+
+def finite_float(minimum: float, *, strict: bool = False) -> Callable[[str], float]:
+    """The argparse type of a finite real number ``>= minimum`` (``> minimum`` with ``strict``): ``inf`` and ``nan``
+    are refused like any other bad value (a usage error naming the option).
+
+    >>> finite_float(0.0, strict=True)("3e-3")
+    0.003
+    >>> finite_float(0.0, strict=True)("inf")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: must be a finite number > 0, got 'inf'
+    """
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def load_doc_ids(arg: str) -> torch.Tensor:
@@ -46,7 +86,10 @@ def load_doc_ids(arg: str) -> torch.Tensor:
             if arg.endswith(".npy"):
                 import numpy as np
 
-                value = torch.from_numpy(np.load(arg, allow_pickle=False))
+                array = np.load(arg, allow_pickle=False)
+                if array.dtype.byteorder not in "=|":  # big-endian (or explicit little-endian) data: torch wants native
+                    array = array.astype(array.dtype.newbyteorder("="))
+                value = torch.from_numpy(array)
             else:
                 value = torch.load(arg, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - pickle, zip and numpy each raise their own type on a corrupt file
@@ -63,6 +106,9 @@ def load_doc_ids(arg: str) -> torch.Tensor:
             raise ValueError(
                 f"--doc-ids {arg!r} is neither a .pt/.npy file nor a JSON list of lists such as \"[[1,1,2,0]]\""
             ) from exc
+    if value.numel() == 0:
+        raise ValueError(f"--doc-ids {arg!r} is an empty map (shape {tuple(value.shape)}); give at least one token, "
+                         'e.g. "[[1,1,2,0]]"')
     if value.dim() == 1:
         value = value.unsqueeze(0)
     if value.dim() != 2:
@@ -82,25 +128,30 @@ def rank0_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def launch(rank_fn: Callable[[int, int], int], nproc: int | None) -> int:
+def launch(rank_fn: Callable[[int, int], int], nproc: int | None, *, signal_grace: float = 5.0) -> int:
     """Run ``rank_fn(rank, world_size) -> exit status`` on every rank; return the worst status.
 
     Under torchrun: on the launched group (``nproc`` must be None: torchrun sets the world size), which is torn down
     afterwards. Otherwise on ``nproc`` (default 2) forked CPU ranks in a gloo group (``cp_packing.testing.run_ranks``,
-    no time limit; SIGTERM / SIGINT to this process reach every rank). A rank that raised prints its traceback and
-    counts as status 1.
+    no time limit). SIGTERM to this process reaches every rank, which then has ``signal_grace`` seconds to finish
+    (``cp_packing.tools.lifecycle.forward_signals_to_ranks``); SIGINT ends them within 5 s. A rank whose parent dies
+    is killed (Linux). A rank that raised prints its traceback and counts as status 1.
     """
+    import functools
+
     import torch.distributed as dist
 
     from cp_packing.testing import run_ranks, under_torchrun
+    from cp_packing.tools.lifecycle import forward_signals_to_ranks
 
     if under_torchrun() and nproc is not None:
         if os.environ.get("RANK", "0") == "0":
             print("error: --nproc is for runs without torchrun; torchrun sets the world size (--nproc-per-node)",
                   file=sys.stderr)
         return 2
+    run = functools.partial(run_ranks, rank_fn, nproc, timeout=None)
     try:
-        results = run_ranks(rank_fn, nproc, timeout=None)
+        results = run() if under_torchrun() else forward_signals_to_ranks(run, signal_grace)
     finally:
         if under_torchrun() and dist.is_initialized():
             dist.destroy_process_group()

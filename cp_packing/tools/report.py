@@ -12,8 +12,9 @@ The one place the tools use the report module (``balance_report`` / ``plot_balan
 from __future__ import annotations
 
 import argparse
+import os
 
-from cp_packing.tools import load_doc_ids, positive_int
+from cp_packing.tools import load_doc_ids, nonnegative_int, positive_int
 
 
 def add_parser(sub) -> None:
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
                      help="synthetic map when --doc-ids is not given (default lognormal)")
     rep.add_argument("--batch", type=positive_int, default=8)
     rep.add_argument("--seqlen", type=positive_int, default=4096)
-    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--seed", type=nonnegative_int, default=0, help="synthetic map seed (default 0)")
     rep.add_argument("--cp", type=positive_int, default=8, help="CP group size (default 8)")
     rep.add_argument("--layouts", help="comma-separated subset of contiguous,rowzigzag,zigzag,balanced,auto")
     rep.add_argument("--num-kv-heads", "--kv-heads", dest="num_kv_heads", type=positive_int, default=8,
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
     rep.add_argument("--window", type=window_arg, default=None,
                      help="the model's sliding window: every cost becomes sum min(p + 1, W) and balanced / auto plan "
                           "for it; an int, or one entry per layer separated by commas (none = a global layer)")
-    rep.add_argument("--png", help="also write a bar chart PNG (needs matplotlib: the 'plot' extra)")
+    rep.add_argument("--png", help="also write a bar chart PNG to this file, e.g. balance.png (needs matplotlib: the "
+                     "'plot' extra)")
     rep.set_defaults(func=run)
 
 
@@ -58,11 +60,29 @@ def window_arg(text: str) -> int | tuple[int | None, ...]:
     return tuple(values)
 
 
+def check_png_path(path: str) -> str:
+    """``--png PATH``, checked before any work: a file name in an existing directory, ending in ``.png``."""
+    if os.path.isdir(path):
+        raise ValueError(f"--png {path!r} is a directory; give a file name, e.g. --png "
+                         f"{os.path.join(path, 'balance.png')}")
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"--png {path!r} does not end in .png; give a file name such as {path}.png")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--png {path!r}: the directory {parent!r} does not exist; create it first")
+    return path
+
+
 def run(args) -> int:
     from cp_packing.report import balance_report, plot_balance
     from cp_packing.packed_seq import packed_seq_params_from_doc_ids
     from cp_packing.testing import synthetic_doc_ids
 
+    if args.png:
+        check_png_path(args.png)
+    if args.heads and args.heads % args.num_kv_heads:
+        raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.num_kv_heads} (GQA groups); "
+                         f"pick --kv-heads a divisor of {args.heads}")
     if args.doc_ids:
         doc_ids = load_doc_ids(args.doc_ids)
         source = args.doc_ids
@@ -82,8 +102,6 @@ def run(args) -> int:
     if args.heads:
         from cp_packing.report import backend_bytes_table
 
-        if args.heads % args.num_kv_heads:
-            raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.num_kv_heads} (GQA groups)")
         T_local = -(-B * S // args.cp)
         print(f"\nforward bytes per layer per rank, T_local={T_local} (B*S / cp), head_dim={args.head_dim}, "
               f"{args.dtype_bytes} bytes per element:")
