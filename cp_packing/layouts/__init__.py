@@ -29,6 +29,7 @@ import torch
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
 from cp_packing.layouts.balanced import balanced_runs
 from cp_packing.layouts.contiguous import contiguous_runs
+from cp_packing.layouts.local import local_runs
 from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_runs
 
 __all__ = [
@@ -45,7 +46,9 @@ __all__ = [
 RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
 #: Layout name -> pure runs function ``(cu_seqlens int64, *, cp_size, cp_rank, window) -> (run_start, run_len)``.
-RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs}
+RUNS: dict[str, RunsFn] = {
+    "contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs, "local": local_runs,
+}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
 LAYOUTS = tuple(RUNS)
