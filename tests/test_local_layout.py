@@ -175,12 +175,12 @@ REALISTIC = [("lognormal", mean, cp, seed) for mean in (2048, 8192) for cp in (4
 
 @pytest.mark.parametrize("kind, mean, cp, seed", REALISTIC)
 def test_even_cost_and_fewer_remote_keys_than_balanced_on_lognormal_maps(kind, mean, cp, seed):
-    """busiest / mean <= 1 + TOLERANCE, and the busiest rank needs no more remote keys than balanced's busiest:
-    counted token by token."""
+    """busiest / mean <= 1.001 (the split is exact to about 1e-5 here), and the busiest rank needs no more remote
+    keys than balanced's busiest: counted token by token."""
     doc_ids = lognormal(mean, cp, seed, t_local=2048)
     costs, needs = _figures(doc_ids, cp)
     _, balanced_needs = _figures(doc_ids, cp, runs_fn=balanced_runs)
-    assert max(costs) / (sum(costs) / cp) <= 1 + TOLERANCE, costs
+    assert max(costs) / (sum(costs) / cp) <= 1.001, costs
     assert max(needs) <= max(balanced_needs), (needs, balanced_needs)
 
 
@@ -227,8 +227,7 @@ def test_short_documents_stay_whole_and_a_long_one_is_folded_into_rings():
 
 
 def test_the_tolerance_is_the_knob():
-    """A plan for any tolerance is a partition; tolerance 0 folds at least as much and is at least as even on a map
-    that needs folding; bad tolerances are refused."""
+    """A plan for any tolerance is an exact partition as even as the tolerance asks; bad tolerances are refused."""
     doc_ids = lognormal(8192, 8, 0, t_local=1024)
     cu = packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
     for tol in (0.0, 0.01, 0.5):
@@ -236,21 +235,22 @@ def test_the_tolerance_is_the_knob():
         idx = [expand(run_start[offsets[r]:offsets[r + 1]], run_len[offsets[r]:offsets[r + 1]]) for r in range(8)]
         assert np.array_equal(np.sort(np.concatenate(idx)), np.arange(doc_ids.numel()))
         costs, _ = reference_figures(doc_ids, idx)
-        assert max(costs) / (sum(costs) / 8) <= 1 + max(tol, TOLERANCE), (tol, costs)
-    with pytest.raises(ValueError, match="tolerance must be >= 0.0"):
+        assert max(costs) / (sum(costs) / 8) <= 1 + tol + 1e-5, (tol, costs)
+    with pytest.raises(ValueError, match=r"tolerance must be >= 0\.0"):
         local_plan(cu, cp_size=8, tolerance=-0.1)
     with pytest.raises(TypeError, match="tolerance must be a number"):
         local_plan(cu, cp_size=8, tolerance="0.01")
 
 
-# -- registry, sharding, attention ---------------------------------------------------------------------------------------
+# -- registry, sharding, attention -------------------------------------------------------------------------------------
 
 
 def test_registered_as_a_layout_name():
     cu = packed_seq_params_from_doc_ids(lognormal(2048, 4, 1, t_local=512)).cu_seqlens
     assert RUNS["local"] is local_runs
+    offsets, run_start, run_len = local_plan(cu, cp_size=4, tolerance=TOLERANCE)  # what layout="local" uses
     for r in range(4):
-        want = local_runs(cu, cp_size=4, cp_rank=r)
+        want = run_start[offsets[r] : offsets[r + 1]], run_len[offsets[r] : offsets[r + 1]]
         got = layout_runs(cu.to(torch.int32), cp_size=4, cp_rank=r, layout="local")
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 

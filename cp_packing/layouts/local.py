@@ -11,20 +11,25 @@ together but is uneven. ``local`` lays the segments end to end as one stream ``S
           cheap tokens (short segments)                   dense tokens (long segments, late positions)
 
 From the outside in, rank ``r`` takes ``a`` tokens from the low end of what is left and ``T/cp - a`` from the high
-end, with ``a`` the split whose cost is nearest the mean cost of the ranks still to place (every split is priced at
-once from the prefix cost of ``S``). One more low token and one less high token costs less, so a split within one
-token of the mean exists while the cost along ``S`` rises; the last rank takes the middle. Short segments stay whole
-and only the ``2cp - 2`` interval bounds cut segments: a low bound cuts a short segment (its second piece needs few
-keys); a high bound cuts a long one, where a late piece needs its segment's prefix, but it is cut only as far as the
-cost needs.
+end: every split ``a`` is priced at once (the cost of ``S`` up to any point is a closed form of the segments), and
+the one nearest the mean cost of the ranks still to place wins; the last rank takes the middle. One more low token
+and one less high token costs less, so while the cost along ``S`` rises a split within one token's cost of the mean
+exists. A second freedom makes it exact: the segment the high bound cuts gives the rank its outside, the end of
+what is left of it and a head of ``h`` tokens from its start (by default none of a straight segment, half for a folded
+one, see below), and ``h`` is free. One token moved from that end to the head costs less by the width of what is
+left; traded for one more token from the low end, the cost moves by that cheap token's cost: fine steps. Of the
+splits within ``1e-6`` of the target, the one with the least shifted head wins (busiest / mean ``~1 + 1e-5``).
 
-A long segment laid straight puts its cheap head next to the dense tail of the segment before it, and a rank that
-reaches it can find no split near the mean. Such a segment is *folded*: laid out from the middle outwards, so that
-every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval of a folded segment is then
-its middle ``[m, m + u)`` or a ring ``[a, m) + [m + u, b)``, at most two runs, and the ring ``[0, a) + [L - a, L)``
-needs ``L - 2a`` keys (``zigzag``'s pair, over as few ranks as the cost needs)::
+Short segments stay whole and only the ``2cp - 2`` interval bounds cut segments: a low bound cuts a short segment
+(its second piece needs few keys); a high bound cuts a long one, where a late piece needs its segment's prefix, but
+only as far as the cost needs. A long segment laid straight puts its cheap head next to the dense tail of the one
+before it, and a rank that reaches it can find no split near the mean. Such a segment is *folded*: laid out from
+the middle outwards, so that every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval
+of a folded segment is its middle or a ring around it, at most two runs, and the ring ``[0, a) + [L - a, L)`` needs
+``L - 2a`` keys (``zigzag``'s pair, over as few ranks as the cost needs)::
 
-    positions  0 1 2 3 4 5 6 7      S order, folded: 3 4 2 5 1 6 0 7      rank 0 | rank 1: [0 1 | 2 3 4 5 | 6 7]
+    positions  0 1 2 3 4 5 6 7      S order, folded: 3 4 2 5 1 6 0 7
+    split at 4 tokens: the low side gets the middle [2, 6), the high side the ring [0, 2) + [6, 8)
 
 The knob, ``TOLERANCE`` (a rank's distance from its target cost, as a fraction of ``C / cp``): nothing is folded at
 first; whenever a rank ends farther than that from its target, the longest straight segment at the end of ``S``
@@ -37,8 +42,9 @@ busiest cost); where none is within it, the one with the lowest busiest cost.
 Runs: every run lies in one segment; a rank's runs are ordered by global position and touching pieces of one
 segment are merged. Under a sliding ``window`` every cost is ``sum min(p + 1, window)`` (``layouts/work.py``); the
 plan is the same construction. The plan is a function of the ``cu_seqlens`` values, ``cp``, the window and the
-tolerance only (integer costs, stable sorts), cached like ``balanced``'s with ``functools.lru_cache``; it runs in
-NumPy on the host in time and memory linear in ``T`` (a CUDA ``cu_seqlens`` is copied: one host sync per call).
+tolerance only (integer costs, stable sorts), cached like ``balanced``'s with ``functools.lru_cache``. It runs in
+NumPy on the host, a pass over the ranks per candidate (and per fold), each pass linear in ``T`` (every rank prices
+its ``T/cp + 1`` splits); a CUDA ``cu_seqlens`` is copied (one host sync per call).
 """
 
 from __future__ import annotations
@@ -56,19 +62,25 @@ from cp_packing.layouts.work import WindowWeights, range_cost
 __all__ = ["local_plan", "local_runs", "TOLERANCE", "FOLD_LADDER", "MAX_FOLDS"]
 
 #: The knob: how far (a fraction of the ideal ``C / cp``) a rank may end from its target cost before a segment is
-#: folded to get it closer, and the busiest / mean a plan may have (``1 + TOLERANCE``) to count as balanced.
-#: Smaller: more even, more remote keys; larger: fewer remote keys (docs/balance.md has the trade, measured).
-TOLERANCE = 0.001
+#: folded to get it closer, and the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer
+#: remote keys. Smaller: more even, more remote keys; larger: fewer (docs/balance.md has the trade, measured).
+TOLERANCE = 0.01
 #: Candidate plans start with every segment of at least this many ``T / cp`` folded (``None``: none).
 FOLD_LADDER = (None, 2.0, 1.0, 0.5)
 #: At most this many segments folded on demand per candidate (each fold redoes one pass over the ranks).
 MAX_FOLDS = 32
+#: A rank's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
+#: shifted head. Under a window, the splits ``a`` tried with a free head: this many either side of the best one.
+_EXACT, _WINDOW = 1e-6, 64
 
 _CACHE_SIZE = 16
 
+_FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
+
 
 class _Stream:
-    """The segments in ``S`` order (by length, then position) and the prefix cost of ``S``, token by token."""
+    """The segments in ``S`` order (by length, then position): global starts, lengths, their stretches of ``S`` and
+    the cost of the whole segments before each."""
 
     def __init__(self, cu: np.ndarray, weights: WindowWeights):
         start, length = cu[:-1], np.diff(cu)
@@ -79,58 +91,139 @@ class _Stream:
         self.end = np.cumsum(self.length)
         self.beg = self.end - self.length
         self.total = int(self.end[-1])
-        pos = np.arange(self.total, dtype=np.int64)
-        pos -= np.repeat(self.beg, self.length)  # position of every S token in its segment (straight)
-        self.straight = np.zeros(self.total + 1, dtype=np.int64)
-        np.cumsum(range_cost(pos, pos + 1, weights), out=self.straight[1:])
-
-    def prefix(self, fold: np.ndarray) -> np.ndarray:
-        """int64 ``[T + 1]``: cost of the first ``x`` tokens of ``S`` with the segments ``fold`` folded."""
-        fs = self.straight.copy()
-        for k in np.flatnonzero(fold).tolist():
-            self.refold(fs, k)
-        return fs
-
-    def refold(self, fs: np.ndarray, k: int) -> None:
-        """Rewrite the prefix cost ``fs`` inside segment ``k`` for its folded order (its total does not change)."""
-        b, n = int(self.beg[k]), int(self.length[k])
-        pos = _folded_positions(n)
-        np.cumsum(range_cost(pos, pos + 1, self.weights), out=fs[b + 1 : b + n + 1])
-        fs[b + 1 : b + n + 1] += fs[b]
+        self.base = np.zeros(self.length.size + 1, dtype=np.int64)
+        np.cumsum(range_cost(np.zeros_like(self.length), self.length, weights), out=self.base[1:])
+        self.ideal = int(self.base[-1])
 
 
-def _folded_positions(n: int) -> np.ndarray:
-    """int64 ``[n]``: the positions of a folded segment of ``n`` tokens in ``S`` order, middle out: its first ``u``
-    tokens are ``[m(u), m(u) + u)`` with ``m(u) = (n - u) // 2`` (``n = 8``: ``3 4 2 5 1 6 0 7``)."""
-    u = np.arange(n, dtype=np.int64)
-    m_now, m_next = (n - u) // 2, (n - u - 1) // 2
-    return np.where(m_next < m_now, m_next, m_now + u)
+class _Split:
+    """One pass over the ranks: every segment's state and the runs placed so far (see ``_solve``).
+
+    What is left of a segment is a *frame* ``[c, c + w)`` of positions laid on the first ``w`` tokens of its stretch
+    of ``S``: straight (S offset ``u`` is position ``c + u``) or folded (its first ``u`` tokens are
+    ``[c + m(u), c + m(u) + u)``, ``m(u) = (w - u) // 2``). A cut from the high end of ``S`` takes the outside of the
+    frame, a head of ``h`` tokens and the rest from its tail, and leaves the frame ``[c + h, c + h + v)``; a segment
+    cut otherwise (from the low end, or where the low end may reach it) keeps its frame from then on (``frozen``)."""
+
+    def __init__(self, stream: _Stream, fold: np.ndarray):
+        self.s, self.fold = stream, fold
+        self.c = np.zeros_like(stream.length)
+        self.w = stream.length.copy()
+        self.frozen = np.zeros(stream.length.size, dtype=bool)
+        self.runs: list[tuple[np.ndarray, ...]] = []  # (segment, pos0, len, rank) of the runs placed
+
+    def prefix(self, x: np.ndarray) -> np.ndarray:
+        """int64, shape of ``x``: the cost of ``S`` before ``x`` in the current frames (``x`` in what is left)."""
+        s = self.s
+        k = np.minimum(np.searchsorted(s.end, x, side="right"), s.length.size - 1)
+        u = x - s.beg[k]
+        head = self.c[k] + np.where(self.fold[k], (self.w[k] - u) // 2, 0)
+        return s.base[k] + range_cost(head, head + u, s.weights)
+
+    def head_cost(self, k: np.ndarray, v: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """Cost of the frame ``[c + h, c + h + v)`` a high cut with head ``h`` leaves of segments ``k``."""
+        return range_cost(self.c[k] + h, self.c[k] + h + v, self.s.weights)
+
+    def place(self, a: int, b: int, rank: int) -> None:
+        """Give ``rank`` the stretch ``[a, b)`` of ``S`` in the current frames; a segment it cuts is frozen."""
+        if b <= a:
+            return
+        s = self.s
+        k = np.arange(np.searchsorted(s.end, a, side="right"), np.searchsorted(s.end, b - 1, side="right") + 1)
+        u0, u1 = np.maximum(a - s.beg[k], 0), np.minimum(b - s.beg[k], self.w[k])
+        self.frozen[k] |= (u0 > 0) | (u1 < self.w[k])
+        c, w, folded = self.c[k], self.w[k], self.fold[k]
+        whole = (u0 == 0) & (u1 == w)  # the whole frame: one run
+        m0, m1 = np.where(folded & ~whole, (w - u0) // 2, 0), np.where(folded & ~whole, (w - u1) // 2, 0)
+        left0, left1 = np.where(folded & ~whole, c + m1, c + u0), np.where(folded & ~whole, c + m0, c + u1)
+        right0 = c + m0 + u0
+        right1 = np.where(folded & ~whole, c + m1 + u1, right0)  # a straight piece has no right run
+        self._add(np.concatenate([k, k]), np.concatenate([left0, right0]),
+                  np.concatenate([left1 - left0, right1 - right0]), rank)
+
+    def cut(self, k: int, v: int, h: int, rank: int) -> None:
+        """Give ``rank`` the outside of segment ``k``'s frame, keeping ``[c + h, c + h + v)`` as its new frame."""
+        c, w = int(self.c[k]), int(self.w[k])
+        self._add(np.array([k, k]), np.array([c, c + h + v]), np.array([h, w - h - v]), rank)
+        self.c[k], self.w[k] = c + h, v
+
+    def _add(self, seg: np.ndarray, pos0: np.ndarray, length: np.ndarray, rank: int) -> None:
+        keep = length > 0
+        self.runs.append((seg[keep], pos0[keep], length[keep], np.full(int(keep.sum()), rank, dtype=np.int64)))
 
 
-def _solve(fs: np.ndarray, cp: int, t: int, tol: float):
-    """Split ``S`` from the outside in. Returns ``(x, rank_cost, stuck)``: ``x`` int64 ``[cp]`` the low bounds
-    (rank r holds ``[x_r, x_{r+1})`` and ``[y_{r+1}, y_r)`` with ``y_r = T - r t + x_r``; rank ``cp - 1`` holds
-    ``[x_{cp-1}, x_{cp-1} + t)``), every rank's cost, and ``(lo, hi)``: what was left of ``S`` when a rank first ended
-    farther than ``tol * C / cp`` from its target (``None`` if none did)."""
-    total_cost = int(fs[-1])
-    slack = tol * total_cost / cp
-    x = np.zeros(cp, dtype=np.int64)
-    rank_cost = np.zeros(cp, dtype=np.int64)
-    lo, hi, used, stuck = 0, fs.size - 1, 0, None
+def _solve(split: _Split, cp: int, t: int, tol: float):
+    """Split ``S`` from the outside in: rank r takes ``a`` tokens from the low end of what is left and ``t - a``
+    from the high end, ``a`` and the head ``h`` of the segment the high bound cuts chosen so the cost is nearest the
+    mean of the ranks still to place (``_choose``). Returns ``(lo, hi)``: what was left of ``S`` when a rank first
+    ended farther than ``tol * C / cp`` from its target (``None`` if none did); the runs are in ``split``."""
+    total_cost = split.s.ideal
+    lo, hi, used, stuck = 0, split.s.total, 0, None
     for r in range(cp - 1):
         target = (total_cost - used) // (cp - r)  # the mean of the ranks still to place
-        cost = fs[lo : lo + t + 1] - fs[lo]  # [t + 1]: a tokens from the low end ...
-        cost += fs[hi] - target
-        cost -= fs[hi - t : hi + 1]  # ... and t - a from the high end, minus the target
-        a = int(np.argmin(np.abs(cost)))
-        if stuck is None and abs(int(cost[a])) > slack:
+        a, k, v, h, cost = _choose(split, lo, hi, t, target, _EXACT * total_cost / cp)
+        if stuck is None and abs(cost - target) > tol * total_cost / cp:
             stuck = (lo, hi)
-        rank_cost[r] = int(cost[a]) + target
-        used += int(rank_cost[r])
-        lo, hi = lo + a, hi - (t - a)
-        x[r + 1] = lo
-    rank_cost[cp - 1] = total_cost - used
-    return x, rank_cost, stuck
+        used += cost
+        y = hi - (t - a)
+        split.place(lo, lo + a, r)
+        if k >= 0:
+            split.place(int(split.s.end[k]), hi, r)
+            split.cut(k, v, h, r)
+        else:
+            split.place(y, hi, r)
+        lo, hi = lo + a, y
+    split.place(lo, hi, cp - 1)
+    return stuck
+
+
+def _choose(split: _Split, lo: int, hi: int, t: int, target: int, exact: float):
+    """Rank's split of what is left, ``[lo, hi)``: ``(a, k, v, h, cost)``. Every ``a`` is priced at once; the
+    segment ``k`` the high bound cuts, where it may take a free head (not frozen, out of the low end's reach), is
+    given the head ``h`` that brings the cost nearest the target, its new frame keeping ``v`` tokens. Of the splits
+    within ``exact`` of the target the one with the least shifted head wins (then the ``a`` nearest the best one
+    without heads), else the nearest; ``k = -1`` where no free head is used. Without a window every ``a`` is tried
+    with heads (a head for a token from the low end moves the cost by that token's cost: fine steps, but maybe far
+    from the best ``a``); under a window the ``_WINDOW`` either side of the best ``a``."""
+    s = split.s
+    a = np.arange(t + 1, dtype=np.int64)
+    ends = split.prefix(np.array([lo, hi], dtype=np.int64))
+    cost = split.prefix(lo + a) - ends[0] + ends[1] - split.prefix(hi - t + a)  # [t + 1]
+    a0 = int(np.argmin(np.abs(cost - target)))
+    if s.weights != _FULL:
+        a = a[max(a0 - _WINDOW, 0) : a0 + _WINDOW + 1]
+    y = hi - t + a
+    k = np.minimum(np.searchsorted(s.end, y, side="right"), s.length.size - 1)
+    v, w = y - s.beg[k], split.w[k]
+    free = (v > 0) & ~split.frozen[k] & (s.beg[k] >= lo + a)
+    h0 = np.where(split.fold[k], (w - v) // 2, 0)
+    wanted = cost[a] + split.head_cost(k, v, h0) - target  # the new frame's cost that would hit the target
+    h_lo = _heads(split, k, v, np.where(free, w - v, 0), wanted)
+    h = np.concatenate([np.where(free, h_lo, h0), np.where(free, np.minimum(h_lo + 1, w - v), h0)])
+    a, k, v, free, h0, wanted = (np.concatenate([x, x]) for x in (a, k, v, free, h0, wanted))
+    off = wanted - split.head_cost(k, v, h)  # the cost with head h, minus the target
+    close = np.flatnonzero(np.abs(off) <= exact)
+    if close.size:  # the least shifted head, then the a nearest a0 (|a - a0| <= t: one key)
+        best = close[np.argmin(np.abs(h - h0)[close] * (t + 2) + np.abs(a - a0)[close])]
+    else:
+        best = int(np.argmin(np.abs(off)))
+    return int(a[best]), int(k[best]) if free[best] else -1, int(v[best]), int(h[best]), int(off[best]) + target
+
+
+def _heads(split: _Split, k: np.ndarray, v: np.ndarray, h_max: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The largest head ``h`` in ``[0, h_max]`` whose new frame ``[c + h, c + h + v)`` of segments ``k`` costs at
+    most ``wanted`` (0 if none does): a frame costs more the further right it is. Without a window in closed form,
+    ``v (c + h) + v (v + 1) / 2``; else by bisection."""
+    c = split.c[k]
+    if split.s.weights == _FULL:
+        h = np.floor_divide(wanted - v * (v + 1) // 2, np.maximum(v, 1)) - c
+        return np.clip(h, 0, h_max)
+    h_lo, h_hi = np.zeros_like(h_max), h_max.copy()
+    while np.any(h_lo < h_hi):
+        mid = (h_lo + h_hi + 1) // 2
+        ok = split.head_cost(k, v, mid) <= wanted
+        h_lo, h_hi = np.where(ok, mid, h_lo), np.where(ok, h_hi, mid - 1)
+    return h_lo
 
 
 def _culprit(stream: _Stream, fold: np.ndarray, lo: int, hi: int, t: int) -> int:
@@ -146,42 +239,19 @@ def _culprit(stream: _Stream, fold: np.ndarray, lo: int, hi: int, t: int) -> int
     return -1
 
 
-def _split(stream: _Stream, fold: np.ndarray, cp: int, t: int, tol: float) -> tuple[np.ndarray, np.ndarray]:
+def _split(stream: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
     """Solve the split with ``fold`` folded, folding one more segment where a rank got stuck (``_culprit``) until no
-    rank is, there is nothing left to fold there, or ``MAX_FOLDS`` are folded. Returns ``(x, fold)``."""
+    rank is, there is nothing left to fold there, or ``MAX_FOLDS`` are folded. Returns the runs
+    ``(start, len, rank, pos0, segment)`` (segment: its index in ``S``)."""
     fold = fold.copy()
-    fs = stream.prefix(fold)
     for folds in range(MAX_FOLDS + 1):
-        x, _, stuck = _solve(fs, cp, t, tol)
+        split = _Split(stream, fold)
+        stuck = _solve(split, cp, t, tol)
         k = -1 if stuck is None or folds == MAX_FOLDS else _culprit(stream, fold, *stuck, t)
         if k < 0:
-            return x, fold
+            break
         fold[k] = True
-        stream.refold(fs, k)
-    raise AssertionError("unreachable")
-
-
-def _split_runs(stream: _Stream, fold: np.ndarray, x: np.ndarray, cp: int, t: int):
-    """The runs of a split: ``(start, len, rank, pos0, segment)``, every run non-empty (segment: its index in
-    ``S``). A piece ``[u, v)`` of segment k's stretch of ``S`` is positions ``[u, v)`` if it is straight, else
-    ``[m(v), m(u))`` and ``[m(u) + u, m(v) + v)`` with ``m(u) = (L - u) // 2``."""
-    ranks = np.arange(cp, dtype=np.int64)
-    edges = np.concatenate([x, (stream.total - ranks * t + x)[::-1]])  # [2cp] interval bounds, in S order
-    edge_rank = np.concatenate([ranks, ranks[-2::-1]])  # [2cp - 1] the rank of each interval
-    cuts = np.union1d(edges, stream.end)
-    p, q = cuts[:-1], cuts[1:]
-    k = np.searchsorted(stream.end, p, side="right")
-    rank = edge_rank[np.searchsorted(edges, p, side="right") - 1]
-    u, v, n, folded = p - stream.beg[k], q - stream.beg[k], stream.length[k], fold[k]
-    m_u, m_v = (n - u) // 2, (n - v) // 2
-    left0, left1 = np.where(folded, m_v, u), np.where(folded, m_u, v)
-    right0 = m_u + u
-    right1 = np.where(folded, m_v + v, right0)  # a straight piece has no right run
-    pos0 = np.concatenate([left0, right0])
-    length = np.concatenate([left1 - left0, right1 - right0])
-    seg, rank = np.concatenate([k, k]), np.concatenate([rank, rank])
-    keep = length > 0
-    pos0, length, seg, rank = pos0[keep], length[keep], seg[keep], rank[keep]
+    seg, pos0, length, rank = (np.concatenate(x) for x in zip(*split.runs))
     return stream.start[seg] + pos0, length, rank, pos0, seg
 
 
@@ -209,15 +279,14 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         if fold.tobytes() in seen:
             continue
         seen.add(fold.tobytes())
-        x, fold = _split(stream, fold, cp, t, tol)
-        start, length, rank, pos0, seg = _split_runs(stream, fold, x, cp, t)
+        start, length, rank, pos0, seg = _split(stream, fold, cp, t, tol)
         candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
     offsets, start, length = _contiguous(cu, cp)
     rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
     seg = np.searchsorted(cu, start, side="right") - 1
     pos0 = start - cu[seg]
     candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
-    limit = (1.0 + tol) * float(stream.straight[-1]) / cp
+    limit = (1.0 + tol) * stream.ideal / cp
 
     def score(candidate):
         cost, need = candidate[1]
