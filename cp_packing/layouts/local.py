@@ -70,7 +70,7 @@ FOLD_LADDER = (None, 2.0, 1.0, 0.5)
 #: At most this many segments folded on demand per candidate (each fold redoes one pass over the ranks).
 MAX_FOLDS = 32
 #: A rank's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
-#: shifted head. Under a window, the splits ``a`` tried with a free head: this many either side of the best one.
+#: shifted head. The splits ``a`` first tried with a free head: this many either side of the best one.
 _EXACT, _WINDOW = 1e-6, 64
 
 _CACHE_SIZE = 16
@@ -182,16 +182,33 @@ def _choose(split: _Split, lo: int, hi: int, t: int, target: int, exact: float):
     segment ``k`` the high bound cuts, where it may take a free head (not frozen, out of the low end's reach), is
     given the head ``h`` that brings the cost nearest the target, its new frame keeping ``v`` tokens. Of the splits
     within ``exact`` of the target the one with the least shifted head wins (then the ``a`` nearest the best one
-    without heads), else the nearest; ``k = -1`` where no free head is used. Without a window every ``a`` is tried
-    with heads (a head for a token from the low end moves the cost by that token's cost: fine steps, but maybe far
-    from the best ``a``); under a window the ``_WINDOW`` either side of the best ``a``."""
-    s = split.s
+    without heads), else the nearest; ``k = -1`` where no free head is used. Heads are tried for the ``a`` within
+    ``_WINDOW`` of the best one, without a window 8 times further each time none is exact (a head for a token from
+    the low end moves the cost by that token's cost: fine steps, but maybe far from the best ``a``)."""
     a = np.arange(t + 1, dtype=np.int64)
     ends = split.prefix(np.array([lo, hi], dtype=np.int64))
     cost = split.prefix(lo + a) - ends[0] + ends[1] - split.prefix(hi - t + a)  # [t + 1]
     a0 = int(np.argmin(np.abs(cost - target)))
-    if s.weights != _FULL:
-        a = a[max(a0 - _WINDOW, 0) : a0 + _WINDOW + 1]
+    span = _WINDOW
+    while True:
+        a, k, v, h, h0, free, off = _with_heads(split, lo, hi, t, np.arange(max(a0 - span, 0), min(a0 + span, t) + 1),
+                                                cost, target)
+        close = np.flatnonzero(np.abs(off) <= exact)
+        if close.size or span >= t or split.s.weights != _FULL:
+            break
+        span *= 8
+    if close.size:  # the least shifted head, then the a nearest a0 (|a - a0| <= t: one key)
+        best = close[np.argmin(np.abs(h - h0)[close] * (t + 2) + np.abs(a - a0)[close])]
+    else:
+        best = int(np.argmin(np.abs(off)))
+    return int(a[best]), int(k[best]) if free[best] else -1, int(v[best]), int(h[best]), int(off[best]) + target
+
+
+def _with_heads(split: _Split, lo: int, hi: int, t: int, a: np.ndarray, cost: np.ndarray, target: int):
+    """The splits ``a`` with the best free heads (the largest whose cost is >= the target and the next one):
+    ``(a, k, v, h, h0, free, off)``, two entries per ``a``, ``off`` the cost minus the target (``h0``: the head
+    without freedom)."""
+    s = split.s
     y = hi - t + a
     k = np.minimum(np.searchsorted(s.end, y, side="right"), s.length.size - 1)
     v, w = y - s.beg[k], split.w[k]
@@ -201,13 +218,7 @@ def _choose(split: _Split, lo: int, hi: int, t: int, target: int, exact: float):
     h_lo = _heads(split, k, v, np.where(free, w - v, 0), wanted)
     h = np.concatenate([np.where(free, h_lo, h0), np.where(free, np.minimum(h_lo + 1, w - v), h0)])
     a, k, v, free, h0, wanted = (np.concatenate([x, x]) for x in (a, k, v, free, h0, wanted))
-    off = wanted - split.head_cost(k, v, h)  # the cost with head h, minus the target
-    close = np.flatnonzero(np.abs(off) <= exact)
-    if close.size:  # the least shifted head, then the a nearest a0 (|a - a0| <= t: one key)
-        best = close[np.argmin(np.abs(h - h0)[close] * (t + 2) + np.abs(a - a0)[close])]
-    else:
-        best = int(np.argmin(np.abs(off)))
-    return int(a[best]), int(k[best]) if free[best] else -1, int(v[best]), int(h[best]), int(off[best]) + target
+    return a, k, v, h, h0, free, wanted - split.head_cost(k, v, h)
 
 
 def _heads(split: _Split, k: np.ndarray, v: np.ndarray, h_max: np.ndarray, wanted: np.ndarray) -> np.ndarray:
