@@ -20,8 +20,8 @@ dispatch solver (written here from that description; its code is not used). Maps
 fits): log-normal document lengths (sigma 1.5) of mean 2k / 4k / 8k, one row of ``8192 * cp`` tokens; ``tiny``
 (the ``short`` kind: median 16); ``power`` (Pareto lengths, alpha 1.2, at least 64 tokens, drawn here);
 ``huge`` (one document of 3/4 of the stream among median-60 ones). Per (family, cp) the worst over the seeds; the
-targets are checked on every map. Then the tolerance knob of ``local`` and its planning time (``local_plan``
-against ``balanced_plan``, both from scratch, on one thread).
+targets are checked on every map. Then the tolerance knob of ``local``, both planners under sliding windows, and
+the planning time (``local_plan`` against ``balanced_plan``, both from scratch, on one thread).
 """
 
 from __future__ import annotations
@@ -218,6 +218,32 @@ def knob_table(t_local: int, cps, seeds, tolerances) -> list[str]:
     return lines
 
 
+def window_table(t_local: int, cps, seeds, windows) -> list[str]:
+    """``local`` and ``balanced`` planned for a sliding window, on the log-normal 2k and 8k maps: the worst
+    busiest / mean of the windowed cost, the most runs on a rank, and the mean busiest-rank bytes (the unwindowed
+    need: an upper bound of what an exchange moves under the window)."""
+    lines = [f"\nplanned for a window: log-normal 2k and 8k, cp {list(cps)}, seeds {list(seeds)}; bal = busiest / mean "
+             "of the windowed cost, bytes = unwindowed need (an upper bound)",
+             f"{'window':>12} {'layout':>9} {'worst bal':>9} {'runs/rank':>9} {'mean bytes':>10}"]
+    for window in windows:
+        for name, plan in (("local", local.local_plan), ("balanced", balanced.balanced_plan)):
+            bal, runs, fracs = 0.0, 0, []
+            for family in ("lognormal 2k", "lognormal 8k"):
+                for cp in cps:
+                    for seed in seeds:
+                        cu = packed_seq_params_from_doc_ids(family_map(family, t_local * cp, seed)).cu_seqlens
+                        offsets, start, length = (x.numpy() for x in plan(cu, cp_size=cp, window=window))
+                        rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
+                        c = np.zeros(cp, dtype=np.int64)
+                        np.add.at(c, rank, cost_model.causal_cost(cu, torch.from_numpy(start), torch.from_numpy(length),
+                                                                  window=window).numpy())
+                        bal, runs = max(bal, float(c.max() / c.mean())), max(runs, int(np.diff(offsets).max()))
+                        need = exchange_need(cu.to(torch.int64).numpy(), rank, start, length, cp)
+                        fracs.append(int(need.max()) / ((cp - 1) * t_local))
+            lines.append(f"{str(window):>12} {name:>9} {bal:>9.5f} {runs:>9} {statistics.mean(fracs):>10.3f}")
+    return lines
+
+
 def timing(tokens: int, cp: int, repeats: int) -> list[str]:
     """``local_plan`` and ``balanced_plan`` from scratch (caches cleared), median ms of ``repeats``, one thread."""
     torch.set_num_threads(1)
@@ -250,6 +276,7 @@ def main(argv=None) -> list[str]:
     lines.append("\ntargets: " + ("all met on every map" if not misses else f"{len(misses)} missed"))
     lines += [f"  {m}" for m in misses]
     lines += knob_table(t_local, cps, seeds, (0.0, 0.001, local.TOLERANCE, 0.05, 0.2))
+    lines += window_table(t_local, cps[1::2], seeds[:2], (512, 4096, (4096, None)))
     lines += timing(tokens, 32 if not args.quick else 8, repeats)
     print("\n".join(lines))
     return lines
