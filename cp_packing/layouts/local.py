@@ -311,14 +311,12 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cached_plan(cu_bytes: bytes, cp: int, weights: WindowWeights, tol: float):
+    """The plan of ``_plan``, read-only (every caller shares it and gets copies); no runs for an empty stream."""
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
-    if int(cu[-1]) == 0:
-        z = np.zeros(0, dtype=np.int64)
-        plan = (np.zeros(cp + 1, dtype=np.int64), z, z)
-    else:
-        plan = _plan(cu, cp, weights, tol)
+    none = np.zeros(0, dtype=np.int64)
+    plan = _plan(cu, cp, weights, tol) if cu[-1] > 0 else (np.zeros(cp + 1, dtype=np.int64), none, none)
     for a in plan:
-        a.flags.writeable = False  # shared by every caller: hand out copies only
+        a.flags.writeable = False
     return plan
 
 
@@ -358,16 +356,9 @@ def local_plan(
 def local_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: int | Sequence[int | None] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The runs of global tokens rank ``cp_rank`` holds under ``local``: a slice of ``local_plan``.
-
-    Args:
-        cu_seqlens: int ``[N + 1]`` global cumulative segment lengths (any int dtype, CPU or CUDA).
-        cp_size, cp_rank: the context-parallel group size and this rank.
-        window: the sliding window(s) the plan balances (as in ``local_plan``); every rank must pass the same.
-
-    Returns:
-        ``(run_start, run_len)``, int64 ``[R]`` each on ``cu_seqlens.device``, ordered by global position;
-        ``run_len.sum() == T // cp_size``; all ranks' runs together cover every token exactly once.
+    """Rank ``cp_rank``'s runs under ``local``, the ``RUNS`` contract of ``cp_packing.layouts``: its slice of
+    ``local_plan`` at ``TOLERANCE``, int64 ``(run_start, run_len)`` on ``cu_seqlens.device``, ordered by global
+    position, ``T // cp_size`` tokens (``window``: as in ``local_plan``; every rank must pass the same).
 
     >>> local_runs(torch.tensor([0, 16, 18, 20, 22, 24]), cp_size=2, cp_rank=1)  # the long one's middle, two short
     (tensor([ 4, 20, 22]), tensor([8, 2, 2]))
@@ -375,12 +366,8 @@ def local_runs(
     check_cp(cp_size, cp_rank)
     cu, weights = _plan_key(cu_seqlens, cp_size, window)
     offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights, TOLERANCE)
-    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
-    device = cu_seqlens.device
-    return (
-        torch.from_numpy(run_start[lo:hi].copy()).to(device),
-        torch.from_numpy(run_len[lo:hi].copy()).to(device),
-    )
+    mine = slice(int(offsets[cp_rank]), int(offsets[cp_rank + 1]))
+    return tuple(torch.from_numpy(a[mine].copy()).to(cu_seqlens.device) for a in (run_start, run_len))
 
 
 local_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]  # functools' own hit/miss counts
