@@ -269,16 +269,17 @@ def _check_shards(doc_ids, cp, window=None):
                                                                         window=window)))
         assert np.array_equal(s.position_ids.numpy(), pos[s.token_index.numpy()])
     x = torch.randn(T, 3)
-    assert torch.equal(shards[0].unshard([s.shard(x) for s in shards]), x.reshape(*doc_ids.shape, 3))
+    parts = [s.shard(x) for s in shards]
+    assert all(torch.equal(part, x[s.token_index]) for part, s in zip(parts, shards))
+    assert torch.equal(shards[0].unshard(parts).reshape(T, 3), x)  # the inverse over all ranks' parts
     assert_local_attention_equals_full(doc_ids, shards)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(maps_and_cp())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_shard_unshard_and_attention_from_local_metadata(case):
-    doc_ids, cp, window = case
-    if doc_ids.numel():
-        _check_shards(doc_ids, cp, window)
+    if case[0].numel():
+        _check_shards(*case)
 
 
 @pytest.mark.parametrize("kind", ["huge", "lognormal"])
@@ -286,25 +287,23 @@ def test_shard_unshard_and_attention_from_local_metadata(case):
 def test_attention_with_folded_documents(kind, cp):
     """Maps where documents are cut (a folded one gives ring runs that start mid-document)."""
     doc_ids = synthetic_doc_ids(kind, 1, 1024, seed=cp, median=200)
-    params = packed_seq_params_from_doc_ids(doc_ids)
-    owners = torch.empty(doc_ids.numel(), dtype=torch.int64)
-    for r in range(cp):
-        owners[shard_packed_seq_params(params, cp_size=cp, cp_rank=r, layout="local").token_index] = r
-    cu = params.cu_seqlens.tolist()
-    assert any(len(set(owners[a:b].tolist())) > 1 for a, b in zip(cu[:-1], cu[1:])), "some document must be cut"
+    _, pos = reference_segments(doc_ids)
+    assert any(pos[s] > 0 for run_start, _ in _all_runs(doc_ids, cp) for s in run_start.tolist()), "no cut"
     _check_shards(doc_ids, cp)
 
 
-def test_errors_name_the_value_and_the_fix():
-    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"T = B\*S = 6 tokens, not divisible by cp_size=4"):
-        local_runs(cu, cp_size=4, cp_rank=0)
-    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp_size=2\)"):
-        local_runs(cu, cp_size=2, cp_rank=2)
-    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
-        local_plan([0, 3, 6], cp_size=2)
-    with pytest.raises(ValueError, match="never decrease"):
-        local_plan(torch.tensor([0, 4, 2, 6]), cp_size=2)
+CU = torch.tensor([0, 3, 6], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: local_runs(CU, cp_size=4, cp_rank=0), ValueError, r"T = B\*S = 6 tokens, not divisible by cp_size=4"),
+    (lambda: local_runs(CU, cp_size=2, cp_rank=2), ValueError, r"cp_rank must be in \[0, cp_size=2\)"),
+    (lambda: local_plan([0, 3, 6], cp_size=2), TypeError, "cu_seqlens must be a torch.Tensor"),
+    (lambda: local_plan(torch.tensor([0, 4, 2, 6]), cp_size=2), ValueError, "never decrease"),
+])
+def test_errors_name_the_value_and_the_fix(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 def test_docstring_examples_run():
