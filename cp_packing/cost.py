@@ -70,7 +70,7 @@ logger = logging.getLogger("cp_packing")
 AUTO_LAYOUTS = LAYOUTS
 
 #: Layouts ``layout_cost`` knows: ours (``auto`` resolves through ``choose_layout``) plus the ``rowzigzag`` reference.
-COST_LAYOUTS = ("contiguous", "zigzag", "balanced", "auto", "rowzigzag")
+COST_LAYOUTS = (*LAYOUTS, "auto", "rowzigzag")
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ def layout_cost(
     ideal = float(_prefix_cost(cu, np.array([total]), window)[0]) / cp
     if layout == "auto":
         layout = choose_layout(params, cp_size=cp, window=window)
-    if layout in ("contiguous", "balanced") and total % cp:
+    if layout not in ("zigzag", "rowzigzag") and total % cp:
         raise ValueError(
             f"layout {layout!r} needs B*S % cp_size == 0, got B*S = {total} and cp_size={cp}, not divisible; pad "
             f"the rows to a multiple of {cp}"

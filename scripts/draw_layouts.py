@@ -78,17 +78,18 @@ def draw(doc_ids: torch.Tensor, cp: int, layout: str, scale: int = 1) -> str:
 def markdown() -> str:
     out = [BEGIN, "", f"Example map (letters = documents, `.` = padding), B={EXAMPLE.shape[0]}, "
            f"S={EXAMPLE.shape[1]}, cp={CP}:", ""]
-    for layout in ("contiguous", "zigzag", "balanced"):
+    for layout in ("contiguous", "zigzag", "balanced", "local"):
         out += [f"### `{layout}`", "", "```", draw(EXAMPLE, CP, layout), "```", ""]
     out += [
         f"### A larger map: B={BIG.shape[0]}, S={BIG.shape[1]}, cp={BIG_CP}, one character per {BIG_SCALE} tokens",
         "",
         "The balanced planner keeps short documents whole and cuts nothing shorter than "
         "`cp_packing.layouts.balanced.MIN_CHUNK` tokens, so on the tiny map above it has nothing to cut. Here zigzag needs "
-        "no padding either (every run is a multiple of 2*cp), for comparison.",
+        "no padding either (every run is a multiple of 2*cp), for comparison. `local` cuts segments only at its "
+        "2cp - 2 interval bounds (docs/balance.md).",
         "",
     ]
-    for layout in ("contiguous", "zigzag", "balanced"):
+    for layout in ("contiguous", "zigzag", "balanced", "local"):
         out += [f"`{layout}`:", "", "```", draw(BIG, BIG_CP, layout, BIG_SCALE), "```", ""]
     out.append(END)
     return "\n".join(out)

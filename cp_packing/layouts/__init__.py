@@ -31,6 +31,7 @@ import torch
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
 from cp_packing.layouts.balanced import balanced_plan_arrays, balanced_runs, planned_weights
 from cp_packing.layouts.contiguous import contiguous_plan, contiguous_runs
+from cp_packing.layouts.local import local_plan_arrays, local_runs
 from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan, zigzag_runs
 
 __all__ = [
@@ -53,17 +54,19 @@ PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 #: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights) -> (offsets [cp + 1],
 #: run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by position. ``weights``
 #: is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``, else None.
-PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays}
+PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays,
+                           "local": local_plan_arrays}
 
 #: Layout name -> per-rank runs function ``(cu_seqlens, *, cp_size, cp_rank, window) -> (run_start, run_len)``
 #: (a slice of the layout's plan).
-RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs}
+RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs,
+                          "local": local_runs}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
 LAYOUTS = tuple(PLANS)
 
 #: Layouts whose placement depends on the sliding window.
-WINDOWED_LAYOUTS = ("balanced",)
+WINDOWED_LAYOUTS = ("balanced", "local")
 
 
 def check_layout(layout: object) -> str:
