@@ -9,7 +9,7 @@ intra-op thread each) and times training steps of a tiny random-init HF Llama (`
 builder and synthetic batches: one row of ``--seq`` tokens, lognormal documents, up to 10% padding), where a step is
 
     distribute_batch(src=None, layout="auto")  ->  cp_model_inputs  ->  model forward (cp_packing HF attention in
-    every layer)  ->  packed_cross_entropy  ->  backward
+    every layer)  ->  packed_cross_entropy(sharded=the prepared step)  ->  backward
 
 (no gradient all-reduce, no optimizer step: both would only make the step longer and the fraction smaller). Every
 step draws a new batch outside the timed region and is bracketed by ``dist.barrier()`` on both sides; its time is
@@ -25,8 +25,9 @@ The agreements, measured two ways:
   recorded in the step) are replayed back to back: the cost of the exchanges themselves; the worst rank.
 
 Counts: the store exchange (``agreement._exchange``) is wrapped too, and forward hooks count the attention layers run. The
-run fails (exit 1) unless every step made exactly one agreement each in ``distribute_batch``,
-``context_parallel_attention`` and ``packed_cross_entropy`` (3 exchanges, one store exchange each), and the
+run fails (exit 1) unless every step made exactly one agreement each in ``distribute_batch`` and
+``context_parallel_attention`` (2 exchanges, one store exchange each: the loss on the prepared step is local math,
+``packed_cross_entropy(..., sharded=inputs["cp_sharded"])``), and the
 attention ran once per layer: layers 2..N reuse the first layer's agreement (cached on the shard).
 """
 
@@ -41,8 +42,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-EXPECTED_CALLS = ("distribute_batch", "context_parallel_attention", "packed_cross_entropy")
-_AGREE_MODULES = ("cp_packing.distributed", "cp_packing.loss", "cp_packing.attention.dispatch")
+EXPECTED_CALLS = ("distribute_batch", "context_parallel_attention")
 
 
 class _Recorder:
@@ -57,39 +57,26 @@ class _Recorder:
         self.agreements, self.exchanges, self.attention_calls = [], 0, 0
 
     def install(self) -> None:
-        import importlib
-
-        from cp_packing.agreement import agree as real_agree
-
-        def timed_agree(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return real_agree(*args, **kwargs)
-            finally:
-                call = args[1] if len(args) > 1 else kwargs["call"]
-                self.agreements.append((call, time.perf_counter() - t0, args, kwargs))
-
-        for name in _AGREE_MODULES:
-            module = importlib.import_module(name)
-            assert module.agree is real_agree, f"{name}.agree is not cp_packing.agreement.agree"
-            module.agree = timed_agree
-
         from cp_packing import agreement
 
         real_exchange = agreement._exchange
 
-        def counted_exchange(*args, **kwargs):
-            self.exchanges += 1
-            return real_exchange(*args, **kwargs)
+        def timed_exchange(channel, data, call, group_name):
+            t0 = time.perf_counter()
+            try:
+                return real_exchange(channel, data, call, group_name)
+            finally:
+                self.exchanges += 1
+                self.agreements.append((call, time.perf_counter() - t0, (channel, data, call, group_name), {}))
 
-        agreement._exchange = counted_exchange  # agree() calls it once per exchange through the store
+        agreement._exchange = timed_exchange  # every agreement (agree, fail_together) goes through one exchange
+        self.replay = real_exchange
 
     def hook(self, module, inputs, output) -> None:
         self.attention_calls += 1
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:
-    from cp_packing.agreement import agree
     from cp_packing.distributed import distribute_batch
     from cp_packing.hf import cp_model_inputs, register_cp_attention
     from cp_packing.loss import packed_cross_entropy
@@ -116,7 +103,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         local, sharded = distribute_batch(payload, None, group=group, src=None, layout="auto")
         inputs = cp_model_inputs(local, sharded, group=group)
         logits = model(**inputs).logits[0]
-        loss = packed_cross_entropy(logits, local["labels"][0], group=group)
+        loss = packed_cross_entropy(logits, local["labels"][0], sharded=inputs["cp_sharded"])  # local math
         model.zero_grad(set_to_none=True)
         loss.backward()
         dist.barrier()
@@ -129,7 +116,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         for _call, _s, a, kw in recorded:
-            agree(*a, **kw)
+            rec.replay(*a, **kw)
+            rec.exchanges += 1
         bare_s = time.perf_counter() - t0
         bare_exchanges = rec.exchanges
 

@@ -90,7 +90,7 @@ def _step(model, batch, group, counter: _Counter | None):
     phase("forward")
     logits = model(**inputs).logits[0]
     phase("loss")
-    loss = cp_packing.packed_cross_entropy(logits, local["labels"][0], group=group, sharded=sharded)
+    loss = cp_packing.packed_cross_entropy(logits, local["labels"][0], sharded=inputs["cp_sharded"])  # local math
     phase("backward")
     loss.backward()
     phase("idle")
@@ -134,8 +134,9 @@ def overhead_us(repeats: int, tokens: int = 64) -> tuple[float, float]:
     params = cp_packing.packed_seq_params_from_doc_ids(doc_ids)
     inputs = cp_model_inputs(torch.zeros_like(doc_ids), params)
     extra = {k: v for k, v in inputs.items() if k.startswith("cp_")}
-    q = torch.randn(1, 4, tokens, 16, requires_grad=True)  # training: the layer records its autograd node
-    kv = torch.randn(1, 2, tokens, 16, requires_grad=True)
+    # as HF passes them: [1, T, H, D] projections viewed as [1, H, T, D]; training: the layer records its node
+    q = torch.randn(1, tokens, 4, 16, requires_grad=True).transpose(1, 2)
+    kv = torch.randn(1, tokens, 2, 16, requires_grad=True).transpose(1, 2)
     module = _Module()
     saved = dict(kernels._FORWARD)
     kernels._FORWARD["torch"] = noop

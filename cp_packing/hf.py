@@ -222,10 +222,12 @@ def cp_attention_forward(
     features = _layer_features(module, plan)
     if sliding_window is None and features is not None:
         sliding_window = features.window  # a window HF applies only in its mask (PhiMoE, Qwen2-MoE)
-    # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D]: usually contiguous after the transpose
-    q = query[0].transpose(0, 1).contiguous() if error is None else query.new_empty(0)  # [T_local, H, D]
-    k = key[0].transpose(0, 1).contiguous() if error is None else q
-    v = value[0].transpose(0, 1).contiguous() if error is None else q
+    # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D]: contiguous again after this transpose (the
+    # kernels take any strides with a unit last one; the collectives make their own contiguous copies)
+    if error is None:
+        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T_local, H(_kv), D]
+    else:
+        q = k = v = query.new_empty(0)
     if features is not None and features.query_temperature is not None and error is None:
         q = q * _temperature_fix(plan, features.query_temperature, q)
     causal = _is_causal(module, kwargs)

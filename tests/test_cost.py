@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+
+from cp_packing.layouts import LAYOUTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -166,7 +168,7 @@ def test_hand_checked_example():
 def test_auto_resolves_to_the_chosen_layout():
     doc_ids = synthetic_doc_ids("lognormal", 2, 4096, seed=2)
     c = layout_cost(doc_ids, cp_size=4, layout="auto")
-    assert c.layout in ("contiguous", "zigzag", "balanced")
+    assert c.layout in LAYOUTS
     b = layout_cost(doc_ids, cp_size=4, layout=c.layout)
     assert c.rank_cost.tolist() == b.rank_cost.tolist()
 
@@ -252,13 +254,26 @@ def _params(rows):
     return packed_seq_params_from_doc_ids(torch.tensor(rows, dtype=torch.int64))
 
 
-def test_choose_zigzag_when_every_segment_is_a_multiple_of_2cp():
-    """One long document per row, lengths multiples of 2cp: zigzag is exact (and ring kernels take it); balanced
-    places it the same way, contiguous is badly off; the tie goes to zigzag."""
+def _auto_rule(params, cp, window=None, rtol=0.01):
+    """The layout auto must pick: the least busiest cost (ties within rtol), then the fewest keys needed."""
+    costs = {name: layout_cost(params, cp_size=cp, layout=name, window=window) for name in LAYOUTS
+             if name != "zigzag" or not bool((params.seqlens % (2 * cp)).any())}
+    lowest = min(c.busiest_cost for c in costs.values())
+    tied = [n for n, c in costs.items() if c.busiest_cost <= lowest * (1 + rtol)]
+    need = {n: int(layout_cost(params, cp_size=cp, layout=n, window=window if n in ("balanced", "local") else None)
+                   .kv_bytes_allgather.sum()) for n in tied}
+    return min(tied, key=lambda n: (need[n], LAYOUTS.index(n))), costs
+
+
+def test_choose_an_exact_layout_with_the_fewest_remote_keys_when_segments_are_multiples_of_2cp():
+    """One long document per row, lengths multiples of 2cp: zigzag is exact, and so is local, which needs fewer
+    remote keys; contiguous is badly off. Auto takes the exact layout that needs the fewest keys."""
     cp = 4
     params = _params([[1] * 64 + [2] * 32, [1] * 96])
-    assert choose_layout(params, cp_size=cp) == "zigzag"
-    assert shard_packed_seq_params(params, cp_size=cp, cp_rank=1, layout="auto").layout == "zigzag"
+    want, costs = _auto_rule(params, cp)
+    assert costs["zigzag"].imbalance == 1.0 and costs["contiguous"].imbalance > 1.5
+    assert choose_layout(params, cp_size=cp) == want == "local"
+    assert shard_packed_seq_params(params, cp_size=cp, cp_rank=1, layout="auto").layout == want
 
 
 def test_choose_contiguous_when_it_is_already_even():
@@ -267,11 +282,13 @@ def test_choose_contiguous_when_it_is_already_even():
     assert choose_layout(params, cp_size=4) == "contiguous"
 
 
-def test_choose_balanced_on_long_tailed_lengths():
+def test_choose_a_balancing_layout_on_long_tailed_lengths():
     params = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 4, 4096, seed=5))
-    assert choose_layout(params, cp_size=8) == "balanced"
+    want, costs = _auto_rule(params, 8)
+    assert want in ("balanced", "local") and costs[want].imbalance < 1.01 < costs["contiguous"].imbalance
+    assert choose_layout(params, cp_size=8) == want
     s = shard_packed_seq_params(params, cp_size=8, cp_rank=3, layout="auto")
-    assert s.layout == "balanced" and s.num_local_tokens == params.total_tokens // 8
+    assert s.layout == want and s.num_local_tokens == params.total_tokens // 8
 
 
 def test_choose_layout_logs_its_choice(caplog):
@@ -373,19 +390,19 @@ def test_a_per_layer_window_is_the_sum_of_its_layers_and_balances_as_their_mean(
 
 def test_auto_picks_by_the_windowed_cost():
     """[192-token document, 64-token document] at cp=2: without a window zigzag is exactly even and contiguous is
-    not (8256 vs 12352); under window=4 contiguous is exactly even (506, 506) and zigzag is not (500, 512), so auto
-    turns from zigzag to contiguous, in shard_packed_seq_params too."""
+    not (8256 vs 12352); under window=4 contiguous is exactly even (506, 506) and zigzag is not (500, 512). Auto
+    prices the candidates under the window (and plans the window-aware layouts for it), in shard_packed_seq_params
+    too."""
     params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 192 + [2] * 64]))
     assert layout_cost(params, cp_size=2, layout="contiguous", window=4).rank_cost.tolist() == [506, 506]
     assert layout_cost(params, cp_size=2, layout="zigzag", window=4).rank_cost.tolist() == [500, 512]
-    assert choose_layout(params, cp_size=2) == "zigzag"
-    assert choose_layout(params, cp_size=2, window=4) == "contiguous"
-    assert choose_layout(params, cp_size=2, window=[4, 4]) == "contiguous"
-    assert choose_layout(params, cp_size=2, window=[4, None]) == "zigzag"  # the global layer still dominates
-    assert layout_cost(params, cp_size=2, layout="auto", window=4).layout == "contiguous"
+    for window in (None, 4, [4, 4], [4, None]):
+        want, costs = _auto_rule(params, 2, window)
+        assert choose_layout(params, cp_size=2, window=window) == want, window
+        assert costs[want].busiest_cost <= min(c.busiest_cost for c in costs.values()) * 1.01
+    assert layout_cost(params, cp_size=2, layout="auto", window=4).layout == _auto_rule(params, 2, 4)[0]
     shard = shard_packed_seq_params(params, cp_size=2, cp_rank=0, window=4)
-    assert shard.layout == "contiguous" and shard.plan_window == 4
-    assert shard_packed_seq_params(params, cp_size=2, cp_rank=0).layout == "zigzag"
+    assert shard.layout == _auto_rule(params, 2, 4)[0] and shard.plan_window == 4
 
 
 @pytest.mark.parametrize("window, exc, pattern", [

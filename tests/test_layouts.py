@@ -37,9 +37,17 @@ def maps_for_every_layout(draw):
     return doc_ids, cp
 
 
-def test_registry_names_one_pure_runs_function_per_layout():
-    assert LAYOUTS == ("contiguous", "zigzag", "balanced") == tuple(RUNS)
+def test_registry_names_one_all_ranks_plan_and_its_per_rank_slice_per_layout():
+    from cp_packing.layouts import PLANS, layout_plan
+
+    assert LAYOUTS == ("contiguous", "zigzag", "balanced", "local") == tuple(RUNS) == tuple(PLANS)
     assert [fn.__module__ for fn in RUNS.values()] == [f"cp_packing.layouts.{name}" for name in LAYOUTS]
+    cu = torch.tensor([0, 8, 16, 24, 32])
+    for name in LAYOUTS:  # the per-rank runs are slices of the all-ranks plan
+        plan = layout_plan(cu, cp_size=2, layout=name)
+        for r in range(2):
+            start, length = RUNS[name](cu, cp_size=2, cp_rank=r)
+            assert start.tolist() == plan.runs(r)[0].tolist() and length.tolist() == plan.runs(r)[1].tolist()
 
 
 @SETTINGS

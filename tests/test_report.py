@@ -224,11 +224,8 @@ def test_the_report_prices_rowzigzag_in_closed_form_with_the_cost_modules_figure
 
     if exact_ints:
         monkeypatch.setattr(report, "_INT64_SAFE", 0)
-    ranges = cost._layout_ranges
-
-    def no_row_ranges(cu, cp, layout, rows, window=None):
-        assert layout != "rowzigzag", "the report built the B x 2cp row-zigzag ranges (O(rows x cp) memory)"
-        return ranges(cu, cp, layout, rows, window)
+    def no_row_ranges(cu, cp, rows):
+        raise AssertionError("the report built the B x 2cp row-zigzag ranges (O(rows x cp) memory)")
 
     for seed in range(12 if exact_ints else 40):
         rng = np.random.default_rng(seed)
@@ -239,9 +236,9 @@ def test_the_report_prices_rowzigzag_in_closed_form_with_the_cost_modules_figure
         for cp in (1, 2, 3, 7, 16):
             for window in (None, 1, 3, [2, None, 5]):
                 ref = layout_cost(params, cp_size=cp, layout="rowzigzag", window=window)
-                monkeypatch.setattr(cost, "_layout_ranges", no_row_ranges)
-                got = balance_costs(params, cp_size=cp, layouts="rowzigzag", window=window)["rowzigzag"]
-                monkeypatch.setattr(cost, "_layout_ranges", ranges)
+                with monkeypatch.context() as patch:
+                    patch.setattr(cost, "_rowzigzag_ranges", no_row_ranges)
+                    got = balance_costs(params, cp_size=cp, layouts="rowzigzag", window=window)["rowzigzag"]
                 _same_cost(got, ref)
 
 

@@ -288,7 +288,7 @@ def backend_layouts(backend: str, kernel: str, cp: int, device: torch.device, dt
         sharded = shard_packed_seq_params(params, cp_size=cp, cp_rank=0, layout=layout)
         try:
             chosen, _ = select_backend(q, sharded, backend=backend, kernel=kernel, num_kv_heads=H_kv)
-        except (ValueError, ImportError, NotImplementedError) as exc:
+        except (ValueError, TypeError, ImportError, NotImplementedError) as exc:  # TypeError: the ring's dtypes
             reasons.append(str(exc))
             continue
         refusal = ring_dtype_refusal(layout, dtype) if chosen == "ring_flash_attn" and backend != "auto" else None
