@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     keys = ("input_ids", "labels", "doc_ids")
 
     out = {"step": [], "agree_in_step": [], "agree_bare": [], "calls": [], "by_call": [], "exchanges": [],
-           "attention": [], "bare_exchanges": [], "T_local": None, "layout": None}
+           "attention": [], "bare_exchanges": [], "T_local": None, "layout": None, "checked": []}
     for step in range(cfg["warmup"] + cfg["steps"]):
         batch = synthetic_batch(args, step, 0)
         payload = {k: batch[k] for k in keys}
@@ -121,6 +121,9 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         bare_s = time.perf_counter() - t0
         bare_exchanges = rec.exchanges
 
+        checks = [a[1] for a in recorded if a[0] in ("attention layer", "attention backward")]
+        if checks:  # a checked step (the first CHECKED_STEPS of the group): its per-layer agreements
+            out["checked"].append((step_s, sum(checks), len(checks)))
         if step >= cfg["warmup"]:
             out["step"].append(step_s)
             out["agree_in_step"].append(sum(a[1] for a in recorded))
@@ -173,6 +176,7 @@ def run(cp: int, args, steps: int, warmup: int) -> dict:
         "step_range": (1e3 * min(r0["step"]), 1e3 * max(r0["step"])),
         "by_call": {c: _median_ms([max(r["by_call"][i].get(c, 0.0) for r in results) for i in range(steps)])
                     for c in EXPECTED_CALLS},
+        "checked": r0["checked"],
     }
 
 
@@ -228,6 +232,13 @@ def main(argv=None) -> int:
         by_call = ", ".join(f"{c} {ms:.2f}" for c, ms in r["by_call"].items())
         print(f"cp={r['cp']}: step time over the timed steps {r['step_range'][0]:.1f}-{r['step_range'][1]:.1f} ms; "
               f"agreements in step by call (median ms, worst rank): {by_call}")
+    for r in rows:
+        if r["checked"]:
+            per = statistics.median(t / n for _, t, n in r["checked"])
+            frac = statistics.median(t / s for s, t, _ in r["checked"])
+            n = statistics.median(n for _, _, n in r["checked"])
+            print(f"cp={r['cp']}: per-layer checks (check_layers, the first steps): {n:g} per step (forward and "
+                  f"backward of layers 2..), {1e3 * per:.2f} ms each, {100 * frac:.1f}% of a checked step")
     problems = [msg for r in rows for msg in r["problems"]]
     if problems:
         print("FAIL: the agreement counts are not one per call per step:", file=sys.stderr)

@@ -78,7 +78,9 @@ def check_number(value: Any, name: str, *, min: float | None = None, allow_none:
         extra = " or None" if allow_none else ""
         raise TypeError(f"{name} must be a number{extra}, got {value!r} ({type(value).__name__})")
     value = float(value)
-    if value != value or (min is not None and not value >= min):
+    if value != value:
+        raise ValueError(f"{name} must be a number, got nan")
+    if min is not None and not value >= min:
         raise ValueError(f"{name} must be >= {min}, got {value}")
     return value
 

@@ -58,7 +58,7 @@ from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
 from cp_packing.layouts.need import need_tokens
 from cp_packing.layouts.work import head_cost, window_weights
-from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
+from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 
 __all__ = ["AUTO_LAYOUTS", "BYTES_BACKENDS", "COST_LAYOUTS", "DEFAULT_HARDWARE", "Hardware", "LayoutCost",
            "TIMED_BACKENDS", "backend_bytes", "backend_times", "causal_cost", "choose_backend", "choose_backend_by_bytes",
@@ -309,7 +309,7 @@ def _padded_lengths(cu: np.ndarray, doc_ids: torch.Tensor, multiple: int) -> tup
 
 def _params(params_or_doc_ids: object) -> PackedSeqParams:
     if isinstance(params_or_doc_ids, PackedSeqParams):
-        return params_or_doc_ids
+        return check_params(params_or_doc_ids)  # a hand-built one: its cu_seqlens against its map
     if isinstance(params_or_doc_ids, torch.Tensor):
         return packed_seq_params_from_doc_ids(params_or_doc_ids)  # validates the map
     raise TypeError(

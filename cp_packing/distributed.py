@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cp_packing._checks import check_bool, check_choice, check_windows, is_int
-from cp_packing.agreement import AgreementError, agree, digest
+from cp_packing.agreement import AgreementError, digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
@@ -189,10 +189,11 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
                 prepare: _Prepare, window: object = None) -> tuple[ShardedPackedSeqParams, _Batch | None]:
     """Both paths: local work, ONE agreement (arguments, errors, digests), then the source path's collectives."""
     cp = resolve_group(group)
-    error = sharded = batch = meta = None
+    sharded = batch = meta = None
     args = {"src": src, "check_consistent": check_consistent, "layout": layout, "window": window}
     checked, per_key = {"doc map": None, "cu_seqlens": None, "batch keys, dtypes and shapes": None}, {}
-    try:
+    with fail_together(call, (cp.group, "CP group")) as agreement:
+        agreement.fields = {name: repr(value) for name, value in args.items()}  # an invalid value may not pickle
         _check_args(cp, src, layout, check_consistent)
         window = args["window"] = check_windows(window)  # a list and a tuple of the same windows agree
         if src is None:
@@ -206,10 +207,8 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
             params = PackedSeqParams(params.cu_seqlens.to(cp.device), params.max_seqlen, params.doc_ids.to(cp.device))
             sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout, window=window)
             meta = dataclasses.replace(meta, layout=sharded.layout)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it, through the agreement
-        error = exc
-        args = {name: repr(value) for name, value in args.items()}  # an invalid value may not even pickle
-    records = agree(cp.group, call, {**args, **checked}, error=error, payload=per_key or None)
+        agreement.fields, agreement.payload = {**args, **checked}, per_key or None
+    records = agreement.records["CP group"]
     if src is None:
         if check_consistent and len(records) > 1:
             _raise_if_tensors_differ(call, [r.payload or {} for r in records])
@@ -230,7 +229,7 @@ def distribute_packed_seq_params(
     group: GroupLike = None,
     src: int | None = None,
     layout: str = "auto",
-    check_consistent: bool = False,
+    check_consistent: bool = True,
     window: int | Sequence[int | None] | None = None,
 ) -> ShardedPackedSeqParams:
     """This rank's ``ShardedPackedSeqParams`` in a CP group, sharded locally or shipped from one source rank.
@@ -242,8 +241,8 @@ def distribute_packed_seq_params(
         src: ``None`` (shard locally) or the GROUP rank that holds ``params``.
         layout: ``"auto"`` (default: the best valid layout for this batch, chosen once), ``"contiguous"``,
             ``"zigzag"`` or ``"balanced"``; the result's ``layout`` names the one used.
-        check_consistent: with ``src=None``, also compare BLAKE2b digests of every rank's doc map and
-            ``cu_seqlens`` (catches a data loader seeded per CP rank).
+        check_consistent: with ``src=None`` (default True), also compare BLAKE2b digests of every rank's doc map
+            and ``cu_seqlens`` (catches a data loader seeded per CP rank); its cost is in docs/benchmarks.md.
         window: the model's sliding window (``None``, an int, or a per-layer list of ``int | None``) that
             ``balanced`` and ``auto`` plan for (see ``shard_packed_seq_params``); agreed like ``layout``.
 
@@ -258,7 +257,7 @@ def distribute_packed_seq_params(
         (``AgreementError``), an invalid or indivisible ``params`` on the source, or (``check_consistent``)
         ranks holding different batches.
 
-    Communication: one ``all_gather_object`` of a small record (the agreement; none in a one-rank group), plus
+    Communication: one agreement of a small record through the store (none in a one-rank group), plus
     with ``src`` one ``broadcast_object_list`` of ``cu_seqlens`` and the segments' doc indices.
 
     Example (on every rank of ``mesh["cp"]``; ``docs/distributed.md``)::
@@ -277,7 +276,7 @@ def distribute_batch(
     group: GroupLike = None,
     src: int | None = None,
     layout: str = "auto",
-    check_consistent: bool = False,
+    check_consistent: bool = True,
     window: int | Sequence[int | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], ShardedPackedSeqParams]:
     """Shard (``src=None``) or scatter from ``src`` a dict of per-token tensors together with its CP metadata.

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_tensor, is_int
-from cp_packing.agreement import agree
+from cp_packing.agreement import fail_together
 from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import CPMesh, GroupLike, resolve_group
 from cp_packing.layouts import check_layout
@@ -766,20 +766,14 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
     6
     """
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    error, local = None, 0
-    try:
+    with fail_together("num_items_in_batch", (None if dp is None else dp.group, "DP group")) as agreement:
         if not isinstance(batches, (list, tuple)) or not all(isinstance(b, CPBatch) for b in batches):
             raise TypeError("batches must be a list of CPBatch (the loader's items of the step's micro-batches)")
         local = sum(b.num_valid_labels for b in batches)
-    except TypeError as exc:
-        error = exc
-    steps = [b.step for b in batches] if error is None else None
+        # the same steps on every replica: a DataLoader with in_order=False would mix them up
+        agreement.fields = {"steps of the micro-batches": [b.step for b in batches]}
     if dp is None:
-        if error is not None:
-            raise error
         return local
-    # the same steps on every replica: a DataLoader with in_order=False would mix them up
-    agree(dp.group, "num_items_in_batch", {"steps of the micro-batches": steps}, error=error, group_name="DP group")
     total = torch.tensor([local], dtype=torch.int64, device=dp.device)
     if dp.size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp.group)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_packing._checks import INTEGER_DTYPES, check_choice, check_int, check_tensor, is_int
-from cp_packing.agreement import agree, digest
+from cp_packing.agreement import digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.labels import LabelsWarning, _check_same_batch, check_labels_shifted, next_token_labels
@@ -68,6 +68,9 @@ def _check_logits_and_labels(logits: object, labels: object, ignore_index: int) 
     if labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must have an integer dtype (class index, {ignore_index} = ignored), got "
                         f"{labels.dtype}; build them with cp_packing.next_token_labels(...) or use labels.long()")
+    if logits.dim() >= 1 and logits.shape[-1] == 0:
+        raise ValueError(f"logits have a vocabulary of 0 classes (shape {tuple(logits.shape)}); pass the model's "
+                         "logits [T_local, V] with V >= 1")
     if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match labels shape {tuple(labels.shape)}; "
                          "expected logits [T_local, V] with labels [T_local] (or [1, T_local, V] with [1, T_local])")
@@ -191,21 +194,10 @@ def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | 
 _DP_FIELDS = ("reduction", "vocab size", "logits dtype", "ignore_index", "cp size", "num_items_in_batch")
 
 
-def _agree(call: str, cp: CPGroup | None, dp: CPGroup | None, fields: dict[str, object],
-           error: Exception | None) -> None:
-    """One agreement over the CP group, then one over the DP group (which learns a CP group's failure too, so no
-    DP peer waits for a replica that raised). Raises the same error on every rank of both groups."""
-    if cp is not None:
-        try:
-            agree(cp.group, call, fields, error=error, group_name="CP group")
-        except Exception as exc:  # noqa: BLE001 - every rank of this CP group holds it; the DP group must learn it
-            if dp is None:
-                raise
-            error = exc
-    if dp is not None:
-        agree(dp.group, call, {k: fields[k] for k in _DP_FIELDS if k in fields}, error=error, group_name="DP group")
-    elif error is not None:
-        raise error
+def _groups(cp: CPGroup | None, dp: CPGroup | None) -> tuple:
+    """The ``fail_together`` groups of a loss call: the CP group, then the DP group (which learns a CP group's
+    failure too, so no DP peer waits for a replica that raised)."""
+    return (None if cp is None else cp.group, "CP group"), (None if dp is None else dp.group, "DP group")
 
 
 def _checked(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object,
@@ -213,12 +205,10 @@ def _checked(logits: object, labels: object, *, group: GroupLike, dp_group: Grou
              num_items: object = None) -> tuple[_Local, CPGroup | None, CPGroup | None]:
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    local, fields, error = None, {}, None
-    try:
+    with fail_together(_CALL, *_groups(cp, dp)) as agreement:
         local, fields = _check_local(logits, labels, sharded, cp, dp, reduction, ignore_index, input_ids, num_items)
-    except Exception as exc:  # noqa: BLE001 - goes into the agreement: raised on every rank
-        error = exc
-    _agree(_CALL, cp, dp, fields, error)
+        agreement.fields = fields
+        agreement.group_fields["DP group"] = {k: fields[k] for k in _DP_FIELDS if k in fields}
     return local, cp, dp
 
 
@@ -405,14 +395,11 @@ def reduce_loss_for_logging(loss: torch.Tensor, *, group: GroupLike = None,
     """
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    error = None
-    try:
+    with fail_together("reduce_loss_for_logging", *_groups(cp, dp)) as agreement:
+        agreement.fields = {"dp size": None if dp is None else dp.size}
         check_tensor(loss, "loss", "(a scalar share from packed_cross_entropy)")
         if loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError(f"loss must be a floating scalar tensor (a share from packed_cross_entropy), got {loss!r}")
-    except (TypeError, ValueError) as exc:
-        error = exc
-    _agree("reduce_loss_for_logging", cp, dp, {"dp size": None if dp is None else dp.size}, error)
     out = loss.detach().to(torch.float32).reshape(1).clone()
     return _all_reduce_sum(_all_reduce_sum(out, cp), dp)[0]
 
@@ -482,35 +469,34 @@ def count_valid_labels(
     """
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    error, fields, payload, items, local = None, {}, None, [], 0
-    try:
-        ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
-        items = _micro_batches(labels)
-        shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
-        fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
-                  "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
-        local = sum(int((x != ignore_index).sum()) for x in items)  # this rank's count (host syncs)
-        if shards and local > 0:  # equal on every CP rank: whole batches, not shards
-            payload = digest(*items)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank, through the agreement
+    call, fields, error, local = "count_valid_labels", {}, None, 0
+    try:  # the CP group first: its checks, then whether its ranks hold the same labels (whole batches)
+        with fail_together(call, _groups(cp, None)[0]) as agreement:
+            ignore_index = check_int(ignore_index, "ignore_index", **_INT64,
+                                     hint="the label value to ignore, e.g. -100")
+            items = _micro_batches(labels)
+            shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
+            fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
+                      "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
+            local = sum(int((x != ignore_index).sum()) for x in items)  # this rank's count (host syncs)
+            agreement.fields = fields
+            if shards and local > 0:  # equal on every CP rank: whole batches, not shards
+                agreement.payload = digest(*items)
+        records = agreement.records.get("CP group", [])
+        if agreement.payload is not None and len(records) > 1 and all(r.payload == agreement.payload
+                                                                       for r in records):
+            raise ValueError(
+                f"count_valid_labels got group= (a CP group of {cp.size} ranks) but every CP rank holds the same "
+                "labels: whole batches, whose count the CP all-reduce would multiply by "
+                f"{cp.size}. Count whole batches with group=None, dp_group=the DP group; pass group= only for "
+                "each rank's shards")
+    except Exception as exc:  # noqa: BLE001 - the DP group must learn it
         error = exc
-    call = "count_valid_labels"
-    if cp is not None:
-        try:
-            records = agree(cp.group, call, fields, error=error, payload=payload, group_name="CP group")
-            if payload is not None and all(r.payload == payload for r in records):
-                error = ValueError(
-                    f"count_valid_labels got group= (a CP group of {cp.size} ranks) but every CP rank holds the same "
-                    "labels: whole batches, whose count the CP all-reduce would multiply by "
-                    f"{cp.size}. Count whole batches with group=None, dp_group=the DP group; pass group= only for "
-                    "each rank's shards")
-        except Exception as exc:  # noqa: BLE001 - the DP group must learn it
-            error = exc
-    if dp is not None:
+    with fail_together(call, _groups(None, dp)[1]) as agreement:  # then the DP group, which learns any CP error
         shared = ("ignore_index", "labels are CP shards", "cp size", "dp size")  # not the micro-batch count
-        agree(dp.group, call, {k: fields[k] for k in shared if k in fields}, error=error, group_name="DP group")
-    if error is not None:
-        raise error
+        agreement.fields = {k: fields[k] for k in shared if k in fields}
+        if error is not None:
+            raise error
     device = cp.device if cp is not None else dp.device if dp is not None else torch.device("cpu")
     count = torch.tensor([local], dtype=torch.int64, device=device)
     return int(_all_reduce_sum(_all_reduce_sum(count, cp), dp)[0])

@@ -214,7 +214,35 @@ def check_params(params: PackedSeqParams, name: str = "params") -> PackedSeqPara
                 f"{int(missing[0])}): a segment would run across two rows; build the params with "
                 "packed_seq_params_from_doc_ids(doc_ids)"
             )
+    _check_segments_match_map(params.doc_ids, cu, name)
     return params
+
+
+def _check_segments_match_map(doc_ids: torch.Tensor, cu: np.ndarray, name: str) -> None:
+    """Raise unless ``cu``'s boundaries are exactly the map's own segment starts (runs of one index per row): a
+    vectorised O(B*S) comparison on the map's device (one host sync for a device map)."""
+    B, S = doc_ids.shape
+    T = B * S
+    if T == 0:
+        return
+    flat = doc_ids.reshape(-1)
+    starts = torch.ones(T, dtype=torch.bool, device=flat.device)
+    torch.ne(flat[1:], flat[:-1], out=starts[1:])
+    starts[::S] = True
+    given = torch.zeros(T, dtype=torch.bool, device=flat.device)
+    given[torch.from_numpy(cu[:-1][cu[:-1] < T]).to(flat.device)] = True
+    if torch.equal(starts, given):
+        return
+    at = int(torch.nonzero(starts != given)[0])
+    mine = starts[at:at + 1].cpu().numpy()
+    at_mine = bool(mine[0])
+    what = ("a document boundary of the map (doc_ids changes there) that cu_seqlens lacks: two documents would "
+            "attend across each other" if at_mine else "a boundary inside one document's run: its tokens would not "
+            "see the earlier tokens of their document")
+    raise ValueError(
+        f"{name}.cu_seqlens does not match {name}.doc_ids at flat position {at}: {what}; build the params with "
+        "packed_seq_params_from_doc_ids(doc_ids) (and rebuild them after editing doc_ids)"
+    )
 
 
 class FlashAttentionKwargs(TypedDict):
@@ -241,6 +269,7 @@ def to_flash_attention_kwargs(params: PackedSeqParams) -> FlashAttentionKwargs:
     2
     """
     if isinstance(params, PackedSeqParams):
+        check_params(params)  # a hand-built or edited one: cu_seqlens against the map, max_seqlen
         return FlashAttentionKwargs(
             cu_seq_lens_q=params.cu_seqlens,
             cu_seq_lens_k=params.cu_seqlens,

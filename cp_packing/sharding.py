@@ -137,6 +137,11 @@ class ShardedPackedSeqParams:
             if not isinstance(p, torch.Tensor) or p.dim() < 1 or p.shape[0] != T_local:
                 shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
                 raise ValueError(f"unshard: part {r} has shape {shape}; expected [T_local={T_local}, ...]")
+            if p.shape[1:] != parts[0].shape[1:] or p.dtype != parts[0].dtype or p.device != parts[0].device:
+                raise ValueError(
+                    f"unshard: part {r} is {tuple(p.shape)} {p.dtype} on {p.device} but part 0 is "
+                    f"{tuple(parts[0].shape)} {parts[0].dtype} on {parts[0].device}; pass every rank's shard of ONE "
+                    "tensor (same trailing shape, dtype and device)")
         stacked = torch.cat(list(parts), 0)
         order = self.global_token_order().reshape(-1).to(stacked.device)
         inverse = torch.empty_like(order)

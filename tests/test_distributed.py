@@ -560,3 +560,19 @@ def test_bench_distribute_quick_runs():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scatter" in proc.stdout and "broadcast" in proc.stdout and "local+check" in proc.stdout
+
+
+def _different_tokens(rank, world):
+    doc = torch.tensor([[1] * 8 + [2] * 8])
+    ids = torch.arange(16)[None] + 100 * rank  # the same map, another batch on each rank: a DP x CP loader mistake
+    try:
+        distribute_batch({"input_ids": ids, "doc_ids": doc}, group=dist.group.WORLD, layout="contiguous")
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+@pytest.mark.distributed
+def test_different_batches_on_one_cp_group_raise_by_default():
+    results = run_distributed(_different_tokens, 2, timeout=90)
+    assert all(kind == "AgreementError" and "batch['input_ids'] differs" in message for kind, message in results)

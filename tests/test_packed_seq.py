@@ -374,3 +374,43 @@ def test_benchmark_script_runs():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "base/ours" in result.stdout
+
+
+def test_hand_built_params_are_checked_against_their_map_everywhere():
+    """A segment spanning two documents (or cut inside one), or params edited in place, were accepted by the
+    sharding, the cost model and the seed's kwargs: documents attended across each other (issue 21)."""
+    import pytest
+
+    from cp_packing import PackedSeqParams, layout_cost, shard_packed_seq_params, to_flash_attention_kwargs
+
+    spans = PackedSeqParams(torch.tensor([0, 8], dtype=torch.int32), 8, torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]))
+    cut = PackedSeqParams(torch.tensor([0, 2, 8], dtype=torch.int32), 6, torch.ones(1, 8, dtype=torch.int64))
+    short = PackedSeqParams(torch.tensor([0, 3], dtype=torch.int32), 99, torch.ones(1, 8, dtype=torch.int64))
+    decreasing = PackedSeqParams(torch.tensor([0, 6, 4, 8], dtype=torch.int32), 6, torch.ones(1, 8, dtype=torch.int64))
+    calls = (lambda p: shard_packed_seq_params(p, cp_size=2, cp_rank=0, layout="contiguous"),
+             to_flash_attention_kwargs, lambda p: layout_cost(p, cp_size=2, layout="contiguous"))
+    for params, words in ((spans, "a document boundary of the map"), (cut, "a boundary inside one document"),
+                          (short, "ends at 3 but the doc map has B\\*S = 8"), (decreasing, "never decrease")):
+        for call in calls:
+            with pytest.raises(ValueError, match=words):
+                call(params)
+    edited = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1]]))
+    edited.doc_ids[0, 4:] = 2  # in place, after the params were built
+    with pytest.raises(ValueError, match="rebuild them after editing doc_ids"):
+        shard_packed_seq_params(edited, cp_size=2, cp_rank=0, layout="contiguous")
+
+
+def test_obscure_inputs_get_a_clear_error():
+    import pytest
+
+    from cp_packing import packed_cross_entropy, shard_packed_seq_params
+    from cp_packing.options import AttentionOptions
+
+    with pytest.raises(ValueError, match="softcap must be a number, got nan|softcap must be a finite number"):
+        AttentionOptions(softcap=float("nan"))
+    with pytest.raises(ValueError, match="vocabulary of 0 classes"):
+        packed_cross_entropy(torch.zeros(4, 0), torch.zeros(4, dtype=torch.int64))
+    s = shard_packed_seq_params(packed_seq_params_from_doc_ids(torch.ones(1, 8, dtype=torch.int64)), cp_size=2,
+                                cp_rank=0, layout="contiguous")
+    with pytest.raises(ValueError, match="same trailing shape"):
+        s.unshard([torch.zeros(4, 3), torch.zeros(4, 2)])
