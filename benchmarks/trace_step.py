@@ -8,7 +8,9 @@ Part 1 (2 ranks, gloo): one training step of a tiny Llama (``--layers`` decoder 
 prepared (``cp_model_inputs(..., model=model)``), then forward, loss (``packed_cross_entropy``) and backward. A
 ``sys.setprofile`` hook counts every call of a function defined in ``cp_packing/`` (per phase; the forward and
 backward phases divided by the number of layers give the per-layer figures), and names the busiest functions.
-The step traced is the second one (a fresh batch; imports and first-use costs are in step one).
+Two steps are traced: the second (a checked step: the first ``CHECKED_STEPS`` steps of a group make a small
+agreement per layer) and the fourth (a later step: layers only read the step plan); step one pays imports and
+first use. The reference kernel's own helpers (``attention/kernels.py``) are counted apart: they are the kernel.
 
 Part 2 (one process, cp = 1): the Python overhead of one attention layer's forward as HF calls it
 (``cp_packing.hf.cp_attention_forward``) with the varlen kernel replaced by a do-nothing kernel (it returns its
@@ -53,6 +55,8 @@ class _Counter:
         if event == "call" and frame.f_code.co_filename.startswith(PKG):
             code = frame.f_code
             name = f"{code.co_filename[len(PKG):]}:{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}"
+            if name == "hf.py:cp_attention_forward" and self.phase.startswith("forward"):
+                self.phase = "forward, layer 1" if self.phase == "forward" else "forward, layers 2.."
             self.calls[self.phase][name] += 1
 
     def __enter__(self):
@@ -102,10 +106,15 @@ def _trace_rank(rank: int, world: int, layers: int, seq: int) -> dict:
 
     model = _model(layers)
     group = dist.group.WORLD
-    _step(model, _batch(0, seq), group, None)  # imports, first use
-    with _Counter() as counter:
-        _step(model, _batch(1, seq), group, counter)
-    return {phase: dict(c) for phase, c in counter.calls.items()}
+    out = {}
+    for step in range(4):  # step 0: imports and first use; 1: a checked step (check_layers); 3: a later one
+        if step in (1, 3):
+            with _Counter() as counter:
+                _step(model, _batch(step, seq), group, counter)
+            out["checked" if step == 1 else "later"] = {phase: dict(c) for phase, c in counter.calls.items()}
+        else:
+            _step(model, _batch(step, seq), group, None)
+    return out
 
 
 def trace(layers: int, seq: int) -> dict:
@@ -164,15 +173,26 @@ def overhead_us(repeats: int, tokens: int = 64) -> tuple[float, float]:
     return times["layer"], times["kernel"]
 
 
-def _table(calls: dict, layers: int) -> str:
-    lines = ["| phase | cp-packing calls | per layer |", "|---|---|---|"]
-    total = 0
-    for phase in ("prepare", "forward", "loss", "backward"):
-        n = sum(calls.get(phase, {}).values())
-        total += n
-        per_layer = f"{n / layers:.1f}" if phase in ("forward", "backward") else ""
-        lines.append(f"| {phase} | {n} | {per_layer} |")
-    lines.append(f"| **step** | **{total}** | |")
+KERNEL = "attention/kernels.py"  # the reference kernel's own helpers: the kernel's work, not the library's
+
+
+def _table(steps: dict, layers: int) -> str:
+    lines = ["| phase | " + " | ".join(f"{name} step: calls (kernel) | per layer" for name in steps) + " |",
+             "|---|" + "---|---|" * len(steps)]
+    totals = {name: [0, 0] for name in steps}
+    for phase in ("prepare", "forward", "forward, layer 1", "forward, layers 2..", "loss", "backward"):
+        cells = []
+        for name, calls in steps.items():
+            counted = calls.get(phase, {})
+            n = sum(counted.values())
+            kernel = sum(c for f, c in counted.items() if f.startswith(KERNEL))
+            totals[name][0] += n
+            totals[name][1] += kernel
+            per = {"forward, layers 2..": layers - 1, "backward": layers}.get(phase)
+            per_layer = f"{(n - kernel) / per:.1f}" if per else ""
+            cells.append(f"{n} ({kernel}) | {per_layer}")
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{a}** ({b}) | " for a, b in totals.values()) + "|")
     return "\n".join(lines)
 
 
@@ -186,13 +206,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.seq = 20, 256
-    calls = trace(args.layers, args.seq)
-    print(f"One CP training step, 2 gloo ranks, {args.layers}-layer Llama, {args.seq} tokens, balanced, rank 0:\n")
-    print(_table(calls, args.layers))
+    steps = trace(args.layers, args.seq)
+    print(f"One CP training step, 2 gloo ranks, {args.layers}-layer Llama, {args.seq} tokens, balanced, rank 0; "
+          "calls of cp-packing functions (of which the reference kernel's own), per layer without the kernel's:\n")
+    print(_table(steps, args.layers))
     merged = collections.Counter()
-    for phase in ("forward", "backward"):
-        merged.update(calls.get(phase, {}))
-    print(f"\nBusiest functions in forward + backward ({args.layers} layers):\n")
+    for phase in ("forward, layers 2..", "backward"):
+        merged.update({f: c for f, c in steps["later"].get(phase, {}).items() if not f.startswith(KERNEL)})
+    print(f"\nBusiest functions outside the kernel in forward (layers 2..) + backward of the later step:\n")
     print("| function | calls |\n|---|---|")
     for name, n in merged.most_common(args.top):
         print(f"| `{name}` | {n} |")

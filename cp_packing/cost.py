@@ -52,7 +52,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import (check_cu_seqlens, check_int, check_number,
+from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
@@ -62,6 +62,7 @@ from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_para
 
 __all__ = ["AUTO_LAYOUTS", "BYTES_BACKENDS", "COST_LAYOUTS", "DEFAULT_HARDWARE", "Hardware", "LayoutCost",
            "TIMED_BACKENDS", "backend_bytes", "backend_times", "causal_cost", "choose_backend", "choose_backend_by_bytes",
+           "choose_step",
            "choose_layout", "kv_replication_factor", "layout_cost"]
 
 logger = logging.getLogger("cp_packing")
@@ -586,6 +587,29 @@ DEFAULT_HARDWARE = Hardware()
 TIMED_BACKENDS = ("allgather", "exchange", "ulysses")
 
 
+def _plan_times(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                causal: bool, window: int | None, hardware: "Hardware") -> dict[str, float]:
+    """:func:`backend_times` on a layout's plan (every rank's runs) and the stream's ``cu`` (int64)."""
+    cp = plan.cp_size
+    per_row = 2 * num_kv_heads * head_dim * dtype_bytes
+    rate = hardware.bandwidth(cp)
+    pairs = plan_rank_cost(plan, cu, window).astype(np.float64)
+    if not causal:
+        lengths = np.diff(cu)
+        pairs = np.full(cp, float((lengths * lengths).sum()) / cp)
+    compute = 4.0 * pairs * num_heads * head_dim / hardware.flops
+    t_local = plan.t_local
+    times = {"allgather": float((compute + (cp - 1) * t_local * per_row / rate).max()) if cp > 1 else
+             float(compute.max())}
+    need = need_tokens(plan, cu, causal=causal, window=window).astype(np.float64) * per_row / rate
+    times["exchange"] = float((np.maximum(compute, need) if window is None else compute + need).max())
+    if window is None and num_heads % cp == 0 and num_heads % num_kv_heads == 0:
+        a2a = backend_bytes("ulysses", T_local=t_local, cp_size=cp, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, dtype_bytes=dtype_bytes) / rate
+        times["ulysses"] = float(compute.sum() / cp + a2a)
+    return times
+
+
 def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
                   causal: bool = True, window: int | None = None,
                   hardware: Hardware = DEFAULT_HARDWARE) -> dict[str, float]:
@@ -607,27 +631,47 @@ def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, 
         ``{backend: seconds}`` for ``allgather``, ``exchange`` and (where ``cp`` divides the query heads and there
         is no window) ``ulysses``.
     """
-    cp = sharded.cp_size
-    cu = _np64(sharded.global_params.cu_seqlens, "cu_seqlens")
-    plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=cp, layout=sharded.layout,
+    plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=sharded.cp_size, layout=sharded.layout,
                        window=sharded.plan_window)
-    per_row = 2 * num_kv_heads * head_dim * dtype_bytes
-    rate = hardware.bandwidth(cp)
-    pairs = plan_rank_cost(plan, cu, window).astype(np.float64)
-    if not causal:
-        lengths = np.diff(cu)
-        pairs = np.full(cp, float((lengths * lengths).sum()) / cp)
-    compute = 4.0 * pairs * num_heads * head_dim / hardware.flops
-    t_local = plan.t_local
-    times = {"allgather": float((compute + (cp - 1) * t_local * per_row / rate).max()) if cp > 1 else
-             float(compute.max())}
-    need = need_tokens(plan, cu, causal=causal, window=window).astype(np.float64) * per_row / rate
-    times["exchange"] = float((np.maximum(compute, need) if window is None else compute + need).max())
-    if window is None and num_heads % cp == 0 and num_heads % num_kv_heads == 0:
-        a2a = backend_bytes("ulysses", T_local=t_local, cp_size=cp, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim, dtype_bytes=dtype_bytes) / rate
-        times["ulysses"] = float(compute.sum() / cp + a2a)
-    return times
+    return _plan_times(plan, _np64(sharded.global_params.cu_seqlens, "cu_seqlens"), num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, causal=causal,
+                       window=window, hardware=hardware)
+
+
+def choose_step(params: PackedSeqParams, *, cp_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype_bytes: int = 2, window: object = None,
+                hardware: Hardware = DEFAULT_HARDWARE) -> tuple[str, str, dict[tuple[str, str], float]]:
+    """The layout AND backend with the lowest modelled busiest-rank time per layer (:func:`backend_times` for
+    every valid layout): ``(layout, backend, {(layout, backend): seconds})``. Ties within 1% go to the layout first
+    in ``LAYOUTS``, then the backend first in ``TIMED_BACKENDS``. ``window``: the model's windows (a per-layer
+    tuple is timed as the sum over its layers).
+
+    >>> p = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8]))
+    >>> choose_step(p, cp_size=4, num_heads=4, num_kv_heads=4, head_dim=8)[:2]  # one document per rank
+    ('contiguous', 'exchange')
+    """
+    check_cp(cp_size)
+    params = _params(params)
+    window = check_windows(window)
+    cu = _np64(params.cu_seqlens, "cu_seqlens")
+    layers = window if isinstance(window, tuple) else (window,)
+    table = {}
+    for layout in LAYOUTS:
+        if layout == "zigzag" and np.any(np.diff(cu) % (2 * cp_size)):
+            continue
+        plan = layout_plan(params.cu_seqlens, cp_size=cp_size, layout=layout,
+                           window=window if layout in WINDOWED_LAYOUTS else None)
+        per_layer = [_plan_times(plan, cu, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 dtype_bytes=dtype_bytes, causal=True, window=w, hardware=hardware) for w in layers]
+        for backend in TIMED_BACKENDS:
+            if all(backend in t for t in per_layer):
+                table[(layout, backend)] = sum(t[backend] for t in per_layer)
+    best = min(table.values())
+    for layout in LAYOUTS:
+        for backend in TIMED_BACKENDS:
+            if table.get((layout, backend), float("inf")) <= best * 1.01:
+                return layout, backend, table
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,

@@ -293,6 +293,7 @@ def _wrapper_error(module, query, key, value, attention_mask, dropout, sharded, 
         if config is not None:
             try:
                 plan.features = _features_of(config)
+                plan.features.check_document_length(_longest_document(sharded))  # longrope / dynamic RoPE
             except ValueError as exc:
                 return exc
     return None

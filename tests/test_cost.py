@@ -439,3 +439,25 @@ def test_a_per_layer_window_refuses_a_cost_that_could_overflow():
     causal_cost(cu, torch.tensor([0]), torch.tensor([1]), window=[None, None])  # 2 T(T+1)/2 still fits int64
     with pytest.raises(ValueError, match="summed over 3 layer"):
         causal_cost(cu, torch.tensor([0]), torch.tensor([1]), window=[None, None, None])
+
+
+def test_the_step_time_model_picks_layout_and_backend_together():
+    """choose_step: the (layout, backend) with the least modelled busiest-rank time; the exchange where documents
+    fit on ranks (it moves nothing), the all-gather or Ulysses where one long document makes the need everything;
+    slower links across nodes make communication weigh more."""
+    from cp_packing.cost import Hardware, choose_step
+
+    blocks = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8]))
+    layout, backend, table = choose_step(blocks, cp_size=4, num_heads=4, num_kv_heads=4, head_dim=8)
+    assert backend == "exchange" and table[(layout, backend)] == min(table.values())
+    doc_ids = synthetic_doc_ids("lognormal", 8, 8192, seed=3)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    kw = dict(cp_size=8, num_heads=32, num_kv_heads=8, head_dim=128)
+    layout, backend, table = choose_step(params, **kw)
+    assert table[(layout, backend)] <= min(table.values()) * 1.01
+    assert table[(layout, backend)] <= table[("balanced", "allgather")]  # never worse than today's default
+    slow = Hardware(inter_node_bytes=1e9, gpus_per_node=4)  # cp 8 crosses nodes on a slow network
+    _, _, slow_table = choose_step(params, hardware=slow, **kw)
+    assert slow_table[("balanced", "allgather")] > table[("balanced", "allgather")]
+    with pytest.raises(ValueError, match="flops must be a finite rate > 0"):
+        Hardware(flops=float("inf"))

@@ -221,3 +221,15 @@ def test_sweep_quick_matches_refuses_and_probes():
     assert phimoe.status == "match", phimoe  # the attention applies the mask-only window
     table = sweep.markdown(list(rows.values()), 2)
     assert table.count("\n") == len(rows) + 1 and "| lfm2 | Lfm2ForCausalLM |" in table
+
+
+@pytest.mark.distributed
+def test_features_the_attention_cannot_see_from_hf_are_applied_under_cp():
+    """Llama 4 (chunked layers, and the query temperature HF computes from the row index on its NoPE layers) and
+    Qwen2-MoE (a window HF applies only in its mask) were silently wrong under CP: the attention now applies them
+    from the layer's features, and both match their documents run alone at cp 2."""
+    sweep = _sweep_module()
+    rows = {r.model_type: r for r in sweep.sweep(["llama4_text", "qwen2_moe"], cp_size=2, timeout=120)}
+    for name, row in rows.items():
+        assert row.status == "match", row
+        assert row.loss_diff < 1e-5 and row.grad_rel < 1e-4, row
