@@ -35,9 +35,13 @@ from cp_packing import (PackedSeqParams, agreement, distribute_batch, distribute
 from cp_packing.attention import context_parallel_attention, prepare_attention
 from cp_packing.loss import count_valid_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.options import CHECKED_STEPS
-from cp_packing.testing import run_ranks
+from cp_packing.testing import run_ranks, under_torchrun
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    # a case that hangs or aborts gloo would take a launched job down (and torchrun gives one world size)
+    pytest.mark.skipif(under_torchrun(), reason="fault scenarios fork their own ranks (2 to 4) with a hard timeout"),
+]
 
 AGREEMENT_TIMEOUT = 5.0  # seconds a rank waits for its peers in one agreement (the library's default is 120)
 HARD_TIMEOUT = 40.0  # seconds for a whole case: far above what a case that passes needs
@@ -245,53 +249,60 @@ def dp_x_cp_dp_group_as_cp_group_in_distribute_batch(rank, world):
     distribute_batch(_batch(), group=dp if rank == 0 else cp, layout="contiguous")
 
 
-@case("hangs", 2, {0: ("AgreementTimeout", _timeout_in("packed_cross_entropy", r"rank 1 of the CP group")),
-                   1: ("ValueError", r"sharded.cp_size=2 but the CP group has 1 ranks")})
-def packed_cross_entropy_group_on_one_rank(rank, world):
+def _on_rank_0(group):
+    """``group`` on rank 0, ``None`` on the others (the mistake of the cases below)."""
+    return group if dist.get_rank() == 0 else None
+
+
+def _loss_with_group_on_rank_0(rank: int, world: int, with_shard: bool) -> None:
     sharded = _shard(world, rank)
     logits = torch.randn(sharded.num_local_tokens, VOCAB)
-    packed_cross_entropy(logits, sharded.shard(_batch()["labels"]), group=dist.group.WORLD if rank == 0 else None,
-                         sharded=sharded)
+    packed_cross_entropy(logits, sharded.shard(_batch()["labels"]), group=_on_rank_0(dist.group.WORLD),
+                         sharded=sharded if with_shard else None)
 
 
-@case("hangs", 2, {0: ("AgreementTimeout", _timeout_in("packed_cross_entropy", r"rank 1 of the CP group")),
-                   1: ("ValueError", r"group")},
+def _rank_0_waits(call: str, group_name: str = "CP group", fix: str = r"group") -> dict:
+    """Rank 0 waits for rank 1 (the bounded wait); rank 1 should raise an error naming ``fix``."""
+    return {0: ("AgreementTimeout", _timeout_in(call, rf"rank 1 of the {group_name}")), 1: ("ValueError", fix)}
+
+
+@case("hangs", 2, _rank_0_waits("packed_cross_entropy", fix=r"sharded.cp_size=2 but the CP group has 1 ranks"))
+def packed_cross_entropy_group_on_one_rank(rank, world):
+    _loss_with_group_on_rank_0(rank, world, with_shard=True)
+
+
+@case("hangs", 2, _rank_0_waits("packed_cross_entropy"),
       xfail="without sharded= nothing on rank 1 says its labels are a CP shard (documented: group=None means no "
             "CP), so it returns its share over its local count; rank 0 raises AgreementTimeout after the bounded "
             "wait")
 def packed_cross_entropy_group_on_one_rank_without_shard(rank, world):
-    sharded = _shard(world, rank)
-    logits = torch.randn(sharded.num_local_tokens, VOCAB)
-    packed_cross_entropy(logits, sharded.shard(_batch()["labels"]), group=dist.group.WORLD if rank == 0 else None)
+    _loss_with_group_on_rank_0(rank, world, with_shard=False)
 
 
-@case("hangs", 2, {0: ("AgreementTimeout", _timeout_in("count_valid_labels", r"rank 1 of the CP group")),
-                   1: ("ValueError", r"group")},
+@case("hangs", 2, _rank_0_waits("count_valid_labels"),
       xfail="rank 1 (group=None) counts its shard as a whole batch, alone (documented: shards counted without their "
             "group cannot be told from whole batches) and returns; rank 0 raises AgreementTimeout after the "
             "bounded wait")
 def count_valid_labels_group_on_one_rank(rank, world):
     sharded = _shard(world, rank)
-    count_valid_labels(sharded.shard(_batch()["labels"]), group=dist.group.WORLD if rank == 0 else None)
+    count_valid_labels(sharded.shard(_batch()["labels"]), group=_on_rank_0(dist.group.WORLD))
 
 
-@case("hangs", 2, {0: ("AgreementTimeout", _timeout_in("reduce_loss_for_logging", r"rank 1 of the CP group")),
-                   1: ("ValueError", r"group")},
+@case("hangs", 2, _rank_0_waits("reduce_loss_for_logging"),
       xfail="a scalar share carries no CP information: rank 1 (group=None) returns it unreduced; rank 0 raises "
             "AgreementTimeout after the bounded wait")
 def reduce_loss_for_logging_group_on_one_rank(rank, world):
-    reduce_loss_for_logging(torch.tensor(1.5), group=dist.group.WORLD if rank == 0 else None)
+    reduce_loss_for_logging(torch.tensor(1.5), group=_on_rank_0(dist.group.WORLD))
 
 
-@case("hangs", 2, {0: ("AgreementTimeout", _timeout_in("num_items_in_batch", r"rank 1 of the DP group")),
-                   1: ("ValueError", r"dp_group")},
+@case("hangs", 2, _rank_0_waits("num_items_in_batch", "DP group", fix=r"dp_group"),
       xfail="rank 1 (dp_group=None) is one replica by definition and returns its own count; rank 0 raises "
             "AgreementTimeout after the bounded wait")
 def num_items_in_batch_dp_group_on_one_rank(rank, world):
     from cp_packing.loader import make_cp_batch, num_items_in_batch
 
     item = make_cp_batch(_batch(), cp_size=1, cp_rank=0, layout="contiguous", step=0)
-    num_items_in_batch([item], dp_group=dist.group.WORLD if rank == 0 else None)
+    num_items_in_batch([item], dp_group=_on_rank_0(dist.group.WORLD))
 
 
 _DP_SIZE = r"disagree on dp size"
