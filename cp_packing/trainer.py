@@ -56,6 +56,7 @@ from cp_packing.hf import (
 )
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.options import AttentionOptions
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
@@ -351,7 +352,7 @@ class CPTrainerMixin:
                  kernel: str = "auto", ulysses_size: int | None = None, **kwargs: Any) -> None:
         self.cp_size = check_int(cp_size, "cp_size", min=1)
         self.cp_layout = check_choice(layout, "layout", _LAYOUT_CHOICES)
-        self.cp_backend, self.cp_kernel, self.cp_ulysses_size = backend, kernel, ulysses_size
+        self.cp_options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, layout=layout)
         super().__init__(*args, **kwargs)  # builds the Accelerator: the process group exists after this
         if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError(
@@ -525,8 +526,7 @@ class CPTrainerMixin:
         sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
                                           window=model_windows(model))  # sliding layers: plan the windowed cost
         model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
-                                       backend=self.cp_backend, kernel=self.cp_kernel,
-                                       ulysses_size=self.cp_ulysses_size, model=model)
+                                       options=self.cp_options, model=model)
         outputs = model(**model_inputs)
         logits = outputs.logits[0]  # [T_local, V]
         return outputs, logits, sharded.shard(labels).to(logits.device), sharded

@@ -272,10 +272,7 @@ class StepPlan:
                 raise error
             check_attention_inputs(q, k, v, sharded)
             if self.digest != _shard_digest(sharded):
-                raise ValueError(
-                    "the shard's metadata (token_index, cu_seqlens, key_start or the global cu_seqlens) changed in "
-                    "place after its step was prepared; build a new shard (and prepare it) instead of editing one"
-                )
+                raise ValueError(_EDITED)
             self._check_layer_args(q, causal, window, softcap, sinks, scale)
             self.backend, self.kernel = select_backend(
                 q, sharded, causal=causal, backend=options.backend, kernel=options.kernel,
@@ -297,6 +294,7 @@ class StepPlan:
                 "softmax_scale": scale, "window": window, "softcap": softcap, "options": options,
                 "sinks": None if sinks is None else tuple(sinks.shape), "check_layers": self.check_layers,
                 "labels counted": self.local_items is not None,
+                "attention layers": None if self.features is None else len(self.features.attention_layers),
             }
             agreement.payload = self.local_items
         records = agreement.records.get("CP group", [])
@@ -344,6 +342,8 @@ class StepPlan:
         if not self.agreed:
             self.agree(q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, scale=scale, error=error)
         elif self.check_layers:
+            if error is None and _shard_digest(self.sharded) != self.digest:
+                error = ValueError(_EDITED)
             self.check_layer("attention layer", {
                 "layer": self.layer_calls + 1, "q": (tuple(q.shape), str(q.dtype)), "k": tuple(k.shape),
                 "causal": causal, "window": window, "softcap": softcap,
@@ -383,6 +383,8 @@ class StepPlan:
         """The backend's tables for ``(causal, window, chunk)`` (built on first use in the step)."""
         key = (causal, window, chunk)
         if key not in self._tables:
+            if self.agreed and _shard_digest(self.sharded) != self.digest:
+                raise ValueError(_EDITED)
             if chunk is None:
                 self._tables[key] = _BUILD[self.backend](self, causal, window)
             elif self.backend in ("allgather", "exchange"):
@@ -392,6 +394,10 @@ class StepPlan:
                     f"backend={self.backend!r} cannot run chunked attention (chunk={chunk}, Llama 4's chunked "
                     "layers); use backend='allgather' or 'exchange' (or 'auto')")
         return self._tables[key]
+
+
+_EDITED = ("the shard's metadata (token_index, cu_seqlens, key_start or the global cu_seqlens) changed in place after "
+           "its step was prepared; build a new shard (and prepare it) instead of editing one")
 
 
 def _shard_digest(sharded: ShardedPackedSeqParams) -> str:

@@ -59,6 +59,7 @@ from cp_packing.groups import CPMesh
 from cp_packing.hf import cp_model_inputs, model_windows, register_cp_attention
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import count_valid_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.options import AttentionOptions
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.testing import rank_device, under_torchrun
 from cp_packing.tools import finite_float, launch, nonnegative_int, positive_int, rank0_parser
@@ -213,10 +214,11 @@ def _share(model, batch: dict, layout: str, num_items: int, args, mesh: CPMesh, 
         payload = {k: v.to(device) for k, v in batch.items() if k != "real"}
     local, sharded = distribute_batch(payload, None, group=group, src=None if args.local_data else 0,
                                       layout=layout, window=getattr(args, "windows", None))
-    inputs = cp_model_inputs(local, sharded, group=group, backend=args.attn_backend, kernel=args.kernel)
+    inputs = cp_model_inputs(local, sharded, group=group,
+                             options=AttentionOptions(backend=args.attn_backend, kernel=args.kernel))
     logits = model(**inputs).logits[0]  # [T_local, V]
-    return packed_cross_entropy(logits, local["labels"][0], group=group, dp_group=mesh.dp_group,
-                                num_items_in_batch=num_items)
+    # local math: the step's count over CP x DP (count_valid_labels, once per optimizer step) divides this rank's sum
+    return packed_cross_entropy(logits, local["labels"][0], sharded=inputs["cp_sharded"], num_items_in_batch=num_items)
 
 
 def _cp_step(model, micro: list[tuple[dict, str]], args, mesh: CPMesh, device: torch.device) -> float:
