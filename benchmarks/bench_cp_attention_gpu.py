@@ -3,6 +3,8 @@
 Run (a GPU cluster: torchrun + NCCL, each rank on its LOCAL_RANK GPU; the whole world is the CP group):
       torchrun --nnodes N --nproc-per-node 8 ... benchmarks/bench_cp_attention_gpu.py      (cp = 8 N: 8 to 64)
       .venv/bin/python benchmarks/bench_cp_attention_gpu.py --quick     (CPU smoke run: 2 gloo ranks, tiny, seconds)
+      .venv/bin/python benchmarks/bench_cp_attention_gpu.py --model-only   (no run: the step-time model's forward
+                                                                            times and auto's pick, cp 8 to 64)
 
 Setting (MagiAttention's blog benchmark of distributed attention): 8K tokens per device (``--tokens``), 64 query
 heads over 8 key/value heads (GQA), head dim 128, bf16, varlen causal maps of one row of ``8192 * cp`` tokens with
@@ -21,7 +23,9 @@ document ``d``, the diagonal included), backward ``2.5x`` the forward (five matm
 TFLOP/s per GPU = FLOP / cp / seconds / 1e12, seconds the median over ``--steps`` (after ``--warmup``) of rank 0's
 clock with every forward and every backward bracketed by ``dist.barrier()`` and a CUDA synchronize (so the slowest
 rank sets it). One plan per backend and map, prepared once (``prepare_attention``), every timed call one more layer
-of that step (tables built once, as a model's layers read them).
+of that step (tables built once, as a model's layers read them). Beside every measured forward, the forward time
+that ``backend="auto"``'s step-time model predicts (``cp_packing.cost.backend_times`` with the default
+``cost.Hardware``; all-gather, exchange and Ulysses only), so a GPU run also checks the model.
 """
 
 from __future__ import annotations
@@ -106,6 +110,35 @@ def _time_backend(sharded, extra: dict, tensors, cfg: dict, device: torch.device
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _modelled(sharded, backend: str, cfg: dict) -> float | None:
+    """The step-time model's forward seconds of ``backend`` on this shard (None where it does not price it)."""
+    from cp_packing.cost import backend_times
+
+    times = backend_times(sharded, num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                          dtype_bytes=DTYPES[cfg["dtype"]].itemsize)
+    return times.get(backend)
+
+
+def model_table(cfg: dict, cps: list[int]) -> list[str]:
+    """The model's forward ms per backend and auto's pick, for the layouts of the all-gather and the exchange."""
+    from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+    from cp_packing.cost import choose_backend
+
+    lines = ["| cp | mean doc | layout | allgather ms | exchange ms | ulysses ms | auto |",
+             "|---|---|---|---|---|---|---|"]
+    for cp in cps:
+        for mean in cfg["means"]:
+            params = packed_seq_params_from_doc_ids(_doc_ids(cfg, cp, mean))
+            for layout in ("balanced", "local"):
+                sharded = shard_packed_seq_params(params, cp_size=cp, cp_rank=0, layout=layout)
+                cells = [_modelled(sharded, b, cfg) for b in ("allgather", "exchange", "ulysses")]
+                auto = choose_backend(sharded, num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"],
+                                      head_dim=cfg["head_dim"], dtype_bytes=DTYPES[cfg["dtype"]].itemsize)
+                lines.append(f"| {cp} | {mean:g} | {layout} | " + " | ".join(
+                    "-" if c is None else f"{1e3 * c:.2f}" for c in cells) + f" | {auto} |")
+    return lines
+
+
 def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
     from cp_packing.testing import rank_device
@@ -134,8 +167,8 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
             options = {"backend": backend, **extra}
             run_kernel = "auto" if backend == "ring_flash_attn" else kernel
             fwd, bwd = _time_backend(sharded, options, tensors, cfg, device, run_kernel)
-            rows.append((mean, backend, layout, fwd, flops[0] / world_size / fwd / 1e12, bwd,
-                         flops[1] / world_size / bwd / 1e12))
+            rows.append((mean, backend, layout, _modelled(sharded, backend, cfg), fwd,
+                         flops[0] / world_size / fwd / 1e12, bwd, flops[1] / world_size / bwd / 1e12))
             del tensors
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -145,11 +178,12 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
 def _print(cp: int, cfg: dict, r0: dict) -> None:
     print(f"cp={cp} ({r0['device']}): {cfg['tokens']} tokens per rank, heads {cfg['heads']}/{cfg['kv_heads']} x "
           f"{cfg['head_dim']}, {cfg['dtype']}, kernel {cfg['kernel']}; median of {cfg['steps']} steps")
-    print("| cp | mean doc | backend | layout | fwd ms | fwd TFLOP/s/GPU | bwd ms | bwd TFLOP/s/GPU |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mean, backend, layout, fwd, fwd_tf, bwd, bwd_tf in r0["rows"]:
-        print(f"| {cp} | {mean:g} | {backend} | {layout} | {1e3 * fwd:.2f} | {fwd_tf:.4g} | {1e3 * bwd:.2f} | "
-              f"{bwd_tf:.4g} |")
+    print("| cp | mean doc | backend | layout | model fwd ms | fwd ms | fwd TFLOP/s/GPU | bwd ms | bwd TFLOP/s/GPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mean, backend, layout, model, fwd, fwd_tf, bwd, bwd_tf in r0["rows"]:
+        modelled = "-" if model is None else f"{1e3 * model:.3g}"
+        print(f"| {cp} | {mean:g} | {backend} | {layout} | {modelled} | {1e3 * fwd:.2f} | {fwd_tf:.4g} | "
+              f"{1e3 * bwd:.2f} | {bwd_tf:.4g} |")
     for mean, backend, why in r0["skipped"]:
         print(f"skipped: {backend} (mean doc {mean:g}): {why}")
 
@@ -172,13 +206,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-only", action="store_true", help="print the step-time model's table for --cps, no run")
+    ap.add_argument("--cps", default="8,16,32,64", help="CP sizes of --model-only")
     args = ap.parse_args(argv)
     if args.quick:
         if under_torchrun():
             ap.error("--quick forks its own 2 gloo ranks; run it without torchrun")
         args.tokens, args.means, args.heads, args.kv_heads, args.head_dim = 128, "32,128", 4, 2, 8
         args.dtype, args.kernel, args.steps, args.warmup = "fp32", "torch", 2, 1
-    elif not under_torchrun():
+    elif not under_torchrun() and not args.model_only:
         ap.error("run it under torchrun on GPUs (see the module docstring), or with --quick for a CPU smoke run")
     unknown = set(args.backends.split(",")) - set(BACKENDS)
     if unknown:
@@ -187,6 +223,11 @@ def main(argv=None) -> int:
                kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, kernel=args.kernel,
                backends=args.backends.split(","), ulysses_size=args.ulysses_size, steps=args.steps,
                warmup=args.warmup, seed=args.seed)
+    if args.model_only:
+        print(f"step-time model (cost.Hardware defaults), forward of one layer at the busiest rank: {cfg['tokens']} "
+              f"tokens per rank, heads {cfg['heads']}/{cfg['kv_heads']} x {cfg['head_dim']}, {cfg['dtype']}")
+        print("\n".join(model_table(cfg, [int(c) for c in args.cps.split(",")])))
+        return 0
     results = run_distributed(_worker, 2 if args.quick else None, cfg, timeout=3600.0)
     if under_torchrun() and dist.get_rank() != 0:
         return 0

@@ -485,8 +485,8 @@ def test_hf_models_match_documents_alone(cp):
 # ------------------------------------------------------------------------------------------------ benchmarks
 
 
-def _bench(name: str) -> str:
-    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", name), "--quick"], cwd=REPO,
+def _bench(name: str, *args: str) -> str:
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", name), *(args or ("--quick",))], cwd=REPO,
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -512,5 +512,13 @@ def test_bench_cp_attention_gpu_quick_runs():
     assert sorted((row[1], row[2], row[3]) for row in rows) == sorted(
         (mean, backend, layout) for mean in ("32", "128")
         for backend, layout in (("allgather", "balanced"), ("exchange", "local"), ("ulysses", "balanced"))), out
-    assert all(float(x) > 0 for row in rows for x in row[4:]), out
+    assert all(float(x) > 0 for row in rows for x in row[4:]), out  # the model's time, then the measured ones
     assert "skipped: hybrid" in out and "skipped: ring_flash_attn" in out, out
+
+
+def test_bench_cp_attention_gpu_model_only_runs():
+    """``--model-only`` prints the step-time model's table (no ranks): one row per cp, map and layout."""
+    out = _bench("bench_cp_attention_gpu.py", "--model-only", "--cps", "2,4", "--tokens", "256", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "8")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert len(rows) == 2 * 2 * 2 and {row[-1].strip() for row in rows} <= {"allgather", "exchange", "ulysses"}
