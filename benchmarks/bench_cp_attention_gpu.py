@@ -229,9 +229,13 @@ def main(argv=None) -> int:
         print("\n".join(model_table(cfg, [int(c) for c in args.cps.split(",")])))
         return 0
     results = run_distributed(_worker, 2 if args.quick else None, cfg, timeout=3600.0)
-    if under_torchrun() and dist.get_rank() != 0:
-        return 0
-    _print(2 if args.quick else dist.get_world_size(), cfg, results[0])
+    cp = 2 if args.quick else dist.get_world_size()
+    if under_torchrun():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    _print(cp, cfg, results[0])
     return 0
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import statistics
 import time
 
@@ -41,16 +42,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIGMA = 1.5
 
 
+def _clock(device: torch.device) -> float:
+    """Seconds, once every rank got here with its device idle."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    return time.perf_counter()
+
+
 def _timed(fn, device: torch.device) -> float:
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    return time.perf_counter() - t0
+    return _clock(device) - t0
 
 
 class _Done:
@@ -173,20 +176,18 @@ def main(argv=None) -> int:
     cfg = dict(tokens=args.tokens, mean=args.mean, layout=args.layout, heads=args.heads, kv_heads=args.kv_heads,
                head_dim=args.head_dim, dtype=args.dtype, threads=args.threads, steps=args.steps, warmup=args.warmup,
                seed=args.seed, kernel=args.kernel or ("auto" if under_torchrun() else "torch"))
-    cps = [None] if under_torchrun() else [int(c) for c in args.cps.split(",")]
-    header = True
-    for cp in cps:
-        results = run_distributed(_worker, cp, cfg, timeout=1800.0)
-        if under_torchrun() and dist.get_rank() != 0:
-            continue
-        r0 = results[0]
-        cp = cp or dist.get_world_size()
-        if header:
-            print(f"exchange overlap ({r0['device']}): {args.tokens} tokens per rank, lognormal mean {args.mean:g}, "
-                  f"heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, kernel {cfg['kernel']}; "
-                  f"median of {args.steps} one-layer fwd+bwd steps")
-            print(" ".join(f"{h:>{_width(h)}}" for h in COLUMNS))
-            header = False
+    sizes = [int(os.environ["WORLD_SIZE"])] if under_torchrun() else [int(c) for c in args.cps.split(",")]
+    done = [(cp, run_distributed(_worker, cp, cfg, timeout=1800.0)[0]) for cp in sizes]
+    if under_torchrun():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    print(f"exchange overlap ({done[0][1]['device']}): {args.tokens} tokens per rank, lognormal mean {args.mean:g}, "
+          f"heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, kernel {cfg['kernel']}; "
+          f"median of {args.steps} one-layer fwd+bwd steps")
+    print(" ".join(f"{h:>{_width(h)}}" for h in COLUMNS))
+    for cp, r0 in done:
         print(_row(cp, args.layout, r0))
     return 0
 
