@@ -36,7 +36,7 @@ from cp_packing.attention.exchange import exchange_tables
 from cp_packing.attention.plan import prepare_attention
 from cp_packing.layouts import layout_plan
 from cp_packing.layouts.need import need_tokens
-from cp_packing.testing import run_distributed, synthetic_doc_ids
+from cp_packing.testing import rank_device, run_distributed, synthetic_doc_ids
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -234,21 +234,22 @@ def _run_case(case: Case, rank: int, cp: int) -> dict:
 
     step = prepare_attention(sharded, group=dist.group.WORLD, backend="exchange", kernel="torch",
                              overlap=case.overlap)
-    local = [sharded.shard(x).detach().requires_grad_() for x in (q, k, v)]
-    s = sinks.clone().requires_grad_()
+    device = rank_device()  # this rank's GPU under torchrun + NCCL, else the CPU
+    local = [sharded.shard(x).to(device).requires_grad_() for x in (q, k, v)]
+    s = sinks.to(device).requires_grad_()
     with recorded() as events:
         outs = [context_parallel_attention(*local, step, causal=case.causal, window=case.window,
                                            softcap=case.softcap, sinks=s if case.sinks else None)
                 for _ in range(case.layers)]
-        (sum(outs) * sharded.shard(dout)).sum().backward()
+        (sum(outs) * sharded.shard(dout).to(device)).sum().backward()
     errs = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), [outs[0].detach()] + [x.grad / case.layers for x in local],
                                [ref.detach()] + [x.grad for x in leaves[:3]]):
-        errs[name] = float((got - sharded.shard(want)).abs().max()) if got.numel() else 0.0
+        errs[name] = float((got.cpu() - sharded.shard(want)).abs().max()) if got.numel() else 0.0
     if case.sinks:  # each rank holds its queries' part: the parts summed over the group are the whole gradient
         total = s.grad / case.layers
         dist.all_reduce(total)
-        errs["dsinks"] = float((total - leaves[3].grad).abs().max())
+        errs["dsinks"] = float((total.cpu() - leaves[3].grad).abs().max())
         errs["dsinks is partial"] = float((s.grad / case.layers - total).abs().max())
     tables = exchange_tables(sharded, causal=case.causal, window=case.window)
     plan = layout_plan(params.cu_seqlens, cp_size=cp, layout=case.layout, window=case.plan_window)
@@ -267,7 +268,7 @@ def _run_case(case: Case, rank: int, cp: int) -> dict:
 def _mistake_cases(cp: int) -> dict[str, tuple[str, Callable]]:
     """name -> (the field the error must name, ``(rank) -> (doc map, layout, plan_window)``): one rank differs."""
     maps = _maps(cp)
-    doc, other = maps["lognormal"], synthetic_doc_ids("lognormal", 2, 12 * cp, seed=cp + 7, median=8, pad=0.1)
+    doc, other = maps["lognormal"], synthetic_doc_ids("lognormal", 1, 24 * cp, seed=cp + 7, median=8, pad=0.1)
     last = cp - 1
     return {
         "another layout": ("layout", lambda r: (doc, "contiguous" if r == 0 else "local", None)),
@@ -285,23 +286,28 @@ def _run_mistake(how, rank: int, cp: int) -> dict:
     q, k, v, _, _ = _inputs(Case("", doc, layout), doc.numel())
     with recorded() as events:
         try:
-            context_parallel_attention(*(sharded.shard(x) for x in (q, k, v)), step)
+            context_parallel_attention(*(sharded.shard(x).to(rank_device()) for x in (q, k, v)), step)
         except AgreementError as exc:
             return {"error": str(exc), "events": events}
     return {"error": None, "events": events}
 
 
-def _dist_exchange(rank: int, world_size: int) -> dict:
+def _dist_exchange(rank: int, world_size: int) -> list[dict]:
+    """Every rank's results, on every rank (so that a torchrun launch, where a process sees its own return value
+    only, checks the same)."""
     out = {case.name: _run_case(case, rank, world_size) for case in _cases(world_size)}
     out["mistakes"] = {name: _run_mistake(how, rank, world_size)
                        for name, (_, how) in _mistake_cases(world_size).items()}
-    return out
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, out)
+    return everyone
 
 
 @functools.cache
 def _results(cp: int) -> list[dict]:
-    """Every rank's results for every case at this cp size (one set of ranks, run once per test session)."""
-    return run_distributed(_dist_exchange, cp, timeout=TIMEOUT)
+    """Every rank's results for every case at this cp size, in rank order (one set of ranks, run once per test
+    session; under torchrun, the launched group of that size, else the tests skip)."""
+    return run_distributed(_dist_exchange, cp, timeout=TIMEOUT)[0]
 
 
 # ----------------------------------------------------------------------------------------------------- tests
