@@ -869,13 +869,6 @@ def step_costs(step: list[list[list[tuple[int, int]]]], seq_len: int) -> list[in
     return out
 
 
-def _spread(costs: list[int]) -> float:
-    """busiest / mean (1.0 with no work)."""
-    mean = sum(costs) / len(costs)
-    return max(costs) / mean if mean > 0 else 1.0
-
-
-
 def _heavy_targets(costs: list[int], n_steps: int, dp_size: int) -> tuple[int, list[float]]:
     """How many steps the costliest pieces anchor, and every bin's target cost.
 
