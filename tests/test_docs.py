@@ -1,9 +1,12 @@
-"""The docs stay true: the API reference and the layout pictures are regenerated from the code, the README's example
-runs and prints what it claims, and every relative link in README.md and docs/ points at a file that exists."""
+"""The docs stay true: the API reference, the module table and the layout pictures are regenerated from the code; every
+python block of README.md and docs/ compiles, uses only names it defines, imports or documents as placeholders, and
+runs where it is complete; the layering is one-way; every ``>>>`` example of cp_packing runs; every relative link in
+README.md and docs/ points at a file that exists."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 import re
@@ -101,6 +104,7 @@ OPTIONAL_PACKAGES = ("transformer_engine",)  # imported by a block, not installe
 DOC_PAGES = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
 
 
+@functools.lru_cache(maxsize=1)
 def _module_table():
     """scripts/gen_module_table.py as a module (the import graph, parsed from the code)."""
     import importlib.util
@@ -276,29 +280,31 @@ def _uses_placeholders(code: str, known: set[str]) -> bool:
     return bool(used & set(PLACEHOLDERS))
 
 
-@pytest.mark.parametrize("page", DOC_PAGES)
+def _complete_blocks(page: str) -> list[tuple[int, str]]:
+    """The blocks of ``page`` the suite runs: no placeholder (after the earlier blocks of a session), not listed."""
+    out, known = [], set()
+    for line, code in _blocks(page):
+        if page not in SESSIONS:
+            known = set()
+        if not (_listed(NOT_RUN, page, code) or _listed(KNOWN_BROKEN, page, code) or _uses_placeholders(code, known)):
+            out.append((line, code))
+            names = _Names()
+            names.visit(ast.parse(code))
+            known |= names.defined
+    return out
+
+
+@pytest.mark.parametrize("page", [page for page in DOC_PAGES if _complete_blocks(page)])
 def test_complete_snippets_run(page, monkeypatch):
-    """Every block without a placeholder runs as written (in order, one namespace per SESSIONS page)."""
+    """Every block without a placeholder runs as written (in order, in one namespace on a SESSIONS page)."""
     from cp_packing import formats
 
     monkeypatch.setattr(formats, "_zero_based_warned", False)  # formats.md shows the warning once per process
     namespace: dict = {}
-    known: set[str] = set()
-    ran = 0
-    for line, code in _blocks(page):
+    for line, code in _complete_blocks(page):
         if page not in SESSIONS:
-            namespace, known = {}, set()
-        if _listed(NOT_RUN, page, code) or _listed(KNOWN_BROKEN, page, code) or _uses_placeholders(code, known):
-            continue
+            namespace = {}
         exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - our own docs
-        names = _Names()
-        names.visit(ast.parse(code))
-        known |= names.defined
-        ran += 1
-    if not _blocks(page):
-        pytest.skip(f"{page} has no python block")
-    if ran == 0:
-        pytest.skip(f"every python block of {page} uses placeholders or is listed in NOT_RUN")
 
 
 def test_placeholders_are_documented():
@@ -475,19 +481,12 @@ def test_docstring_examples_run(module):
 
 
 def _data_md_blocks() -> tuple[list[str], str]:
-    """docs/data.md's python blocks: the in-process ones, in order, and the torchrun script."""
+    """docs/data.md's python blocks: the in-process ones, in order (test_complete_snippets_run runs them), and the
+    torchrun script."""
     blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "docs", "data.md")).read(), re.S)
     scripts = [b for b in blocks if "init_device_mesh" in b]
     assert len(scripts) == 1 and len(blocks) >= 8
     return [b for b in blocks if b is not scripts[0]], scripts[0]
-
-
-def test_data_md_examples_run():
-    """Every format example and the single-process loader examples of docs/data.md, as written, in one namespace
-    (their asserts are the claims)."""
-    namespace: dict = {}
-    for block in _data_md_blocks()[0]:
-        exec(block, namespace)  # noqa: S102 - our own docs
 
 
 def _data_md_script(rank: int, world: int) -> dict:
