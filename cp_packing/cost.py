@@ -324,9 +324,9 @@ def layout_cost(
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
         window: sliding window of the attention (``None``: full causal; an int; or a per-layer list of
             ``int | None``, summed over the layers): every cost (``rank_cost``, ``imbalance``, ``ideal_cost``) counts
-            ``min(p + 1, window)`` per token, ``balanced`` / ``local`` are planned for it (as ``shard_packed_seq_params(...,
-            window=window)`` plans it) and ``auto`` compares the candidates under it. ``kv_bytes_allgather`` stays the
-            unwindowed key range (an upper bound under a window).
+            ``min(p + 1, window)`` per token, ``balanced`` / ``local`` are planned for it (as
+            ``shard_packed_seq_params(..., window=window)`` plans them) and ``auto`` compares the candidates under it.
+            ``kv_bytes_allgather`` stays the unwindowed key range (an upper bound under a window).
 
     Returns:
         ``LayoutCost``.

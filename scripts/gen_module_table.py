@@ -19,7 +19,7 @@ import ast
 import os
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 PACKAGE = "cp_packing"
@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """The units, bottom to top (DESIGN.md section 6): a unit may import its own layer and those below it."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def modules() -> dict[str, str]:
     """Every module of the package: dotted name -> path (``cp_packing.attention`` for its ``__init__.py``)."""
     out = {}
@@ -74,7 +74,7 @@ def _targets(node: ast.AST) -> list[str]:
     return []
 
 
-@lru_cache(maxsize=None)
+@cache
 def imports(module: str) -> tuple[frozenset[str], frozenset[str]]:
     """``(module level, only inside functions)``: the cp_packing modules ``module`` imports (itself excluded)."""
     top: set[str] = set()
@@ -214,8 +214,8 @@ def _descriptions(text: str) -> dict[str, str]:
 def render(current: str) -> str:
     """The table (markers included); descriptions from ``current`` (docs/index.md's text)."""
     described = _descriptions(current)
-    lines = [BEGIN, "", "| layer | module | what lives there | imports (module level) | imports inside functions only |",
-             "|---|---|---|---|---|"]
+    header = "| layer | module | what lives there | imports (module level) | imports inside functions only |"
+    lines = [BEGIN, "", header, "|---|---|---|---|---|"]
     for unit in _units():
         key = _key(unit)
         lines.append(f"| {layer_of(unit)} | {key} | {described.get(key) or _first_sentence(unit)} | "

@@ -138,8 +138,8 @@ def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: 
         cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's; CPU or CUDA).
         cp_size: the context-parallel group size.
         layout: one of :data:`LAYOUTS` (``"contiguous"``, ``"zigzag"``, ``"balanced"``, ``"local"``).
-        window: the attention's sliding window(s) that window-aware layouts (``balanced``, ``local``) plan for (``None``, an
-            int or a per-layer list of ``int | None``); the others do not depend on it.
+        window: the attention's sliding window(s) that window-aware layouts (``balanced``, ``local``) plan for
+            (``None``, an int or a per-layer list of ``int | None``); the others do not depend on it.
 
     Returns:
         :class:`LayoutPlan`.
