@@ -1,45 +1,11 @@
-"""Cost model of a CP layout: per-rank causal attention work, imbalance, padding and K/V communication. Pure.
+"""Cost model of a CP layout and step-time model of the backends. Pure (no communication).
 
-Work. Under causal attention inside a segment, the token at position ``p`` (0-based, in its segment) attends to
-``p + 1`` keys, so the attention FLOPs of a rank are proportional to ``cost = sum over its tokens of (p + 1)``. A
-piece ``[a, b)`` of one segment (positions ``a .. b-1``) costs ``sum_{p=a}^{b-1} (p + 1) = (b(b+1) - a(a+1)) / 2``,
-a whole segment of length ``L`` ``L (L + 1) / 2``. Any range of the global stream, even one that crosses segments,
-costs ``W(end) - W(start)`` with the prefix ``W(t) = (cost of the segments before t's) + p(p+1)/2``: every per-rank
-cost here is that closed form, vectorised (no loop over tokens or segments). Padding segments count: the varlen
-kernel attends them like documents (padding attends to padding), so they take the same time.
-
-Sliding window (``window=w``, HF's ``sliding_window``): a token at position ``p`` attends ``min(p + 1, w)`` keys, so
-it costs that, and the closed form per segment becomes ``m(m+1)/2 + (p - m) w`` with ``m = min(p, w)`` (a long
-document under a small window is linear, not quadratic). ``window`` may also be a per-layer list of ``int | None``
-(models that mix sliding and global layers): the cost is then the SUM over the layers (``[w, None]`` costs
-``min(p + 1, w) + p + 1`` per token). ``causal_cost``, ``layout_cost`` and ``choose_layout`` take ``window=``, and
-the ``balanced`` layout is planned for it (``cp_packing.layouts.work`` has the closed forms).
-
-Figures (``LayoutCost``):
-
-* ``imbalance = busiest / mean`` of the per-rank costs (1.0 is perfect; the step time follows the busiest rank).
-* ``busiest_over_ideal = busiest / (C / cp)`` with ``C`` the cost of the ORIGINAL map: for ``zigzag`` on a padded
-  map this also charges the work of the added pad tokens.
-* ``padding_overhead``: tokens added inside documents / real tokens. ``zigzag`` needs every segment to be a multiple
-  of ``2 * cp``; on a map that is not, its figures are those of ``cp_packing.pad_segments(doc_ids, multiple=2 * cp)``,
-  priced in closed form from the segment lengths (no padded map is built: memory linear in the segments). Other
-  layouts add nothing (0.0).
-* ``kv_bytes_allgather[r]``: bytes of K and V (per layer) that rank r needs from OTHER ranks under the all-gather
-  backend: a run of a segment attends to the keys from its segment's start up to its own last token, so rank r
-  needs, for every segment it holds a token of, the keys ``[segment start, last token it holds there]``; the bytes
-  are those keys minus the ones it holds, times ``2 * num_kv_heads * head_dim * dtype_bytes``. This is what a
-  selective gather moves (``contiguous`` needs little: only the part of its first document held by earlier ranks);
-  a plain ``all_gather`` moves ``(cp - 1) * T_local`` tokens for every layout.
-* ``kv_bytes_ring``: a ring pass (ring-flash-attn zigzag/ring) sends every block around: each rank receives
-  ``(cp - 1) / cp`` of all K/V, ``(cp - 1) * T_local`` tokens per layer, whatever the layout.
-
-``rowzigzag`` is a reference, not a layout of ours: the common trainer practice of cutting every ROW (not every
-document) in ``2 * cp`` chunks and giving rank r chunks ``r`` and ``2cp-1-r`` (chunk bounds ``floor(i * S / 2cp)``).
-
-``choose_layout`` (``layout="auto"``) picks, per batch, the valid layout with the lowest busiest-rank cost.
-
-Exact in int64 up to ``MAX_COST_TOKENS`` (about ``2.8 * 2**30``) tokens, where ``T * (T + 1)`` still fits (divided by
-the number of layers of a per-layer window); a longer stream raises a ValueError instead of overflowing silently.
+A rank's work is ``sum over its tokens of min(p + 1, w)`` (``p``: the position inside its segment, padding segments
+included; ``w``: the sliding window, ``None`` for none; a per-layer window sums over the layers), in closed form per
+run (``cp_packing.layouts.work``), exact in int64 up to ``MAX_COST_TOKENS`` tokens. :func:`layout_cost` gives a
+layout's figures (:class:`LayoutCost`), :func:`choose_layout` is ``layout="auto"``, :func:`backend_bytes` /
+:func:`backend_times` / :func:`choose_backend` price the attention backends. The model and its figures:
+docs/balance.md ("Cost model"); the backends: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -76,7 +42,7 @@ COST_LAYOUTS = (*LAYOUTS, "auto", "rowzigzag")
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """The cost figures of one layout on one batch (see the module docstring for the definitions).
+    """The cost figures of one layout on one batch (their definitions: docs/balance.md, "Cost model").
 
     Attributes:
         layout: the layout measured (``auto`` resolved to the name it picked).
@@ -345,7 +311,7 @@ def layout_cost(
     dtype_bytes: int = 2,
     window: int | Sequence[int | None] | None = None,
 ) -> LayoutCost:
-    """Cost figures of one layout on one batch (see the module docstring).
+    """Cost figures of one layout on one batch (docs/balance.md, "Cost model").
 
     Args:
         params_or_doc_ids: ``PackedSeqParams`` or the ``[B, S]`` integer doc map (1-based document index, 0 =
@@ -353,14 +319,15 @@ def layout_cost(
         cp_size: the CP group size.
         layout: ``"contiguous"``, ``"zigzag"`` (on a map whose segments are not all multiples of ``2 * cp_size``:
             priced as after ``pad_segments(doc_ids, multiple=2 * cp_size)``, with its ``padding_overhead``),
-            ``"balanced"``, ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is that name)
+            ``"balanced"``, ``"local"``, ``"auto"`` (the layout ``choose_layout`` picks; ``layout`` of the result is
+            that name)
             or ``"rowzigzag"`` (the whole-row reference; needs nothing).
         num_kv_heads, head_dim, dtype_bytes: the K/V shape for the byte counts (defaults: 8 x 128, bf16).
         window: sliding window of the attention (``None``: full causal; an int; or a per-layer list of
             ``int | None``, summed over the layers): every cost (``rank_cost``, ``imbalance``, ``ideal_cost``) counts
-            ``min(p + 1, window)`` per token, ``balanced`` is planned for it (as ``shard_packed_seq_params(...,
-            window=window)`` plans it) and ``auto`` compares the candidates under it. ``kv_bytes_allgather`` stays the
-            unwindowed key range (an upper bound under a window).
+            ``min(p + 1, window)`` per token, ``balanced`` / ``local`` are planned for it (as
+            ``shard_packed_seq_params(..., window=window)`` plans them) and ``auto`` compares the candidates under it.
+            ``kv_bytes_allgather`` stays the unwindowed key range (an upper bound under a window).
 
     Returns:
         ``LayoutCost``.
@@ -417,14 +384,9 @@ def layout_cost(
 def choose_layout(
     params: PackedSeqParams, *, cp_size: int, rtol: float = 0.01, window: int | Sequence[int | None] | None = None
 ) -> str:
-    """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch.
-
-    Candidates: ``contiguous`` and ``balanced`` (need ``T % cp_size == 0``), ``zigzag`` (needs every segment
-    ``% (2 * cp_size) == 0``; this function never pads). The winner has the lowest busiest-rank causal cost; costs
-    within ``rtol`` of the lowest are a tie (the model ignores kernel tiles, so 1% is noise), and a tie goes to the
-    layout whose ranks receive fewer K/V bytes under the all-gather backend (summed over ranks), then to the first
-    in ``AUTO_LAYOUTS``. Deterministic (every rank picks the same), cached per ``(cu_seqlens, cp_size, rtol,
-    window)``, logged at DEBUG level on the ``"cp_packing"`` logger.
+    """The layout ``shard_packed_seq_params(layout="auto")`` uses for this batch: the lowest busiest-rank cost
+    (within ``rtol``), then the fewest keys needed from other ranks (``cp_packing.layouts.choose``); deterministic,
+    cached, logged at DEBUG on the ``"cp_packing"`` logger.
 
     Args:
         params: ``PackedSeqParams`` of the ``[B, S]`` batch.
@@ -434,7 +396,7 @@ def choose_layout(
             see ``layout_cost``); the ``balanced`` candidate is planned for it too.
 
     Returns:
-        ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+        One of ``cp_packing.layouts.LAYOUTS`` (``zigzag`` only where every segment is a multiple of ``2 * cp_size``).
 
     Raises:
         TypeError: ``params`` is not ``PackedSeqParams``, or a non-int ``cp_size``.

@@ -239,8 +239,8 @@ def distribute_packed_seq_params(
             ``src`` set: only the source's is read; the other ranks pass ``None``.
         group: the CP group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["cp"]``) or ``None`` (default group).
         src: ``None`` (shard locally) or the GROUP rank that holds ``params``.
-        layout: ``"auto"`` (default: the best valid layout for this batch, chosen once), ``"contiguous"``,
-            ``"zigzag"`` or ``"balanced"``; the result's ``layout`` names the one used.
+        layout: ``"auto"`` (default: the best valid layout for this batch, chosen once) or one of
+            ``cp_packing.layouts.LAYOUTS``; the result's ``layout`` names the one used.
         check_consistent: with ``src=None`` (default True), also compare BLAKE2b digests of every rank's doc map
             and ``cu_seqlens`` (catches a data loader seeded per CP rank); its cost is in docs/benchmarks.md.
         window: the model's sliding window (``None``, an int, or a per-layer list of ``int | None``) that
@@ -257,7 +257,7 @@ def distribute_packed_seq_params(
         (``AgreementError``), an invalid or indivisible ``params`` on the source, or (``check_consistent``)
         ranks holding different batches.
 
-    Communication: one agreement of a small record through the store (none in a one-rank group), plus
+    Communication: the agreement (a small record per rank through the c10d store; none in a one-rank group), plus
     with ``src`` one ``broadcast_object_list`` of ``cu_seqlens`` and the segments' doc indices.
 
     Example (on every rank of ``mesh["cp"]``; ``docs/distributed.md``)::

@@ -1,51 +1,11 @@
 """HuggingFace transformers integration: context-parallel attention as a registered attention implementation.
 
-How it plugs in (transformers 5.x, no monkey-patching):
-
-* :func:`register_cp_attention` registers :func:`cp_attention_forward` under a name (``"cp_packing"``) with
-  ``transformers.AttentionInterface``, the supported extension point. A model built with
-  ``attn_implementation="cp_packing"`` (``from_config``/``from_pretrained``, or ``model.set_attn_implementation``)
-  then calls it in every attention layer as ``fn(module, query [B, H, S, D], key [B, H_kv, S, D], value,
-  attention_mask, dropout=..., scaling=..., **kwargs) -> (out [B, S, H, D], None)``.
-* Per-step metadata travels as extra keyword arguments of ``model(...)``, which HF forwards untouched to the
-  attention function: ``cp_sharded`` (this rank's :class:`~cp_packing.ShardedPackedSeqParams`), ``cp_group`` (the CP
-  ``ProcessGroup``, ``None`` without CP) and optionally ``cp_backend`` / ``cp_kernel`` / ``cp_ulysses_size``. :func:`cp_model_inputs`
-  builds the whole call: ``input_ids [1, T_local]``, ``position_ids [1, T_local]`` (restarting at 0 in every
-  document, for RoPE), ``use_cache=False`` and the ``cp_*`` kwargs, and NO ``attention_mask``.
-
-Why no mask: the document boundaries live in ``cp_sharded`` (varlen metadata), and a mask would be a second,
-conflicting description of them. The name is deliberately NOT registered with ``AttentionMaskInterface``: since
-transformers 4.53, ``masking_utils`` builds no mask at all for an attention implementation without a mask function
-(``_preprocess_mask_arguments`` exits early and hands ``attention_mask=None`` to every layer), which also skips HF's
-packed-sequence detection from ``position_ids`` (a host sync per forward). A 2-D ``attention_mask`` passed to the
-model is therefore dropped by HF; a 4-D one is passed through by HF and refused here with a clear error. (In HF's own
-flash-attention path a non-None mask makes it unpad and IGNORE passed ``cu_seq_lens``: never hand both.)
-
-Decisions:
-
-* ``cp_sharded`` is required, also without CP: without it nothing says where documents start, and silently running
-  plain causal attention over the packed stream is the classic cross-document leak. For one process use
-  ``cp_model_inputs(input_ids, packed_params)`` (a ``PackedSeqParams`` is sharded with ``cp_size=1``) and no group.
-* Attention dropout is refused (``dropout > 0`` raises): the CP kernels have no dropout. Set
-  ``config.attention_dropout = 0.0`` (the default of Llama/Qwen configs).
-* Sliding-window layers (``sliding_window``, which HF passes per layer: Mistral, Qwen2 with
-  ``use_sliding_window=True``; ``None`` on full-attention layers) run with the window counted inside each document,
-  as HF's ``sliding_window_causal_mask_function`` does (a query at position ``p`` attends keys ``p - w < k <= p``);
-  every causal family checked (Mistral, Qwen2, Gemma 2/3, gpt-oss, Phi-3) uses that mask with the layer's
-  ``sliding_window`` unchanged, so no translation is needed. Logit soft-capping (``softcap``, Gemma 2's
-  ``attn_logit_softcapping``, applied to the scaled scores as HF's eager attention does) and attention sinks
-  (``s_aux``, gpt-oss's per-head ``module.sinks``) are forwarded to ``context_parallel_attention`` as ``softcap`` /
-  ``sinks``; the sinks' gradient on each rank is its tokens' share (sum it over CP, as DP gradient reduction does).
-* ``scaling`` (the module's softmax scale) is honoured; an ``is_causal`` keyword, else ``module.is_causal``, selects
-  causal attention (the order HF's sdpa path uses).
-* Under ``torch.autocast`` (standard AMP: float32 weights), q/k/v are cast to the autocast dtype (HF's RoPE
-  returns float32 q/k next to a bf16/fp16 v) and the attention runs with autocast off, so its forward and backward
-  use that dtype, as HF's sdpa path does. Without autocast, q/k/v of different dtypes are a ``TypeError``.
-
-Supported transformers: ``>=5.0,<6`` (:data:`SUPPORTED_TRANSFORMERS`), tested with 5.24. It relies on
-``AttentionInterface`` (4.48+), ``AttentionMaskInterface`` and the mask early exit for unregistered implementations
-(4.53+), and kwargs forwarding through ``TransformersKwargs`` (5.x models). Neither ``import cp_packing`` nor
-``import cp_packing.hf`` imports transformers: it is imported inside the functions that need it.
+:func:`register_cp_attention` registers :func:`cp_attention_forward` with ``transformers.AttentionInterface`` (the
+supported extension point: no monkey-patching); :func:`cp_model_inputs` prepares a step and builds the call
+(``model(**inputs)``: ``input_ids`` and ``position_ids`` ``[1, T_local]``, ``use_cache=False``, ``cp_sharded`` with its
+step plan and ``cp_group``; never an ``attention_mask``); :func:`check_cp_model` checks a model and installs its
+guards. Why no mask, what the attention refuses, the model families and the supported transformers: docs/hf.md.
+Neither ``import cp_packing`` nor ``import cp_packing.hf`` imports transformers.
 """
 
 from __future__ import annotations
@@ -113,10 +73,9 @@ def check_transformers_version(version: str | None = None) -> str:
 def register_cp_attention(*, name: str = CP_ATTENTION_NAME) -> str:
     """Register :func:`cp_attention_forward` with ``transformers.AttentionInterface`` under ``name``; return ``name``.
 
-    Idempotent (registering again re-binds the same function). Afterwards
-    ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` or ``model.set_attn_implementation(name)``
-    runs context-parallel attention in every attention layer. No mask function is registered on purpose (see the
-    module docstring): HF then builds no attention mask for this implementation.
+    Idempotent. Afterwards ``from_config(cfg, attn_implementation=name)`` or ``model.set_attn_implementation(name)``
+    runs context-parallel attention in every attention layer. No mask function is registered, on purpose: HF then
+    builds no attention mask for this implementation (docs/hf.md, "The attention_mask pitfall").
 
     Raises:
         TypeError: ``name`` is not a non-empty str.
@@ -184,7 +143,7 @@ def cp_attention_forward(
             ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it; ``module.config`` and
             ``module.layer_idx`` give the layer's features, ``cp_packing.model_features``).
         query: ``[1, H, T_local, D]``; key / value ``[1, H_kv, T_local, D]`` (RoPE already applied by the model).
-        attention_mask: must be ``None`` (HF builds none for this implementation; see the module docstring).
+        attention_mask: must be ``None`` (HF builds none for this implementation; docs/hf.md).
         dropout: must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
         cp_sharded: this rank's ``ShardedPackedSeqParams`` of the step, with its plan (``cp_model_inputs``).
@@ -208,7 +167,7 @@ def cp_attention_forward(
         token count that does not match ``cp_sharded``, a non-None ``attention_mask``, ``dropout > 0``, a model
         feature the attention cannot express, and the checks of ``context_parallel_attention``.
 
-    Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (see the module docstring).
+    Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (docs/hf.md).
     """
     if cp_plan is not None and torch.compiler.is_compiling() and _is_causal(module, kwargs):
         return _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, cp_plan,
@@ -631,15 +590,10 @@ def check_cp_model(model: torch.nn.Module) -> Any:
     """Check that ``model`` runs cp_packing's attention on layers a sequence split can express, and guard its calls;
     idempotent, no communication. Returns its per-layer features (``cp_packing.model_features.ModelFeatures``).
 
-    Raises now when the model's attention implementation (``model.config._attn_implementation``) is not a name
-    registered by :func:`register_cp_attention`, or when its layers mix tokens outside the attention function
-    (linear attention, convolutions, SSMs: ``cp_packing.model_features.check_cp_supported`` names the layer), and
-    installs two forward hooks on the (unwrapped) model that raise,
-    for every later call with ``cp_sharded``, BEFORE the forward when it also passes ``labels=`` (HF's built-in loss
-    shifts labels on the local shard) or the implementation has changed since, and AFTER it when no attention layer
-    ran cp_packing's attention (e.g. a model whose layers pick their attention elsewhere). The usual cause is a
-    second model built from the same config object (transformers shares it): build each from
-    ``copy.deepcopy(config)``. :func:`cp_model_inputs` calls this when given ``model=``; :class:`CPTrainer` always.
+    Raises now on another attention implementation or on layers that mix tokens outside the attention function
+    (``cp_packing.model_features.check_cp_supported`` names the layer); the two forward hooks it installs raise, for a
+    later call with ``cp_sharded``, before the forward on ``labels=`` (HF's loss shifts the local shard) or a switched
+    implementation, and after it when no attention layer ran cp_packing's attention (docs/trainer.md, "Guards").
 
     Args:
         model: an HF model, or a DDP / FSDP wrapper of one (``.module``).

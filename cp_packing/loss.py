@@ -1,16 +1,9 @@
-"""Labels shifted on the global stream, and cross-entropy losses normalised by global counts (docs/loss.md).
+"""Cross-entropy losses whose CP shares sum to the non-CP loss: a local sum over a global count (docs/loss.md).
 
-Two rules make the context-parallel loss equal the non-CP loss:
-
-1. shift labels on the GLOBAL stream, before sharding (:func:`next_token_labels`): shifting a shard pairs tokens
-   that are not neighbours at every shard or zigzag chunk edge, silently;
-2. divide each rank's SUM of cross-entropy by a GLOBAL count, all-reduced once (:func:`packed_cross_entropy`: valid
-   tokens; :func:`document_cross_entropy`: valid tokens per document, and documents). Each rank returns its share:
-   the shares sum to the non-CP loss and their gradients to the non-CP gradient.
-
-Fail together: every rank-local check runs first and its failure goes into ONE ``agreement.agree`` per group
-before any all-reduce, so a mistake on one rank (a wrong ``cp_rank``, another vocabulary, dtype, reduction or
-batch, a bad label) raises the same error on every rank instead of leaving the others in a collective.
+Each rank returns its share, the sum of its tokens' cross-entropy over ``N``, the valid labels of the whole batch:
+the step plan's count (a prepared step: local math, no communication), ``num_items_in_batch``, or one all-reduce
+after one agreement per group (a mistake on one rank raises on every rank). Labels are shifted on the global
+stream by ``cp_packing.labels.next_token_labels``.
 """
 
 from __future__ import annotations

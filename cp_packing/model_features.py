@@ -1,50 +1,14 @@
 """What each decoder layer of an HF causal LM asks of the attention, read from its config alone; and whether a
 sequence split over CP ranks can run it at all.
 
-cp_packing's attention sees only what HF hands the attention function of each layer (``sliding_window``,
-``softcap``, ``s_aux``, ...). Three kinds of model break that, silently:
-
-* token mixing HF applies only in its MASK, which cp_packing does not build: PhiMoE's and Qwen2-MoE's sliding
-  window (the attention function gets ``sliding_window=None``), Llama 4's chunked attention
-  (``attention_chunk_size`` on its ``chunked_attention`` layers);
-* token mixing outside the attention function altogether: recurrent / SSM / linear-attention layers (Mamba, Gated
-  DeltaNet, lightning attention: ``layer_types`` ``"linear_attention"``), convolutions (LFM2: ``"conv"``), hybrid
-  blocks (Zamba, Falcon-H1: ``"hybrid"``), learned key indexers that hand the attention a mask (DeepSeek sparse
-  attention: ``"indexed_attention"``), compressed keys (DeepSeek V4). A sequence split cuts their state at every
-  shard edge and packed documents leak through it: no attention kernel can repair that;
-* families that compute attention without transformers' ``AttentionInterface``, or derive positions from the row.
-
-:func:`attention_features` reads the first kind per layer (``window``, ``chunk``, ``causal``, which layers are
-attention layers) so that the attention can apply it; :func:`check_cp_supported` refuses the others with an error
-that names the layer type. Both are pure functions of the config (no weights, no transformers import): any object
-with the config's attributes works. The decision tables (:data:`ATTENTION_LAYER_TYPES`, :data:`MIXER_LAYER_TYPES`,
-:data:`REFUSED_MODEL_TYPES`, :data:`MASK_ONLY_WINDOW_MODEL_TYPES`) are explicit and checked against every causal LM
-of transformers 5.24 by ``benchmarks/sweep_hf_models.py``; docs/hf.md has the table and the rationale.
-
-Semantics, for a query at position ``p`` and a key at position ``k`` of the SAME document (positions count from 0
-at the document's start: ``position_ids``, what the model sees when the document runs alone):
-
-* ``causal``: ``k <= p``;
-* ``window`` w: ``p - w < k`` (HF's ``sliding_window_overlay``; the layer's ``config.sliding_window`` unchanged);
-* ``chunk`` c: ``k // c == p // c`` (HF's ``chunked_overlay``). Chunk boundaries are at multiples of ``c`` of the
-  position INSIDE the document, not of the absolute position in the packed row: for packed rows HF's
-  ``masking_utils`` detects the documents from ``position_ids`` (``find_packed_sequence_indices``: a new document
-  wherever the position does not grow by 1) and remaps both indices to ``position_ids``
-  (``remap_positions_for_packed_sequence``) before the chunk overlay, and it also requires the same document
-  (``packed_sequence_mask_function``). For one unpadded document the two agree; a left-padded row counts from the
-  first real token (``left_padding``), which is again the position inside the document;
-* ``query_temperature`` ``(floor_scale, attn_scale)`` (Llama 4's ``attn_temperature_tuning`` on its NoPE layers): HF
-  multiplies the query of the token at index ``i`` of the model's INPUT ROW (``torch.arange``, not ``position_ids``)
-  by ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` before the attention function. A document alone gets
-  ``i = p``; a packed row or a CP shard gets its own index, so the attention must rescale the query by
-  ``scale(p) / scale(i)`` (``i`` = the token's index in this rank's local input). It is 1 until
-  ``i + 1 >= floor_scale`` (8192 in Llama 4's configs): only long rows and shards see it;
-* ``rope_length_limit`` L (``rope_type`` ``"longrope"``: Phi-3 / Phi-3.5 / Phi-4-mini long-context; ``"dynamic"``
-  NTK): HF picks the RoPE frequencies of a whole forward call from ``max(position_ids) + 1`` (long factors, or a
-  rescaled base, above L). A packed row or a CP shard then rotates a short document with the frequencies of the
-  longest one it sits next to, and two CP ranks holding parts of one long document can rotate them differently.
-  Exact only when every document has at most L tokens (then every call uses the original frequencies):
-  :meth:`ModelFeatures.check_document_length`.
+:func:`attention_features` reads, per layer, what HF applies only in its mask or outside the attention function's
+kwargs (``window``, ``chunk``, ``causal``, ``query_temperature``, which layers are attention layers, the RoPE length
+limit) so that the attention can apply it; :func:`check_cp_supported` refuses the models whose tokens mix outside
+the attention function (recurrent, convolution and hybrid layers, attention outside ``AttentionInterface``,
+positions from the row), naming the layer type. Pure functions of the config (no weights, no transformers import).
+The semantics of each field, the decision tables (:data:`ATTENTION_LAYER_TYPES`, :data:`MIXER_LAYER_TYPES`,
+:data:`REFUSED_MODEL_TYPES`, :data:`MASK_ONLY_WINDOW_MODEL_TYPES`) and the sweep over every causal LM of
+transformers that checks them: docs/hf.md, "Which model families CP can run".
 """
 
 from __future__ import annotations
@@ -138,7 +102,7 @@ _MIXER_FIELDS = ("ssm_state_size", "mamba_d_state", "mamba_d_conv", "conv_L_cach
 
 @dataclass(frozen=True)
 class LayerFeatures:
-    """What one decoder layer asks of the attention (positions inside each document; see the module docstring).
+    """What one decoder layer asks of the attention (positions inside each document; docs/hf.md has each field).
 
     Attributes:
         layer_type: ``config.layer_types[i]``, or the type the config implies (``"full_attention"``,

@@ -1,23 +1,10 @@
 """Typed packed-sequence metadata for neat sequence packing (the seed API).
 
-Neat packing encodes document boundaries in an indexed map ``[B, S]`` where each position holds the 1-based
-document index it belongs to (0 = padding), e.g. ``[1, 1, 2, 2, 2, 0]``. This module turns that map into typed
-metadata that drives HuggingFace's varlen FlashAttention path via
-``transformers.modeling_flash_attention_utils.FlashAttentionKwargs``
-(``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
-
-Why ``cu_seqlens`` spans padding: HF's varlen path reshapes ``[B, S, ...]`` to ``[B * S, ...]`` *without* unpadding
-(the ``is_fa_with_varlen_kwargs`` branch of ``_flash_attention_forward``). ``cu_seqlens`` therefore covers the whole
-flattened batch, padding runs included (each padding run is a segment of its own, so padding attends only to
-padding, which is harmless because padding labels are ignored).
-
-Why a boundary at every row start: once the batch is flattened, a document that fills the end of one row and the
-first document of the next row would otherwise merge into one segment when they share an index (ids restart at 1 in
-every row, so this is the common case).
-
-Runs, not ids, make segments: an index that comes back later in a row after another document (``[1, 1, 2, 1]``)
-gives a new segment; it is not an error. Empty maps (``B == 0`` or ``S == 0``) are allowed and give
-``cu_seqlens == [0]`` and ``max_seqlen == 0``.
+A neat-packing doc map ``[B, S]`` (the 1-based document index of each token, 0 = padding, e.g.
+``[1, 1, 2, 2, 2, 0]``) becomes :class:`PackedSeqParams` and HF's varlen ``FlashAttentionKwargs``
+(``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``). ``cu_seqlens`` spans the whole
+flattened batch, padding runs included, with a boundary at every row start; runs, not ids, make segments (why:
+docs/index.md, "Why cu_seqlens spans padding"). Empty maps give ``cu_seqlens == [0]`` and ``max_seqlen == 0``.
 """
 
 from __future__ import annotations

@@ -5,37 +5,12 @@ is a list of ``dp_size`` dicts, one per DP replica, each ``{"input_ids", "labels
 ``[rows, seq_len]``: the global batch a replica's CP group shards (``doc_ids`` is the 1-based doc map,
 ``labels`` are already shifted on the global stream as :func:`cp_packing.next_token_labels` shifts them).
 
-How a step is formed (one *round* at a time, memory bounded by ``buffer_tokens`` tokens):
-
-1. **fill**: read documents until the documents held (carried-over ones included) have ``buffer_tokens`` tokens not
-   yet yielded (default: eight steps, at least ``2**22``). A document longer than ``seq_len`` is split into pieces of
-   ``seq_len`` tokens (and one shorter tail), truncated to ``seq_len``, or refused, as ``long_documents`` says.
-2. **how many steps**: best-fit-decreasing of every held piece into rows of ``seq_len`` (longest first, each into
-   the open row with the least room that still fits it) gives ``R`` rows; mid-stream the round yields ``n =
-   min(R // (rows * dp_size), held tokens // (rows * dp_size * seq_len))`` steps, so the least-full rows are carried
-   over rather than yielded (when the source is exhausted: ``R // (rows * dp_size)`` steps and a last, smaller step:
-   ``ceil(left rows / dp_size)`` rows per replica, the same on every replica, or, with ``drop_last=True``, nothing,
-   counted in :attr:`PackingStats.dropped_tokens` and logged once per process).
-3. **balanced packing** into those ``n`` steps (``balanced_pack``): the cost of a replica is the causal attention
-   work of ``cp_packing.cost``, ``sum L(L + 1) / 2`` over the segments of its rows (documents and padding runs,
-   which the varlen kernel attends like documents). A piece that costs more than a replica's fair share cannot be
-   balanced against the mean, so such pieces anchor steps ``dp_size`` at a time (similar pieces wait for each
-   other); then, longest first, every piece goes to the replica furthest below its target that has a row where it
-   fits, and the short pieces that hold the last 2% of the work close the gaps by best fit. It is used when it is as
-   full as best fit (it leaves no more tokens over); else the fullest best-fit rows are dealt to replicas
-   (``form_steps``). Then ``polish_step`` exchanges pieces (one, or a row's shortest few together) between the
-   busiest replica and the others while that lowers the busiest (a bounded search: time and memory linear in the
-   pieces). Pieces left over are carried to the next round, where new documents can fill the room they left.
-4. **emit**: the round's steps in an order shuffled by ``seed`` (the last, smaller step stays last), the rows of a
-   replica shuffled too. A split document's pieces are cut at emit time in stream order, so they are consecutive
-   slices of the document in the order they are yielded (step, then replica, then row).
-
-Every token of every document is yielded exactly once (``truncate`` drops what is past ``seq_len``, counted;
-``drop_last`` drops the last step, counted). Labels: ``labels[t] = input_ids[t + 1]`` inside a document segment,
-``-100`` at its last token (a split piece's last token too: attention cannot cross rows), on padding, and where the
-caller's unshifted labels were ``-100`` at ``t + 1`` (prompt masking). The packer is resumable:
-:meth:`DocumentPacker.state_dict` / :meth:`DocumentPacker.load_state_dict` (docs/packing.md). See docs/packing.md for
-the benchmark against TRL's ``pack_dataset(strategy="bfd")``.
+A step is formed in rounds over a buffer of ``buffer_tokens`` tokens: fill it, count the full steps by
+best-fit-decreasing (``form_steps``), pack them for balance of the causal attention work ``sum L(L + 1) / 2`` per
+replica (``balanced_pack``, then ``polish_step``), carry the rest, emit in an order shuffled by ``seed``. Every
+token of every document is yielded exactly once (``truncate`` and ``drop_last`` drop what they say, counted). The
+rounds, the labels, the bounded polish, resuming (``DocumentPacker.state_dict``) and the benchmark:
+docs/packing.md.
 """
 
 from __future__ import annotations
@@ -176,7 +151,7 @@ def _check_buffer(buffer_tokens: Any, buffer_size: Any, step_tokens: int) -> tup
 
 class DocumentPacker:
     """Iterator over packed, DP-balanced steps of tokenized documents; see :func:`pack_documents` (the same
-    arguments) and the module docstring for how a step is formed. ``.stats`` (:class:`PackingStats`) is updated as
+    arguments) and docs/packing.md for how a step is formed. ``.stats`` (:class:`PackingStats`) is updated as
     steps are yielded. Resumable: :meth:`state_dict` / :meth:`load_state_dict` (torchdata's ``Stateful``
     protocol); :meth:`skip` advances without building tensors.
 
@@ -527,7 +502,7 @@ def pack_documents(
 ) -> DocumentPacker:
     """Pack tokenized documents into steps of ``dp_size`` replica batches ``[rows, seq_len]``, balanced across DP.
 
-    How steps are formed, how documents flow between them and what the cost is: the module docstring and
+    How steps are formed, how documents flow between them and what the cost is: docs/packing.md and
     docs/packing.md. Reads ``documents`` lazily: the documents held at any time have at most ``buffer_tokens``
     tokens not yet yielded, plus the last document read.
 
@@ -867,13 +842,6 @@ def step_costs(step: list[list[list[tuple[int, int]]]], seq_len: int) -> list[in
             total += sum(p[0] * (p[0] + 1) // 2 for p in pieces) + pad * (pad + 1) // 2
         out.append(total)
     return out
-
-
-def _spread(costs: list[int]) -> float:
-    """busiest / mean (1.0 with no work)."""
-    mean = sum(costs) / len(costs)
-    return max(costs) / mean if mean > 0 else 1.0
-
 
 
 def _heavy_targets(costs: list[int], n_steps: int, dp_size: int) -> tuple[int, list[float]]:

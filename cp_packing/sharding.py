@@ -165,7 +165,7 @@ def shard_packed_seq_params(
         cp_rank: this rank, in ``[0, cp_size)``.
         layout: ``"auto"`` (default: per batch, the valid layout with the lowest busiest-rank cost; the chosen name
             is in the result's ``layout``), ``"contiguous"``, ``"zigzag"`` (every segment a multiple of
-            ``2*cp_size``, see ``pad_segments``) or ``"balanced"``. See docs/layouts.md.
+            ``2*cp_size``, see ``pad_segments``), ``"balanced"`` or ``"local"``. See docs/layouts.md.
         window: the model's sliding window, so that the work is balanced as the model does it: ``None`` (full
             causal), an int, or a per-layer list of ``int | None`` (``None`` = a global layer; the cost is the sum
             over the layers). A token at position ``p`` costs ``min(p + 1, window)``: ``balanced`` is planned for

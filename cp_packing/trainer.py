@@ -1,35 +1,14 @@
 """HF ``Trainer`` (and TRL ``SFTTrainer``) with context parallelism: :class:`CPTrainer`, :class:`CPSFTTrainer`.
 
 ``CPTrainer(model=..., args=..., train_dataset=..., cp_size=2)`` is a ``transformers.Trainer`` that does the CP
-glue (docs/trainer.md has the whole script, what each step does and a table of every ``TrainingArguments`` /
-``SFTConfig`` field that changes the math):
-
-* the DP x CP mesh (:class:`cp_packing.groups.CPMesh`, ``CPMesh.from_world``: consecutive ranks form a CP group);
-* the model runs cp_packing's attention (registered, and set on the model when it runs another implementation),
-  guarded by :func:`cp_packing.hf.check_cp_model`;
-* the Trainer's own DataLoader (its sampler: ``train_sampling_strategy``, ``data_seed``, ...) split over the DP
-  replicas only (accelerate's ``prepare_data_loader`` with ``num_processes = dp_size``), so every CP rank of a replica
-  collates the same rows, in the order a one-process Trainer would see them; the train collator turns each batch into
-  the global ``input_ids`` / ``doc_ids`` / ``shift_labels`` (:func:`cp_batch`), padded for the CP layout;
-* each step shards that batch locally, runs the model on this rank's tokens and returns this rank's SHARE of the
-  step's mean loss (cross-entropy, or label-smoothed cross-entropy, or a CP-aware ``compute_loss_func``: local sum
-  over ``num_items_in_batch``, the valid labels of the whole optimizer step);
-* the gradient convention of the library (``CPMesh``): gradients SUMMED over all DP x CP ranks. DDP and FSDP2 (the
-  wrappers the Trainer / accelerate put around the model) AVERAGE over the world, so each rank's share is multiplied
-  by the number of ranks they average over (the factor HF's own ``compute_loss`` applies with
-  ``average_tokens_across_devices``);
-* ``evaluate`` / ``predict``: the same sharded forward under ``no_grad``; the eval loss is the global loss of each
-  batch (every rank's share summed), the predictions are the logits gathered over the CP group and laid back in
-  the collated batch's ``[B, S, V]`` order; metrics gather over the DP replicas only.
-
-Labels: a batch's ``labels`` are HF's (unshifted: ``labels[t]`` is the token at ``t`` or -100; the shift happens
-here, on the global stream, inside each document); ``shift_labels`` are already shifted (cp-packing's
-``next_token_labels`` convention). Either in the other convention is a ``ValueError``. No labels: every next token
-inside a document.
-
-Refused at construction (a ``ValueError`` naming the field and the fix): the fields of docs/trainer.md's table
-that cannot be honoured under CP. Not supported (``NotImplementedError``): FSDP1, an iterable dataset with more than
-one DP replica.
+glue: the DP x CP mesh (:class:`cp_packing.groups.CPMesh`), cp_packing's attention with the model guards, the
+Trainer's DataLoader split over the DP replicas only (every CP rank of a replica collates the same rows), each step
+sharded locally and its loss this rank's share of the step's mean (local sum over ``num_items_in_batch``), the
+library's gradient convention (SUMMED over all DP x CP ranks) under DDP and FSDP2, and ``evaluate`` / ``predict``.
+A batch's ``labels`` are HF's (unshifted; shifted here on the global stream), ``shift_labels`` cp-packing's; either
+in the other convention is a ``ValueError``. What each step does, the table of every ``TrainingArguments`` /
+``SFTConfig`` field that changes the math (honoured or refused at construction) and what is not supported:
+docs/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """Built-in all-gather context-parallel attention (the Llama 3 idea), for every layout.
 
-Each CP rank holds ``T_local`` query tokens and the keys/values of the same tokens. The keys a local query needs
-are the global tokens of its segment up to itself (causal), and they may live on any rank. This backend
-
-1. all-gathers K and V over the CP group: ``[cp * T_local, H_kv, D]`` each, in rank-major order (rank r's local
-   tokens at ``[r * T_local, (r+1) * T_local)``, i.e. the order of ``sharded.global_token_order()``);
-2. picks, for every local *run* (``sharded.cu_seqlens``: a maximal piece of consecutive global tokens of one
-   segment), the run's keys: global tokens ``[key_start, run_last + 1)`` (the whole segment when
-   ``causal=False``), laid end to end by ONE precomputed index into the gathered buffer (``AllGatherKeys``,
-   in the step plan (``cp_packing.attention.plan``): a per-step constant every layer reads). When that index is one range
-   (the ``contiguous`` layout, and any layout with ``cp_size == 1``) the keys are a slice of the gathered buffer:
-   a view, no copy;
-3. runs varlen attention of each run's queries against its keys, causal aligned bottom-right
-   (``cp_packing.attention.kernels.varlen_attention_forward``), so query ``i`` of a run sees exactly the keys of
-   its segment up to its own global position.
-
-Backward re-gathers K and V (only the local ``q, k, v, out, lse`` are saved, as ring-flash-attn's llama3 does:
-saved memory per layer is O(T_local), not O(T)), runs the kernel's backward, index-adds the packed keys' dK/dV
-back into a zero ``[cp * T_local, H_kv, D]`` buffer (a key that two runs share, as in zigzag, gets both
-contributions) and reduce-scatters it (SUM) so each rank receives the gradient of the keys it owns. NCCL (and any
-backend other than gloo) uses ``reduce_scatter``; gloo uses ``all_to_all`` + a local sum (the same traffic as a
-reduce-scatter; gloo's own reduce-scatter was no faster when measured, and old gloo builds lack it), and a
-list all-gather (supported by every gloo build since torch 2.4).
-
-Logit soft-capping (``softcap``) is elementwise on the scores and goes to the kernel. Attention sinks (``sinks``,
-one logit per query head) join each LOCAL query's softmax (``kernels.varlen_attention_forward(..., sinks=)``); in
-backward each rank returns the sinks' gradient from its own queries (``kernels.sink_grad``), so the per-rank
-gradients summed over the CP group (as data-parallel gradient reduction does for a replicated parameter) equal the
-gradient of the whole batch.
-
-With ``cp_size == 1`` nothing is communicated (no process group is needed). An all-padding rank runs the same
-collectives as every other rank (padding segments are segments), so no rank can hang the group.
+K and V are all-gathered over the CP group (``[cp * T_local, H_kv, D]``, rank-major: the order of
+``sharded.global_token_order()``); every local run (a piece of one segment) attends its keys, global tokens
+``[key_start, run_last + 1)``, picked by ONE key index per step (``AllGatherKeys``, in the step plan; a view of the
+gathered buffer when the index is one range: ``contiguous``, ``cp_size == 1``). Backward re-gathers K/V (saved
+memory O(T_local) per layer) and reduce-scatters (SUM) dK/dV; gloo uses an all-to-all and a local sum. How it
+works, its memory and its collectives: docs/attention.md, "How the all-gather backend works".
 """
 
 from __future__ import annotations

@@ -78,5 +78,3 @@ def heads_to_seq(parts: list[torch.Tensor], group, cp_size: int) -> list[torch.T
     received = received.transpose(0, 1)  # [T_local, cp, sum h, D]
     return [x.reshape(T_local, cp_size * h, D).contiguous() for x, h in zip(received.split(heads, dim=2), heads)]
 
-
-# ------------------------------------------------------------------------------------------------ token order

@@ -1,30 +1,11 @@
 """Hybrid context-parallel attention: Ulysses inside groups of ``U`` ranks, the all-gather backend across them.
 
-A CP group of ``cp = U * A`` ranks (CP ranks ``0 .. cp-1``, in the group's order, e.g. a DeviceMesh's ``cp``
-dimension) is cut two ways::
+A CP group of ``cp = U * A`` ranks is cut two ways (the sub-groups are made once per (CP group, U) and cached)::
 
     Ulysses groups (all-to-all, intra-node): {0 .. U-1}, {U .. 2U-1}, ...          a = cp_rank // U
     all-gather groups (K/V, across nodes):   {u, U+u, 2U+u, ...} for u in [0, U)     u = cp_rank %  U
 
-1. All-to-all in the Ulysses group: ``[T_local, H, D]`` -> the ``U * T_local`` tokens of the group's ranks (in
-   rank order) for query heads ``[u * H/U, (u+1) * H/U)`` (key/value heads replicated as in ``ulysses`` when ``U``
-   does not divide ``H_kv``).
-2. All-gather K/V in the all-gather group: every rank of it holds the same heads for another Ulysses group's
-   tokens, so the gathered buffer holds all ``T`` tokens in CP-rank-major order (``sharded.global_token_order()``).
-3. Varlen attention of the group's queries (its runs, each against keys from its segment start: the all-gather
-   backend's key index, ``build_key_index``), then the all-to-all back. Backward: the transposed all-to-alls,
-   the re-gather of K/V and a reduce-scatter (SUM) of dK/dV, as in both backends.
-
-``U = cp`` is Ulysses, ``U = 1`` the all-gather backend. Forward bytes per layer and rank, in head-slices of
-``T_local`` tokens (``H_kv'`` = key/value heads after replication for ``U``): ``(2H + 2H_kv') (U-1)/U`` through the
-all-to-alls (inside a node) plus ``2 H_kv' (A-1)`` through the K/V all-gather (across nodes).
-
-Soft-capping goes to the kernel; attention sinks are sliced to the Ulysses group's query heads
-(``[u * H/U, (u+1) * H/U)``) and each rank's sinks gradient is zero outside that slice, so the gradients summed over
-the CP group are the whole batch's (the ``A`` ranks holding one head slice hold disjoint queries).
-
-The two sub-groups are created once per (CP group, U) with ``torch.distributed.new_group(...,
-use_local_synchronization=True)`` (only the CP group's ranks take part) and cached.
+``U = cp`` is Ulysses, ``U = 1`` the all-gather backend. Bytes, sinks and gradients: docs/attention.md, "Hybrid".
 """
 
 from __future__ import annotations

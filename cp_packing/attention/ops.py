@@ -1,28 +1,11 @@
 """The all-gather CP attention as ``torch.library`` custom ops, so that ``torch.compile`` sees through it.
 
-``torch.compile`` of a model with cp-packing's eager attention breaks the graph in every attention layer: the
-per-step agreement (an object collective), the per-step key-index cache (a ``WeakIdKeyDictionary``), the host syncs
-of the key index and of the reference kernel, the backend choice and its log line. Here all of that moves out of
-the traced path:
-
-1. Before the model call, :func:`prepare_compiled_attention` (called by ``cp_packing.hf.cp_model_inputs(...,
-   compiled=True)``) runs the rank-local checks and ONE agreement over the CP group, and builds this step's
-   :class:`CompiledAttentionPlan`: the key index and the run metadata as tensors, the group by name (a str), the
-   cp size and the kernel name. The step's host-side numbers (``T_local``, the longest runs, the key range) sit in
-   one small CPU tensor, so a new step never changes a Python constant that the compiled graph was specialised on.
-2. In the model, :func:`compiled_allgather_attention` calls two custom ops, ``cp_packing::allgather_attention_fwd``
-   (returns ``out`` and ``lse``) and ``cp_packing::allgather_attention_bwd`` (dq, dk, dv and the sinks' gradient),
-   tied together with ``register_autograd``. Each has a fake implementation (shapes only), so the compiler traces
-   the layer as one graph and calls the ops as opaque kernels. Inside, the ops run the eager backend's steps: the
-   K/V all-gather over the group resolved from its name, the key selection, the varlen kernel
-   (``cp_packing.attention.kernels``), and in backward the re-gather, the kernel's backward and the reduce-scatter
-   of dK/dV.
-
-The result is the all-gather backend's, bit for bit in eager mode: the same kernel on the same keys. What is NOT
-compiled: the Ulysses, hybrid and ring-flash-attn backends (``prepare_compiled_attention`` refuses them with a
-clear error; call ``cp_model_inputs`` without ``compiled=True`` to run them, with graph breaks), and
-``causal=False`` (the plan holds the causal key index; ``cp_packing.hf`` runs such a layer eagerly). See
-docs/compile.md for what recompiles between steps.
+:func:`prepare_compiled_attention` (``cp_packing.hf.cp_model_inputs(..., compiled=True)``) runs the step's checks
+and agreement before the model call and builds its :class:`CompiledAttentionPlan` (the key index and run metadata
+as tensors, the host-side sizes in one CPU tensor, the group by name); in the model,
+:func:`compiled_allgather_attention` calls the custom ops ``cp_packing::allgather_attention_fwd`` /
+``cp_packing::allgather_attention_bwd`` (tied by ``register_autograd``, with fake implementations), which run the
+all-gather backend's own steps. Why, what is covered and what recompiles: docs/compile.md.
 """
 
 from __future__ import annotations
@@ -90,8 +73,7 @@ def prepare_compiled_attention(
         error: a failure of the caller's own checks on this rank: raised on every rank through the agreement.
 
     Returns:
-        The plan; costs one ``all_gather_object`` over the group (none with ``cp_size == 1``) and the key index's
-        host syncs (cached on ``sharded``, shared with the eager backend).
+        The plan; costs one agreement over the group (none with ``cp_size == 1``) and the key index's host syncs.
 
     Raises:
         ValueError: a backend without a compiled path, a group that does not match ``sharded``, or ranks that

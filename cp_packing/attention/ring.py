@@ -1,32 +1,11 @@
-"""ring-flash-attn adapter: a robust import, and one call that routes a CP shard to the kernel of its layout.
+"""ring-flash-attn adapter: a robust import, and the ring backend that routes a shard to the kernel of its layout.
 
-``import_ring_flash_attn()`` imports ring-flash-attn 0.1.8, whose package ``__init__`` also imports its
-HuggingFace adapter, and that adapter does ``from transformers.modeling_flash_attention_utils import
-is_flash_attn_greater_or_equal_2_10`` -- a name transformers >= 5.4 no longer exports there, so the whole package
-fails to import. Two workarounds were possible:
-
-* import the varlen submodules without running the package ``__init__`` (a hand-made, hollow ``ring_flash_attn``
-  package in ``sys.modules``): every later ``import ring_flash_attn`` in the process, the user's included, would
-  then see a package without its public names;
-* add the missing name back where the adapter looks for it (CHOSEN). It is one additive attribute, set only when
-  missing, holding ``transformers.utils``' own function of that name where it still exists (what transformers
-  < 5.4 re-exported), else ``True`` (the flag's value whenever ring-flash-attn can run at all, flash-attn >= 2.1).
-  The adapter only tests its truth, to decide whether to honour ``FLASH_ATTENTION_DETERMINISTIC``.
-  Nothing existing in transformers changes, and ring-flash-attn imports completely, HF adapter included.
-
-ring-flash-attn also needs ``flash_attn`` (GPU; tests use the pure-torch stand-in in ``tests/flash_attn_stub``)
-and ``transformers`` at import time; a missing one gives an ImportError that says what to install.
-
-``ring_attention(q, k, v, sharded, group=...)`` calls ``zigzag_ring_flash_attn_varlen_func`` for the zigzag layout
-and ``llama3_flash_attn_varlen_func`` for the contiguous layout, with ``ring_flash_attn_kwargs(sharded)``.
-Upstream bug it guards against: ring-flash-attn 0.1.8's zigzag (and ring) BACKWARD is wrong in float32. It starts
-its float32 accumulators with ``dq = dq_buffer.to(torch.float32)``, which for a float32 buffer returns the buffer
-itself, so the next block's kernel call overwrites the running sum (same for dk/dv). In bf16/fp16 ``.to`` copies
-and the result is right. So float32 + zigzag is refused. The llama3 (all-gather) backward writes each head group's
-gradients straight into fresh tensors and reduce-scatters them, without that aliasing; it is right in float32
-(checked against full attention in ``tests/test_ring_flash_attn.py``, on the test stand-in). The real flash-attn
-runs fp16/bf16 only, so with it every other dtype is refused up front, with the fix, instead of failing inside
-flash-attn.
+``import_ring_flash_attn()`` imports ring-flash-attn 0.1.8 with transformers >= 5.4, whose removal of
+``is_flash_attn_greater_or_equal_2_10`` breaks ring-flash-attn's package import: the one missing name is added back
+where its HF adapter looks (additive, only when missing; docs/integration.md, "The transformers >= 5.4 import
+shim"). The backend calls ``zigzag_ring_flash_attn_varlen_func`` for the zigzag layout and
+``llama3_flash_attn_varlen_func`` for the contiguous one, with ``cp_packing.adapters.ring_flash_attn_kwargs``; the
+dtypes it refuses, and why: ``cp_packing.capabilities.ring_dtype_refusal``.
 """
 
 from __future__ import annotations
@@ -66,7 +45,7 @@ def _restore_transformers_flag() -> None:
 
 def import_ring_flash_attn() -> ModuleType:
     """Import and return the ``ring_flash_attn`` package (0.1.8 API), working around its transformers >= 5.4 import
-    failure (see module docstring).
+    failure (docs/integration.md).
 
     Raises:
         ImportError: ring-flash-attn, flash_attn or transformers is not installed; the message says what to install.
@@ -142,7 +121,7 @@ def ring_attention(
             contiguous -> ``llama3_flash_attn_varlen_func``.
 
     Raises:
-        TypeError: a dtype the ring refuses (see the module docstring). ValueError: shapes that do not match the
+        TypeError: a dtype the ring refuses (``ring_dtype_refusal``). ValueError: shapes that do not match the
             shard, an unknown layout, a group that is not the shard's. ImportError: ring-flash-attn / flash_attn /
             transformers missing (see ``import_ring_flash_attn``).
     """

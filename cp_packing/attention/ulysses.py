@@ -1,37 +1,15 @@
 """Ulysses (DeepSpeed-style) context-parallel attention: all-to-all from a sequence shard to a head shard.
 
-Each CP rank holds ``T_local`` tokens with all ``H`` heads. One all-to-all turns that into ALL ``T = cp * T_local``
-tokens for ``H / cp`` heads: rank r gets query heads ``[r * H/cp, (r+1) * H/cp)`` of every token, in the rank-major
-order of an all-gather (rank j's local tokens at rows ``[j * T_local, (j+1) * T_local)``, the order of
-``sharded.global_token_order()``). The rows are then permuted into GLOBAL token order (a no-op for ``contiguous``),
-so the global ``cu_seqlens`` / ``max_seqlen`` of the batch drive the varlen kernel unchanged, whatever the layout::
+One all-to-all turns each rank's ``T_local`` tokens with all ``H`` heads into ALL ``T`` tokens for ``H / cp`` heads,
+permuted into global token order, so the batch's global ``cu_seqlens`` drive the varlen kernel whatever the
+layout::
 
     rank 0: tokens 0..3, heads 0..3           rank 0: tokens 0..7, heads 0..1
     rank 1: tokens 4..7, heads 0..3   ─a2a─▶  rank 1: tokens 0..7, heads 2..3   ─kernel on global cu_seqlens─▶
                                                                                ─a2a back─▶ [T_local, H, D]
 
-Attention work is equal on every rank whatever the document lengths (every rank sees the whole stream); the
-limit is the head count: ``cp`` must divide the query heads ``H``.
-
-GQA (k/v with ``H_kv`` heads, ``H % H_kv == 0``): rank r's query heads read key/value heads ``h // (H / H_kv)``.
-When ``cp`` divides ``H_kv`` k/v are sharded like q. Otherwise each key/value head is replicated ``rep = cp /
-gcd(H_kv, cp)`` times before the all-to-all (``H_kv * rep`` heads, a multiple of cp; ``rep`` always divides
-``H / H_kv`` when cp divides ``H``), so every rank receives the key/value heads its query heads need, and the
-gradients of the replicas are summed back in backward.
-
-q, k and v travel in ONE all-to-all (concatenated per destination rank); the output in one back. Backward runs
-the transposed all-to-alls (dout: sequence -> heads; dq/dk/dv: heads -> sequence) around the kernel's backward,
-from the saved head-shard ``q, k, v, out, lse`` (no recomputation; ``O(T * H / cp) = O(T_local * H)`` per layer).
-Bytes per layer and rank: forward ``(2H + 2 H_kv rep) * T_local * D`` elements through all-to-alls, of which
-``(cp-1)/cp`` leave the rank; see docs/attention.md for when that is cheaper than the all-gather backend.
-
-A sliding ``window`` and logit soft-capping (``softcap``) go to the kernel unchanged (it sees whole segments). Attention sinks (``sinks [H]``): rank r's
-kernel uses the sinks of its own query heads, ``sinks[r * H/cp : (r+1) * H/cp]``, and in backward returns a ``[H]``
-gradient that is zero outside that slice: summed over the CP group it is the whole batch's gradient.
-
-With ``cp_size == 1`` nothing is communicated (no process group is needed). ``dist.all_to_all_single`` runs on gloo
-(CPU) and NCCL alike. Call it through ``context_parallel_attention(..., backend="ulysses")``, which raises a
-one-rank mistake on every rank; ``ulysses_attention`` is the backend itself.
+``cp`` must divide the query heads; key/value heads are replicated when it does not divide them. GQA, bytes,
+memory, window, softcap and sinks: docs/attention.md, "Ulysses".
 """
 
 from __future__ import annotations

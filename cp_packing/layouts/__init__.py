@@ -12,11 +12,10 @@ lies inside ONE segment::
 segment boundary, a run's keys under causal attention are the global tokens from its segment's start up to the
 run's last token, which is what the all-gather attention backend uses for every layout.
 
-``RUNS`` maps each layout name to its pure runs function ``(cu_seqlens, *, cp_size, cp_rank, window=None) ->
-(run_start, run_len)``, one module each: ``contiguous`` (``layouts/contiguous.py``), ``zigzag`` (``layouts/zigzag.py``)
-and ``balanced`` (``layouts/balanced.py``, the one whose placement depends on the attention's sliding ``window``: it
-balances ``sum min(p + 1, window)``; ``layouts/work.py`` has the closed forms). Choosing one per batch
-(``layout="auto"``) is the cost model's job (``cp_packing.cost.choose_layout``).
+``PLANS`` maps each layout name to its all-ranks plan function (one module each: ``contiguous``, ``zigzag``,
+``balanced``, ``local``; ``balanced`` and ``local`` depend on the attention's sliding ``window``, ``layouts/work.py``
+has the closed forms); :func:`layout_plan` validates and caches a plan, and a rank's runs are its slice
+(``RUNS``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md, docs/balance.md).
 """
 
 from __future__ import annotations
@@ -138,9 +137,9 @@ def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: 
     Args:
         cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's; CPU or CUDA).
         cp_size: the context-parallel group size.
-        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
-        window: the attention's sliding window(s) that window-aware layouts (``balanced``) plan for (``None``, an
-            int or a per-layer list of ``int | None``); the others do not depend on it.
+        layout: one of :data:`LAYOUTS` (``"contiguous"``, ``"zigzag"``, ``"balanced"``, ``"local"``).
+        window: the attention's sliding window(s) that window-aware layouts (``balanced``, ``local``) plan for
+            (``None``, an int or a per-layer list of ``int | None``); the others do not depend on it.
 
     Returns:
         :class:`LayoutPlan`.
