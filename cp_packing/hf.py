@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.packed_seq import PackedSeqParams
@@ -464,7 +465,8 @@ def cp_model_inputs(
                                       kernel=options.kernel, device=x.device)
     step = prepare_attention(inputs["cp_sharded"], group=inputs["cp_group"],
                              options=options.replace(backend="allgather"))
-    step.plan.features = features
+    step.plan.features, step.plan.compiled = features, True  # agreed above; the loss counts over its group
+    step.plan.group = None if not plan.group_name else as_process_group(inputs["cp_group"]) or dist.group.WORLD
     return inputs | {"cp_sharded": step, "cp_plan": plan}
 
 

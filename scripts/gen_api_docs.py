@@ -24,18 +24,28 @@ SECTIONS = [
     ("cp_packing.layouts.contiguous", "Layout: contiguous"),
     ("cp_packing.layouts.zigzag", "Layout: zigzag"),
     ("cp_packing.layouts.balanced", "Layout: balanced"),
+    ("cp_packing.layouts.local", "Layout: local (communication-aware balanced)"),
     ("cp_packing.layouts.work", "Attention work per token (window-aware closed forms)"),
+    ("cp_packing.layouts.need", "What a rank needs from the others (the exchange's need)"),
+    ("cp_packing.layouts.choose", "layout='auto'"),
     ("cp_packing.padding", "Per-document padding"),
     ("cp_packing.sharding", "One rank's shard"),
     ("cp_packing.adapters", "Kernel conventions (ring-flash-attn, TransformerEngine)"),
     ("cp_packing.packing", "Packer: documents -> DP-balanced steps"),
     ("cp_packing.cost", "Cost model and auto"),
-    ("cp_packing.agreement", "Fail together: one agreement per call"),
+    ("cp_packing.groups", "Groups and the DP x CP mesh"),
+    ("cp_packing.agreement", "Fail together: agreements through the store, bounded waits"),
+    ("cp_packing.options", "Attention options"),
+    ("cp_packing.capabilities", "What runs: backends and kernels"),
+    ("cp_packing.model_features", "Model features the attention must apply, or refuse"),
     ("cp_packing.distributed", "Over torch.distributed"),
-    ("cp_packing.loss", "Labels and loss"),
+    ("cp_packing.labels", "Labels on the global stream"),
+    ("cp_packing.loss", "Loss"),
     ("cp_packing.attention.kernels", "Varlen kernels"),
     ("cp_packing.attention.comm", "Token and head collectives of the backends"),
+    ("cp_packing.attention.plan", "The step plan"),
     ("cp_packing.attention.allgather", "Built-in all-gather CP attention"),
+    ("cp_packing.attention.exchange", "Exchange backend (only the needed K/V, overlapped)"),
     ("cp_packing.attention.ring", "ring-flash-attn adapter"),
     ("cp_packing.attention.ulysses", "Ulysses backend"),
     ("cp_packing.attention.hybrid", "Hybrid backend (Ulysses x all-gather)"),
@@ -84,9 +94,17 @@ def render() -> str:
                 kind = "class" if inspect.isclass(obj) else "def"
                 lines.append(f"- `{kind} {name}{_signature(obj)}`{marker}: {_summary(obj)}")
             else:
-                lines.append(f"- `{name} = {obj!r}`{marker}" if len(repr(obj)) < 100 else f"- `{name}`{marker}")
+                shown = _repr(obj)
+                lines.append(f"- `{name} = {shown}`{marker}" if len(shown) < 100 else f"- `{name}`{marker}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _repr(obj) -> str:
+    """``repr`` with sets sorted (their order follows the string hash, which changes from run to run)."""
+    if isinstance(obj, (set, frozenset)):
+        return f"{type(obj).__name__}({{{', '.join(repr(x) for x in sorted(obj, key=repr))}}})"
+    return repr(obj)
 
 
 def main() -> int:

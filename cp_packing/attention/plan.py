@@ -235,7 +235,7 @@ class StepPlan:
 
     __slots__ = ("sharded", "group", "options", "device", "backend", "kernel", "agreed", "step", "check_layers",
                  "layer_calls", "backward_calls", "expected_layers", "num_items", "local_items", "digest", "_tables",
-                 "_group_arg", "features", "__weakref__")
+                 "_group_arg", "features", "compiled", "pending", "__weakref__")
 
     def __init__(self, sharded: ShardedPackedSeqParams, group: GroupLike, options: AttentionOptions,
                  device: torch.device | None = None, local_items: int | None = None):
@@ -254,6 +254,8 @@ class StepPlan:
         self.num_items = local_items if sharded.cp_size == 1 else None
         self.digest = _shard_digest(sharded)
         self.features = None  # the model's per-layer attention features (cp_packing.model_features), HF only
+        self.compiled = False  # prepared for torch.compile (cp_model_inputs(compiled=True)): layers run custom ops
+        self.pending = None  # a mistake found while preparing: raised on every rank by the step's agreement
         self._tables: dict = {}
 
     def __repr__(self) -> str:
@@ -270,6 +272,8 @@ class StepPlan:
         with fail_together("context_parallel_attention", (pg, "CP group")) as agreement:
             if error is not None:
                 raise error
+            if self.pending is not None:
+                raise self.pending
             check_attention_inputs(q, k, v, sharded)
             if self.digest != _shard_digest(sharded):
                 raise ValueError(_EDITED)
@@ -361,6 +365,8 @@ class StepPlan:
     def check_ran(self) -> None:
         """Raise unless this step's model ran cp_packing's attention in all its attention layers (the guard the loss
         runs before any gradient: a model switched to ``"sdpa"`` would attend across documents and shards)."""
+        if self.compiled:
+            return  # the compiled layers run custom ops: nothing counts them (the model guard checks the implementation)
         fix = ("the model runs another attention implementation (attn_implementation='sdpa' or 'eager', or a config "
                "shared with another model that switched it: build each model from copy.deepcopy(config) and "
                "set model.set_attn_implementation(cp_packing.hf.register_cp_attention()))")
@@ -416,11 +422,23 @@ def register_backend(name: str, build: Callable, layer: Callable) -> None:
     _LAYER[name] = layer
 
 
-def _count_labels(labels: Any, ignore_index: int) -> int:
+def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: int) -> int:
+    """This rank's valid labels, checked: integer, one per local token, shifted on the global stream (a valid label
+    on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``)."""
+    from cp_packing.labels import check_labels_shifted
+
     if not isinstance(labels, torch.Tensor) or labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must be an integer tensor (this rank's shifted labels), got "
                         f"{type(labels).__name__ if not isinstance(labels, torch.Tensor) else labels.dtype}")
-    return int((labels != ignore_index).sum())
+    flat = labels.reshape(-1)
+    if flat.numel() != sharded.num_local_tokens:
+        raise ValueError(f"labels hold {flat.numel()} tokens but this rank holds T_local={sharded.num_local_tokens}; "
+                         "pass this rank's shard of the labels")
+    cu = sharded.global_params.cu_seqlens.to(flat.device, torch.int64)
+    token_index = sharded.token_index.to(flat.device)
+    segment_end = token_index == cu[torch.searchsorted(cu, token_index, right=True)] - 1
+    check_labels_shifted(flat, segment_end=segment_end, ignore_index=ignore_index)
+    return int((flat != ignore_index).sum())
 
 
 def prepare_attention(
@@ -464,6 +482,12 @@ def prepare_attention(
         options = options.replace(**option_kwargs)
     elif not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
-    local_items = None if labels is None else _count_labels(labels, ignore_index)
+    local_items, pending = None, None
+    if labels is not None:
+        try:
+            local_items = _count_labels(labels, sharded, ignore_index)
+        except (TypeError, ValueError) as exc:  # raised on every rank, by the step's agreement
+            local_items, pending = 0, exc
     plan = StepPlan(sharded.without_plan(), group, options, local_items=local_items)
+    plan.pending = pending
     return sharded.with_plan(plan)
