@@ -95,10 +95,7 @@ NOT_RUN = {  # (page, a line of the block): why the suite does not exec it (the 
     ("docs/trainer.md", "# train.py: torchrun"): "a torchrun script of 4 ranks",
 }
 
-KNOWN_BROKEN = {  # (page, a line of the block): why it fails today; an expected failure until its owner fixes it
-    ("docs/attention.md", "from cp_packing.attention.dispatch import context_parallel_attention"):
-        "docs/attention.md (not this branch's file) uses shard_packed_seq_params without importing it",
-}
+KNOWN_BROKEN: dict = {}  # (page, a line of the block): why it fails today; an expected failure until fixed
 
 OPTIONAL_PACKAGES = ("transformer_engine",)  # imported by a block, not installed here: their attributes go unchecked
 DOC_PAGES = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
@@ -508,3 +505,15 @@ def test_data_md_torchrun_script_trains():
     losses = results[0]["losses"]
     assert len(losses) >= 4 and all(math.isfinite(x) for x in losses)
     assert all(r["losses"] == losses and r["weights"] == results[0]["weights"] for r in results)
+
+
+def test_the_capabilities_table_in_the_docs_is_generated_from_the_code():
+    """docs/attention.md shows cp_packing.capabilities' table as the code has it (the one table select_backend, the
+    refusals and the verifier read)."""
+    from cp_packing.capabilities import markdown_table
+
+    text = open(os.path.join(ROOT, "docs", "attention.md")).read()
+    begin, end = "<!-- capabilities:begin (generated from cp_packing.capabilities.markdown_table()) -->\n", \
+        "\n<!-- capabilities:end -->"
+    assert begin in text and end in text
+    assert text.split(begin)[1].split(end)[0] == markdown_table(), "regenerate the table in docs/attention.md"

@@ -144,7 +144,7 @@ def test_verify_skips_what_the_real_flash_attn_refuses(ring_flash_attn, monkeypa
                        torch.device("cuda"))
     skips = {(r.layout, r.dtype): r.skip for r in rows}
     assert skips[("contiguous", torch.bfloat16)] is None and skips[("zigzag", torch.bfloat16)] is None
-    assert "fp16/bf16 only" in skips[("contiguous", torch.float32)]
+    assert "torch.float16 / torch.bfloat16 only" in skips[("contiguous", torch.float32)]
     assert skips[("zigzag", torch.float32)] is not None
     monkeypatch.setattr(flash_attn, "IS_CP_PACKING_STUB", True)  # the test stand-in runs float32 contiguous
     rows = V.plan_rows(["contiguous"], ["ring_flash_attn"], [torch.float32], torch.device("cpu"))

@@ -141,20 +141,24 @@ class Row:
 
 
 def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when the ring backend can run this combination here, else why not: the combinations that
-    ``ring_attention`` refuses by design are SKIP rows (with its reason), not FAIL rows."""
-    if layout not in ("zigzag", "contiguous"):
-        return f"ring-flash-attn has no kernel for layout {layout!r}"
-    if layout == "zigzag" and dtype not in (torch.float16, torch.bfloat16):
-        return "ring-flash-attn 0.1.8's float32 zigzag backward is wrong upstream (refused)"
+    """None when the ring backend can run this combination here, else why not: the combinations that the
+    capabilities table (``cp_packing.capabilities``) refuses are SKIP rows (with its reason), not FAIL rows."""
+    from cp_packing.capabilities import backend_refusal, flash_attn_is_test_stub
+
+    refusal = backend_refusal("ring_flash_attn", layout=layout)
+    if refusal is None and layout == "zigzag" and dtype not in (torch.float16, torch.bfloat16):
+        refusal = backend_refusal("ring_flash_attn", layout=layout, dtype=dtype)
+    if refusal is not None:
+        return refusal[1].split(";")[0] + " (refused)"
     try:
-        from cp_packing.attention.ring import ring_dtype_refusal, flash_attn_is_test_stub, import_ring_flash_attn
+        from cp_packing.attention.ring import import_ring_flash_attn
 
         import_ring_flash_attn()
     except Exception as e:  # noqa: BLE001
         return f"ring-flash-attn not importable: {str(e).split(';')[0]}"
-    if ring_dtype_refusal(layout, dtype) is not None:
-        return f"flash-attn runs fp16/bf16 only, not {str(dtype).replace('torch.', '')} (refused)"
+    refusal = backend_refusal("ring_flash_attn", layout=layout, dtype=dtype)  # after the import: which flash_attn
+    if refusal is not None:
+        return refusal[1].split(";")[0] + " (refused)"
     if device.type != "cuda" and not flash_attn_is_test_stub():
         return "ring-flash-attn runs on CUDA"
     return None
