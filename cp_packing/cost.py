@@ -550,7 +550,7 @@ TIMED_BACKENDS = ("allgather", "exchange", "ulysses")
 
 
 def _plan_times(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                causal: bool, window: int | None, hardware: "Hardware") -> dict[str, float]:
+                causal: bool, window: int | None, hardware: "Hardware", overlap: bool = True) -> dict[str, float]:
     """:func:`backend_times` on a layout's plan (every rank's runs) and the stream's ``cu`` (int64)."""
     cp = plan.cp_size
     per_row = 2 * num_kv_heads * head_dim * dtype_bytes
@@ -564,7 +564,8 @@ def _plan_times(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head
     times = {"allgather": float((compute + (cp - 1) * t_local * per_row / rate).max()) if cp > 1 else
              float(compute.max())}
     need = need_tokens(plan, cu, causal=causal, window=window).astype(np.float64) * per_row / rate
-    times["exchange"] = float((np.maximum(compute, need) if window is None else compute + need).max())
+    hidden = window is None and overlap  # the exchange overlaps its transfer with the local part (not under windows)
+    times["exchange"] = float((np.maximum(compute, need) if hidden else compute + need).max())
     if window is None and num_heads % cp == 0 and num_heads % num_kv_heads == 0:
         a2a = backend_bytes("ulysses", T_local=t_local, cp_size=cp, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, dtype_bytes=dtype_bytes) / rate
@@ -573,8 +574,8 @@ def _plan_times(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head
 
 
 def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
-                  causal: bool = True, window: int | None = None,
-                  hardware: Hardware = DEFAULT_HARDWARE) -> dict[str, float]:
+                  causal: bool = True, window: int | None = None, hardware: Hardware = DEFAULT_HARDWARE,
+                  overlap: bool = True) -> dict[str, float]:
     """Modelled forward seconds of one attention layer at the busiest rank, per backend that can run.
 
     Compute: ``4 * pairs * H * D / flops`` per rank, ``pairs`` its causal cost (``layout_cost``'s ``rank_cost``;
@@ -588,6 +589,7 @@ def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, 
         num_heads, num_kv_heads, head_dim, dtype_bytes: the layer's q/k shapes.
         causal, window: the layer's mask.
         hardware: the rates (:class:`Hardware`).
+        overlap: whether the exchange hides its transfer (``AttentionOptions.overlap``; never under a window).
 
     Returns:
         ``{backend: seconds}`` for ``allgather``, ``exchange`` and (where ``cp`` divides the query heads and there
@@ -597,7 +599,7 @@ def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, 
                        window=sharded.plan_window)
     return _plan_times(plan, _np64(sharded.global_params.cu_seqlens, "cu_seqlens"), num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, causal=causal,
-                       window=window, hardware=hardware)
+                       window=window, hardware=hardware, overlap=overlap)
 
 
 def choose_step(params: PackedSeqParams, *, cp_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -637,7 +639,8 @@ def choose_step(params: PackedSeqParams, *, cp_size: int, num_heads: int, num_kv
 
 
 def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
-                   causal: bool = True, window: int | None = None, hardware: Hardware = DEFAULT_HARDWARE) -> str:
+                   causal: bool = True, window: int | None = None, hardware: Hardware = DEFAULT_HARDWARE,
+                   overlap: bool = True) -> str:
     """``backend="auto"``'s choice among ``TIMED_BACKENDS``: the lowest modelled busiest-rank time
     (:func:`backend_times`); within 1% a tie, which goes to the first of ``TIMED_BACKENDS``. With ``cp_size ==
     1`` the all-gather backend (nothing to communicate).
@@ -651,6 +654,6 @@ def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int,
     if sharded.cp_size == 1:
         return "allgather"
     times = backend_times(sharded, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          dtype_bytes=dtype_bytes, causal=causal, window=window, hardware=hardware)
+                          dtype_bytes=dtype_bytes, causal=causal, window=window, hardware=hardware, overlap=overlap)
     best = min(times.values())
     return next(name for name in TIMED_BACKENDS if name in times and times[name] <= best * 1.01)

@@ -44,6 +44,8 @@ class AttentionOptions:
         overlap: the exchange backend hides its transfer behind the local part of the attention.
         heads_k_stride: ring-flash-attn's llama3 kernel: key/value heads all-gathered per step (``None``: all; a
             divisor of the key/value heads, smaller saves memory).
+        hardware: the rates ``backend="auto"``'s step-time model prices with (a ``cp_packing.cost.Hardware``;
+            ``None``: ``cost.DEFAULT_HARDWARE``, an H100-class node with InfiniBand between nodes).
         check_layers: every layer's call checked against the other ranks (a small agreement per layer, so a per-layer
             mistake on one rank raises everywhere): ``True``, ``False``, or ``None`` = the first
             :data:`CHECKED_STEPS` steps of a CP group.
@@ -65,6 +67,7 @@ class AttentionOptions:
     scale: float | None = None
     overlap: bool = True
     heads_k_stride: int | None = None
+    hardware: Any = None
     check_layers: bool | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +96,12 @@ class AttentionOptions:
             check_int(self.heads_k_stride, "heads_k_stride", min=1)
         if self.check_layers is not None:
             check_bool(self.check_layers, "check_layers")
+        if self.hardware is not None:
+            from cp_packing.cost import Hardware
+
+            if not isinstance(self.hardware, Hardware):
+                raise TypeError(f"hardware must be a cp_packing.cost.Hardware (or None for the defaults), got "
+                                f"{type(self.hardware).__name__}")
 
     def replace(self, **changes: Any) -> "AttentionOptions":
         """A copy with ``changes`` (validated again)."""

@@ -461,3 +461,19 @@ def test_the_step_time_model_picks_layout_and_backend_together():
     assert slow_table[("balanced", "allgather")] > table[("balanced", "allgather")]
     with pytest.raises(ValueError, match="flops must be a finite rate > 0"):
         Hardware(flops=float("inf"))
+
+
+def test_auto_prices_with_the_options_hardware():
+    """AttentionOptions(hardware=...) reaches auto's step-time model: with free communication the busiest rank's
+    compute decides (Ulysses spreads it evenly on an uneven contiguous map); with a slow network, bytes decide."""
+    from cp_packing.attention.plan import select_backend
+    from cp_packing.cost import Hardware
+
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 64]))
+    s = shard_packed_seq_params(params, cp_size=4, cp_rank=0, layout="contiguous")
+    q = torch.zeros(16, 4, 8)
+    free = Hardware(intra_node_bytes=1e30, inter_node_bytes=1e30)
+    slow = Hardware(flops=1e30)  # compute is free: the fewest bytes win
+    assert select_backend(q, s, hardware=free, num_kv_heads=1)[0] == "ulysses"
+    # one long document: the busiest rank needs every key, the exchange ties the all-gather, which stays (dense case)
+    assert select_backend(q, s, hardware=slow, num_kv_heads=1)[0] == "allgather"

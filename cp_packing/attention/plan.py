@@ -162,7 +162,7 @@ def _raise_refusal(refusal) -> None:
 def select_backend(
     q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto",
     kernel: str = "auto", ulysses_size: int | None = None, window: int | None = None, num_kv_heads: int | None = None,
-    softcap: float | None = None, sinks: bool = False,
+    softcap: float | None = None, sinks: bool = False, hardware: Any = None, overlap: bool = True,
 ) -> tuple[str, str]:
     """The ``(backend, kernel)`` pair the attention runs for these arguments (docs/attention.md, "auto").
 
@@ -189,7 +189,8 @@ def select_backend(
 
         H_kv = q.shape[1] if num_kv_heads is None else num_kv_heads
         chosen = choose_backend(sharded, num_heads=q.shape[1], num_kv_heads=H_kv, head_dim=q.shape[2],
-                                dtype_bytes=q.element_size(), causal=causal, window=window)
+                                dtype_bytes=q.element_size(), causal=causal, window=window, overlap=overlap,
+                                **({} if hardware is None else {"hardware": hardware}))
         return chosen, kernels.resolve_kernel(kernel, q, softcap=softcap)
     _raise_refusal(backend_refusal(backend, layout=layout, causal=causal, window=window, softcap=softcap,
                                    sinks=sinks, kernel=kernel))
@@ -281,7 +282,7 @@ class StepPlan:
             self.backend, self.kernel = select_backend(
                 q, sharded, causal=causal, backend=options.backend, kernel=options.kernel,
                 ulysses_size=options.ulysses_size, window=window, num_kv_heads=k.shape[1], softcap=softcap,
-                sinks=sinks is not None or options.sinks)
+                sinks=sinks is not None or options.sinks, hardware=options.hardware, overlap=options.overlap)
             self.group = resolve_attention_group(self._group_arg, sharded, q.device)
             _check_heads_k_stride(options.heads_k_stride, k.shape[1])
             self.step = next_step(self.group)
