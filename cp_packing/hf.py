@@ -127,10 +127,6 @@ def cp_attention_forward(
     scaling: float | None = None,
     *,
     cp_sharded: ShardedPackedSeqParams | None = None,
-    cp_group: GroupLike = None,
-    cp_backend: str = "auto",
-    cp_kernel: str = "auto",
-    cp_ulysses_size: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
@@ -148,8 +144,9 @@ def cp_attention_forward(
         dropout: must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
         cp_sharded: this rank's ``ShardedPackedSeqParams`` of the step, with its plan (``cp_model_inputs``).
-        cp_group, cp_backend, cp_kernel, cp_ulysses_size: for a ``cp_sharded`` WITHOUT a plan only (hand-built
-            kwargs): the group and the options of an ad-hoc plan (one agreement per call).
+        **kwargs: ``cp_group`` (the CP group, passed by ``cp_model_inputs``) and, for a ``cp_sharded`` WITHOUT a plan
+            (hand-built kwargs), ``cp_backend`` / ``cp_kernel`` / ``cp_ulysses_size``: the options of an ad-hoc plan
+            (one agreement per call); the rest of HF's kwargs (``position_ids``, ...), ignored.
         sliding_window: the layer's window (HF passes it; ``None`` = full attention; a window HF applies only in
             its mask, PhiMoE's, comes from the layer's features): within each document a token at position ``p``
             attends positions ``p - sliding_window < k <= p``.
@@ -158,7 +155,6 @@ def cp_attention_forward(
             on each rank is this rank's tokens' share.
         cp_plan: the step's ``CompiledAttentionPlan`` (``cp_model_inputs(..., compiled=True)``), used while
             ``torch.compile`` traces the model (docs/compile.md).
-        **kwargs: the rest of HF's kwargs (``position_ids``, ...), ignored.
 
     Returns:
         ``(out [1, T_local, H, D], None)``: no attention weights.
@@ -178,7 +174,8 @@ def cp_attention_forward(
     plan = cp_sharded.plan
     error = _wrapper_error(module, query, key, value, attention_mask, dropout, cp_sharded, plan)
     if plan is None:
-        plan = _ad_hoc_plan(cp_sharded, cp_group, cp_backend, cp_kernel, cp_ulysses_size)
+        plan = _ad_hoc_plan(cp_sharded, kwargs.get("cp_group"), kwargs.get("cp_backend", "auto"),
+                            kwargs.get("cp_kernel", "auto"), kwargs.get("cp_ulysses_size"))
     features = _layer_features(module, plan)
     if sliding_window is None and features is not None:
         sliding_window = features.window  # a window HF applies only in its mask (PhiMoE, Qwen2-MoE)

@@ -485,22 +485,10 @@ class DocumentPacker:
         self.stats = PackingStats(**state["stats"])
 
 
-def pack_documents(
-    documents: Iterable[Any],
-    *,
-    seq_len: int,
-    rows: int,
-    dp_size: int = 1,
-    long_documents: str = "split",
-    buffer_tokens: int | None = None,
-    buffer_size: int | None = None,
-    seed: int = 0,
-    pad_token_id: int = 0,
-    drop_last: bool = False,
-    attention_weight: float = 1.0,
-    token_weight: float = 0.0,
-) -> DocumentPacker:
+def pack_documents(documents: Iterable[Any], **options: Any) -> DocumentPacker:
     """Pack tokenized documents into steps of ``dp_size`` replica batches ``[rows, seq_len]``, balanced across DP.
+
+    ``options`` are :class:`DocumentPacker`'s keyword arguments (listed here; a misspelled one is a TypeError).
 
     How steps are formed, how documents flow between them and what the cost is: docs/packing.md and
     docs/packing.md. Reads ``documents`` lazily: the documents held at any time have at most ``buffer_tokens``
@@ -545,10 +533,7 @@ def pack_documents(
     >>> step[0]["input_ids"].tolist(), step[0]["labels"].tolist(), step[0]["doc_ids"].tolist()
     ([[1, 2, 3, 4, 5, 0]], [[2, 3, -100, 5, -100, -100]], [[1, 1, 1, 2, 2, 0]])
     """
-    return DocumentPacker(
-        documents, seq_len=seq_len, rows=rows, dp_size=dp_size, long_documents=long_documents,
-        buffer_tokens=buffer_tokens, buffer_size=buffer_size, seed=seed, pad_token_id=pad_token_id,
-        drop_last=drop_last, attention_weight=attention_weight, token_weight=token_weight)
+    return DocumentPacker(documents, **options)
 
 
 # ----------------------------------------------------------------------------------------------------------------

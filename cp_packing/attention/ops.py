@@ -211,7 +211,6 @@ def compiled_allgather_attention(
     v: torch.Tensor,
     plan: CompiledAttentionPlan,
     *,
-    causal: bool = True,
     softmax_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
@@ -222,7 +221,6 @@ def compiled_allgather_attention(
     Args:
         q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]`` (``H % H_kv == 0``), this rank's tokens, one dtype.
         plan: this step's :class:`CompiledAttentionPlan` (``prepare_compiled_attention``).
-        causal: must be True (the plan holds the causal key index).
         softmax_scale: default ``1 / sqrt(D)``.
         window: sliding window per segment (``None``: none): keys ``p - window < k <= p``. The plan's causal key
             index covers every window; the kernel masks each query to its own.
@@ -246,8 +244,6 @@ def compiled_allgather_attention(
     """
     if not isinstance(plan, CompiledAttentionPlan):
         raise TypeError(f"plan must be a CompiledAttentionPlan (prepare_compiled_attention), got {type(plan).__name__}")
-    if causal is not True:
-        raise ValueError("compiled_allgather_attention is causal only (the plan holds the causal key index)")
     out, _ = torch.ops.cp_packing.allgather_attention_fwd(
         q, k, v, plan.key_index, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.sizes, sinks, plan.group_name,
         plan.cp_size, None if softmax_scale is None else float(softmax_scale), True, plan.kernel, window,
