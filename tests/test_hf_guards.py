@@ -108,3 +108,53 @@ def test_model_windows_reads_the_layer_kinds_of_real_configs():
         num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
         vocab_size=32, sliding_window=8))
     assert model_windows(wrapper) == 8  # a model (through a DDP-style .module wrapper) reads its config
+
+
+def _one_rank_dropout(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from cp_packing import agreement, distribute_batch
+
+    agreement.set_agreement_timeout(30)
+    torch.manual_seed(0)
+    cfg = config()
+    if rank == 0:
+        cfg.attention_dropout = 0.1  # the HF wrapper refuses dropout: on this rank only
+    model = model_from(cfg, register_cp_attention()).train()
+    doc = torch.tensor([[1] * 12 + [2] * 4])
+    ids = torch.randint(0, cfg.vocab_size, doc.shape)
+    local, sharded = distribute_batch({"input_ids": ids, "doc_ids": doc}, group=dist.group.WORLD, layout="contiguous")
+    t0 = time.monotonic()
+    try:
+        model(**cp_model_inputs(local, sharded, group=dist.group.WORLD))  # no model=: the wrapper's own refusal
+    except ValueError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
+
+
+@pytest.mark.distributed
+def test_a_one_rank_refusal_in_the_hf_wrapper_raises_on_every_rank_within_seconds():
+    """attention_dropout on one rank only: that rank's wrapper refuses it at the first layer, and the step's one
+    agreement raises it on every rank (before, the other rank waited in gloo until the process group's timeout)."""
+    from cp_packing.testing import run_distributed
+
+    results = run_distributed(_one_rank_dropout, 2, timeout=60)
+    for kind, message, seconds in results:
+        assert kind == "ValueError" and "attention_dropout = 0.0" in message and "CP group rank 0" in message
+        assert seconds < 10  # the agreement, not a timeout
+
+
+def test_the_documented_call_without_model_refuses_an_sdpa_model_before_any_gradient():
+    """The documented flow without model= (issue 20): an sdpa model ran no cp_packing attention, so the loss on the
+    prepared step refuses it (gradients were 91% off before)."""
+    from cp_packing import packed_cross_entropy
+
+    model = model_from(config(), "sdpa")
+    params = packed_seq_params_from_doc_ids(DOC)
+    labels = next_token_labels(IDS, DOC)
+    inputs = cp_model_inputs({"input_ids": IDS, "labels": labels}, params)
+    logits = model(**inputs).logits[0]
+    with pytest.raises(ValueError, match="no attention layer ran cp_packing's attention in this step"):
+        packed_cross_entropy(logits, labels.reshape(-1), sharded=inputs["cp_sharded"])
