@@ -26,6 +26,7 @@ __all__ = [
     "check_cu_seqlens",
     "check_divisible",
     "check_doc_ids",
+    "check_ignore_index",
     "check_int",
     "check_number",
     "check_tensor",
@@ -83,6 +84,15 @@ def check_number(value: Any, name: str, *, min: float | None = None, allow_none:
     if min is not None and not value >= min:
         raise ValueError(f"{name} must be >= {min}, got {value}")
     return value
+
+
+def check_ignore_index(value: Any) -> int:
+    """``value`` as an int label value to ignore (any int64); else a TypeError / ValueError naming it.
+
+    >>> check_ignore_index(-100)
+    -100
+    """
+    return check_int(value, "ignore_index", min=-(2**63), max=2**63 - 1, hint="the label value to ignore, e.g. -100")
 
 
 def check_bool(value: Any, name: str) -> bool:

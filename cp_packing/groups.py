@@ -26,6 +26,7 @@ __all__ = [
     "backend_for_device",
     "check_shard_in_group",
     "device_for_backend",
+    "peek_group",
     "resolve_group",
 ]
 
@@ -142,6 +143,20 @@ def resolve_group(group: GroupLike, *, name: str = "group", optional: bool = Fal
     backend = str(dist.get_backend(pg))
     return CPGroup(group=pg, rank=rank, size=dist.get_world_size(pg), backend=backend,
                    device=device_for_backend(backend))
+
+
+def peek_group(group: GroupLike, cp_size: int) -> dist.ProcessGroup | None:
+    """The group a call would communicate over, or None; never raises (the strict checks run inside the
+    agreement, and their error travels through it)."""
+    try:
+        pg = as_process_group(group)
+    except (TypeError, ValueError):
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if pg is None:
+        return dist.group.WORLD if cp_size != 1 else None
+    return pg if dist.get_rank(pg) >= 0 and dist.get_world_size(pg) > 1 else None
 
 
 def backend_config(group: dist.ProcessGroup) -> str:

@@ -13,12 +13,11 @@ import warnings
 
 import torch
 
-from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_doc_ids, check_int, check_tensor
+from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_doc_ids, check_ignore_index, check_tensor
 from cp_packing.packed_seq import PackedSeqParams
 
-__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "next_token_labels"]
+__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "next_token_labels", "segment_ends"]
 
-_INT64 = {"min": -(2**63), "max": 2**63 - 1}
 
 UNSHIFTED_FIX = ("HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted "
                  "on the global stream: convert them before sharding with cp_packing.next_token_labels(input_ids, "
@@ -39,7 +38,7 @@ def _warn_once(kind: str, message: str, stacklevel: int) -> None:
         warnings.warn(f"{message} (warned once per process)", LabelsWarning, stacklevel=stacklevel + 1)
 
 
-def _check_same_batch(x: object, name: str, like: torch.Tensor, like_name: str, shape: str) -> torch.Tensor:
+def check_same_batch(x: object, name: str, like: torch.Tensor, like_name: str, shape: str) -> torch.Tensor:
     check_tensor(x, name, shape)
     if x.dtype not in INTEGER_DTYPES:
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}; convert with {name}.long()")
@@ -94,9 +93,9 @@ def next_token_labels(
         doc_ids = doc_ids.doc_ids
     check_doc_ids(doc_ids)
     # the same global [B, S] batch as doc_ids: label BEFORE sharding
-    _check_same_batch(input_ids, "input_ids", doc_ids, "doc_ids (the global map: label before sharding)",
+    check_same_batch(input_ids, "input_ids", doc_ids, "doc_ids (the global map: label before sharding)",
                       "[batch, sequence]")
-    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+    ignore_index = check_ignore_index(ignore_index)
     if token_mask is not None:
         check_tensor(token_mask, "token_mask", "(bool [B, S])")
         if token_mask.dtype != torch.bool:
@@ -120,7 +119,7 @@ def next_token_labels(
 
 def _hf_labels(labels: object, ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """HF's unshifted labels as int64, checked; warns when they look already shifted (one host sync)."""
-    labels = _check_same_batch(labels, "labels", ids, "input_ids", "(HF's unshifted labels [B, S])").to(torch.int64)
+    labels = check_same_batch(labels, "labels", ids, "input_ids", "(HF's unshifted labels [B, S])").to(torch.int64)
     valid = labels != ignore_index  # [B, S]
     negative = valid & (labels < 0)
     unshifted = (valid & (labels != ids)).any()  # HF's convention: every valid label is its own token
@@ -180,3 +179,14 @@ def check_labels_shifted(labels: torch.Tensor, *, input_ids: torch.Tensor | None
                          f"segment, where next_token_labels always puts ignore_index={ignore_index} (the next token "
                          f"belongs to another document or row): the labels look unshifted, or shifted across "
                          f"document boundaries. {UNSHIFTED_FIX}")
+
+
+def segment_ends(cu_seqlens: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """bool ``[N]``: whether each token (global positions ``token_index``, on its device) is the last of its segment
+    of ``cu_seqlens``, where ``next_token_labels`` always puts the ignore index.
+
+    >>> segment_ends(torch.tensor([0, 2, 5]), torch.tensor([1, 2, 4])).tolist()
+    [True, False, True]
+    """
+    cu = cu_seqlens.to(token_index.device, torch.int64)
+    return token_index == cu[torch.searchsorted(cu, token_index, right=True)] - 1

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing._checks import INTEGER_DTYPES, check_choice, check_int, check_tensor, is_int
+from cp_packing._checks import INTEGER_DTYPES, check_choice, check_ignore_index, check_tensor, is_int
 from cp_packing.agreement import digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
-from cp_packing.labels import LabelsWarning, _check_same_batch, check_labels_shifted, next_token_labels
+from cp_packing.labels import (LabelsWarning, check_same_batch, check_labels_shifted, next_token_labels,
+                               segment_ends)
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
 
 _CALL = "packed_cross_entropy"  # one call name for both reductions: a mix is reported as a `reduction` mismatch
 _REDUCTIONS = ("token", "document")
-_INT64 = {"min": -(2**63), "max": 2**63 - 1}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,12 +153,12 @@ def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | 
                  num_items: object = None) -> tuple[_Local, dict[str, object]]:
     """Every rank-local check (no communication); returns the inputs and the fields every rank must share."""
     reduction = check_choice(reduction, "reduction", _REDUCTIONS)
-    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+    ignore_index = check_ignore_index(ignore_index)
     logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
     num_items = _check_num_items(num_items, reduction)
     ids = None
     if input_ids is not None:
-        ids = _check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
+        ids = check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
         ids = ids.reshape(-1).to(torch.int64)
     shard = _check_shard(sharded, cp, labels, labels1d.numel(), reduction)
     segment, num_segments, segment_end, next_known = None, 0, None, None
@@ -302,7 +302,7 @@ def _local_loss(logits, labels, plan, num_items, input_ids, ignore_index, sharde
     """The loss as local math: this rank's CE sum over the step's count (no communication, no agreement)."""
     if plan is not None:
         plan.check_ran()
-    ignore_index = check_int(ignore_index, "ignore_index", **_INT64, hint="the label value to ignore, e.g. -100")
+    ignore_index = check_ignore_index(ignore_index)
     logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
     n = _check_num_items(num_items, "token")
     if n is None:
@@ -310,12 +310,10 @@ def _local_loss(logits, labels, plan, num_items, input_ids, ignore_index, sharde
     if labels1d.device.type == "cpu":  # free on the host; on a GPU the kernel's device assert names a bad label
         _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, n)
     if input_ids is not None:
-        ids = _check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
+        ids = check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
         segment_end = None
         if isinstance(sharded, ShardedPackedSeqParams):
-            cu = sharded.global_params.cu_seqlens.to(labels1d.device, torch.int64)
-            ti = sharded.token_index.to(labels1d.device)
-            segment_end = ti == cu[torch.searchsorted(cu, ti, right=True)] - 1
+            segment_end = segment_ends(sharded.global_params.cu_seqlens, sharded.token_index.to(labels1d.device))
         check_labels_shifted(labels1d, input_ids=ids, segment_end=segment_end, ignore_index=ignore_index,
                              next_known=None if sharded is None else (sharded.token_index[1:] ==
                                                                        sharded.token_index[:-1] + 1).to(ids.device))
@@ -465,8 +463,7 @@ def count_valid_labels(
     call, fields, error, local = "count_valid_labels", {}, None, 0
     try:  # the CP group first: its checks, then whether its ranks hold the same labels (whole batches)
         with fail_together(call, _groups(cp, None)[0]) as agreement:
-            ignore_index = check_int(ignore_index, "ignore_index", **_INT64,
-                                     hint="the label value to ignore, e.g. -100")
+            ignore_index = check_ignore_index(ignore_index)
             items = _micro_batches(labels)
             shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
             fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,

@@ -22,7 +22,7 @@ import logging
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 import torch

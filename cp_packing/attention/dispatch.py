@@ -76,7 +76,7 @@ def context_parallel_attention(
 
         check_attention_inputs(q, k, v, sharded)  # the TypeError naming the fix (every rank passes the same type)
     plan, error = sharded.plan, None
-    if plan is None or (group is not None and group is not plan._group_arg):
+    if plan is None or (group is not None and group is not plan.group_arg):
         try:
             options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, causal=causal,
                                        softcap=softcap, sinks=isinstance(sinks, torch.Tensor), scale=softmax_scale)

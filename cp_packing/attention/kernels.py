@@ -59,6 +59,7 @@ from cp_packing.capabilities import KERNELS, kernel_refusal
 __all__ = [
     "KERNELS",
     "available_kernels",
+    "add_sinks",
     "check_sinks",
     "resolve_kernel",
     "run_backward",
@@ -605,7 +606,7 @@ def _checked(
     return resolve_kernel(kernel, q, softcap=softcap), _scale(softmax_scale, q.shape[2]), window, softcap
 
 
-def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A kernel's ``(out [Tq, H, D], lse [H, Tq])`` -> the same attention with one extra, valueless logit per head
     in every softmax: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')`` (exact, no recomputation)."""
     lse_sink = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])  # [H, Tq]
@@ -644,7 +645,7 @@ def run_forward(kernel: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     ``kernel`` is a concrete name. Records no autograd graph when called inside a backend's autograd function."""
     out, lse = _FORWARD[kernel](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 _scale(scale, q.shape[2]), causal, window, softcap)
-    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 def run_backward(kernel: str, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -709,7 +710,7 @@ def varlen_attention_forward(
         out, lse = _FORWARD[name](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal), window, softcap
         )
-        return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+        return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 def varlen_attention_backward(
@@ -764,7 +765,7 @@ class _VarlenAttentionFunction(torch.autograd.Function):
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window, softcap
         )
         if sinks is not None:
-            out, lse = _add_sinks(out, lse, sinks)
+            out, lse = add_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.meta = meta
         return out

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from cp_packing.agreement import digest, fail_together
 from cp_packing.attention import kernels
 from cp_packing.attention.allgather import AllGatherKeys, allgather_keys, backward_impl, forward_impl
-from cp_packing.attention.plan import _peek_group, resolve_attention_group
+from cp_packing.attention.plan import resolve_attention_group
 from cp_packing.capabilities import COMPILED_BACKENDS
-from cp_packing.groups import GroupLike
+from cp_packing.groups import GroupLike, peek_group
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["COMPILED_BACKENDS", "CompiledAttentionPlan", "compiled_allgather_attention", "prepare_compiled_attention"]
@@ -81,7 +81,7 @@ def prepare_compiled_attention(
     """
     device = torch.device(device) if device is not None else sharded.token_index.device
     pg = None
-    with fail_together("cp_model_inputs(compiled=True)", (_peek_group(group, sharded.cp_size), "CP group")) as agreement:
+    with fail_together("cp_model_inputs(compiled=True)", (peek_group(group, sharded.cp_size), "CP group")) as agreement:
         if error is not None:
             raise error
         if backend not in ("auto", "allgather"):

@@ -50,8 +50,8 @@ import torch
 from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible, check_weighted_cost_tokens
 from cp_packing.layouts.work import WindowWeights, head_cost, range_cost, window_weights
 
-__all__ = ["balanced_plan", "balanced_plan_arrays", "balanced_runs", "planned_weights", "MIN_CHUNK", "HEAVY",
-           "LPT_FRACTION", "LPT_ROUNDS"]
+__all__ = ["balanced_plan", "balanced_plan_arrays", "balanced_runs", "contiguous_plan_arrays", "merge_runs",
+           "plan_key", "planned_weights", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
 
 #: The smallest piece the planner cuts on purpose. Short runs waste the tiles of a flash kernel.
 MIN_CHUNK = 32
@@ -271,8 +271,8 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights = _FULL):
     for _, x_len, x_rank, x_pos0 in extra:
         rank_cost += np.bincount(x_rank, weights=range_cost(x_pos0, x_pos0 + x_len, weights), minlength=cp)
     if contiguous < rank_cost.max():
-        return _contiguous(cu, cp)
-    return _merge(*(np.concatenate(x) for x in zip((start, length, rank, pos0), *extra)), cp)
+        return contiguous_plan_arrays(cu, cp)
+    return merge_runs(*(np.concatenate(x) for x in zip((start, length, rank, pos0), *extra)), cp)
 
 
 def _density(rest, length, cost, pos0, n_whole, weights: WindowWeights) -> np.ndarray:
@@ -297,7 +297,7 @@ def _contiguous_busiest(start: np.ndarray, cost: np.ndarray, t_local: int, cp: i
     return int(np.diff(w).max())
 
 
-def _merge(start, length, rank, pos0, cp):
+def merge_runs(start, length, rank, pos0, cp):
     """Group the runs by rank in position order and join touching pieces of one segment on one rank (only a run that
     does not start its segment, pos0 > 0, can join the one before: few). The runs come mostly in position order (the
     items, then a few extra pieces), so the sorts are cheap. Returns ``(offsets, start, length)``."""
@@ -320,7 +320,7 @@ def _merge(start, length, rank, pos0, cp):
     return offsets, start, length
 
 
-def _contiguous(cu: np.ndarray, cp: int):
+def contiguous_plan_arrays(cu: np.ndarray, cp: int):
     """The contiguous placement as a plan: every segment cut at the rank boundaries."""
     total = int(cu[-1])
     bounds = np.arange(1, cp, dtype=np.int64) * (total // cp)
@@ -359,7 +359,7 @@ def balanced_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights) -
     return _cached_plan(np.ascontiguousarray(cu, dtype=np.int64).tobytes(), cp_size, weights)
 
 
-def _plan_key(cu_seqlens: object, cp_size: int, window: object) -> tuple[np.ndarray, WindowWeights]:
+def plan_key(cu_seqlens: object, cp_size: int, window: object) -> tuple[np.ndarray, WindowWeights]:
     """Validated ``(cu int64, window weights)``: the plan's cache key with ``cp_size``."""
     check_cp(cp_size)
     cu = check_cu_seqlens(cu_seqlens)
@@ -396,7 +396,7 @@ def balanced_plan(
     >>> balanced_plan(torch.tensor([0, 2, 5, 6]), cp_size=3, window=[4, None])[1].tolist()  # 4 >= every segment
     [0, 2, 4, 5]
     """
-    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    cu, weights = plan_key(cu_seqlens, cp_size, window)
     return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size, weights))
 
 
@@ -418,7 +418,7 @@ def balanced_runs(
     (tensor([2]), tensor([2]))
     """
     check_cp(cp_size, cp_rank)
-    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    cu, weights = plan_key(cu_seqlens, cp_size, window)
     offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights)
     lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
     device = cu_seqlens.device

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from cp_packing._checks import check_cp, check_number
-from cp_packing.layouts.balanced import _contiguous, _merge, _plan_key
+from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs, plan_key
 from cp_packing.layouts.work import WindowWeights, range_cost
 
 __all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "MAX_FOLDS"]
@@ -292,7 +292,7 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         seen.add(fold.tobytes())
         start, length, rank, pos0, seg = _split(stream, fold, cp, t, tol)
         candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
-    offsets, start, length = _contiguous(cu, cp)
+    offsets, start, length = contiguous_plan_arrays(cu, cp)
     rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
     seg = np.searchsorted(cu, start, side="right") - 1
     pos0 = start - cu[seg]
@@ -306,7 +306,7 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
 
     best = min(range(len(candidates)), key=lambda i: (score(candidates[i]), i))
     (start, length, rank, pos0), _ = candidates[best]
-    return _merge(start, length, rank, pos0, cp)
+    return merge_runs(start, length, rank, pos0, cp)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -348,7 +348,7 @@ def local_plan(
     >>> offsets.tolist(), run_start.tolist(), run_len.tolist()  # rank 0: the ring [0, 4) + [12, 16) of the long one
     ([0, 4, 7], [0, 12, 16, 18, 4, 20, 22], [4, 4, 2, 2, 8, 2, 2])
     """
-    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    cu, weights = plan_key(cu_seqlens, cp_size, window)
     tol = check_number(tolerance, "tolerance", min=0.0)
     return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size, weights, tol))
 
@@ -370,7 +370,7 @@ def local_runs(
     (tensor([ 4, 20, 22]), tensor([8, 2, 2]))
     """
     check_cp(cp_size, cp_rank)
-    cu, weights = _plan_key(cu_seqlens, cp_size, window)
+    cu, weights = plan_key(cu_seqlens, cp_size, window)
     offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights, TOLERANCE)
     mine = slice(int(offsets[cp_rank]), int(offsets[cp_rank + 1]))
     return tuple(torch.from_numpy(a[mine].copy()).to(cu_seqlens.device) for a in (run_start, run_len))
