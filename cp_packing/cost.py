@@ -22,7 +22,7 @@ from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_num
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
-from cp_packing.layouts.need import need_tokens
+from cp_packing.layouts.need import intersect_ranges, need_tokens
 from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 
@@ -163,15 +163,8 @@ def _np64(x, name: str) -> np.ndarray:
 
 def _split_at_segments(cu: np.ndarray, rank: np.ndarray, start: np.ndarray, end: np.ndarray):
     """Cut ranges ``[start, end)`` (non-empty) at segment boundaries. Returns ``(rank, seg, start, end)`` pieces."""
-    s0 = np.searchsorted(cu, start, side="right") - 1
-    s1 = np.searchsorted(cu, end - 1, side="right") - 1
-    count = s1 - s0 + 1
-    owner = np.repeat(np.arange(start.size), count)
-    seg = s0[owner] + (np.arange(owner.size) - (np.cumsum(count) - count)[owner])
-    p_start = np.maximum(start[owner], cu[seg])
-    p_end = np.minimum(end[owner], cu[seg + 1])
-    keep = p_end > p_start  # skips empty segments inside a range
-    return rank[owner][keep], seg[keep], p_start[keep], p_end[keep]
+    owner, seg, p_start, p_end = intersect_ranges(start, end, cu[:-1], cu[1:])  # skips empty segments
+    return rank[owner], seg, p_start, p_end
 
 
 def _figures(cu: np.ndarray, cp: int, rank: np.ndarray, start: np.ndarray, length: np.ndarray,

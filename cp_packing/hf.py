@@ -172,10 +172,10 @@ def cp_attention_forward(
     if not isinstance(cp_sharded, ShardedPackedSeqParams):
         raise _missing_shard(cp_sharded)  # every rank of a step passes the same kind of object
     plan = cp_sharded.plan
-    error = _wrapper_error(module, query, key, value, attention_mask, dropout, cp_sharded, plan)
     if plan is None:
         plan = _ad_hoc_plan(cp_sharded, kwargs.get("cp_group"), kwargs.get("cp_backend", "auto"),
                             kwargs.get("cp_kernel", "auto"), kwargs.get("cp_ulysses_size"))
+    error = _wrapper_error(query, key, value, attention_mask, dropout, cp_sharded) or _read_features(module, plan)
     features = _layer_features(module, plan)
     if sliding_window is None and features is not None:
         sliding_window = features.window  # a window HF applies only in its mask (PhiMoE, Qwen2-MoE)
@@ -218,7 +218,7 @@ def _missing_shard(cp_sharded: Any) -> Exception:
     )
 
 
-def _wrapper_error(module, query, key, value, attention_mask, dropout, sharded, plan) -> Exception | None:
+def _wrapper_error(query, key, value, attention_mask, dropout, sharded) -> Exception | None:
     """The HF wrapper's own refusals on this rank, as an exception (raised on every rank by the agreement)."""
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (query, key, value)):
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (query, key, value)]
@@ -245,14 +245,20 @@ def _wrapper_error(module, query, key, value, attention_mask, dropout, sharded, 
     if dropout:
         return ValueError(f"cp_packing attention does not support dropout={dropout!r}; set config.attention_dropout "
                           "= 0.0 (the CP kernels have no attention dropout)")
-    if plan is not None and plan.features is None and not plan.agreed:
-        config = getattr(module, "config", None)
-        if config is not None:
-            try:
-                plan.features = _features_of(config)
-                plan.features.check_document_length(_longest_document(sharded))  # longrope / dynamic RoPE
-            except ValueError as exc:
-                return exc
+    return None
+
+
+def _read_features(module: Any, plan) -> Exception | None:
+    """At the step's first layer, the model's features from the layer's config into the plan (when
+    ``cp_model_inputs`` had no ``model=``), or the refusal of what a sequence split cannot express, as an error."""
+    config = getattr(module, "config", None)
+    if plan.features is not None or plan.agreed or config is None:
+        return None
+    try:
+        plan.features = _features_of(config)
+        plan.features.check_document_length(_longest_document(plan.sharded))  # longrope / dynamic RoPE
+    except ValueError as exc:
+        return exc
     return None
 
 
@@ -288,15 +294,20 @@ def _layer_features(module: Any, plan) -> Any:
 
 def _temperature_fix(plan, temperature: tuple[float, float], q: torch.Tensor) -> torch.Tensor:
     """``[T_local, 1, 1]``: scale(p) / scale(i), undoing HF's query temperature computed from the row index ``i``
-    (Llama 4 NoPE layers; ``cp_packing.model_features``)."""
+    (Llama 4 NoPE layers; ``cp_packing.model_features``). A per-step constant of the plan: built at the first such
+    layer, read by the others."""
     floor_scale, attn_scale = temperature
-    p = plan.sharded.position_ids.to(q.device, torch.float32)
-    i = torch.arange(p.numel(), device=q.device, dtype=torch.float32)
 
-    def scale(x):
-        return torch.log1p(torch.floor((x + 1) / floor_scale)) * attn_scale + 1
+    def build() -> torch.Tensor:
+        p = plan.sharded.position_ids.to(q.device, torch.float32)
+        i = torch.arange(p.numel(), device=q.device, dtype=torch.float32)
 
-    return (scale(p) / scale(i)).to(q.dtype)[:, None, None]
+        def scale(x):
+            return torch.log1p(torch.floor((x + 1) / floor_scale)) * attn_scale + 1
+
+        return (scale(p) / scale(i)).to(q.dtype)[:, None, None]
+
+    return plan.constant(("query temperature", floor_scale, attn_scale, q.device, q.dtype), build)
 
 
 def _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, plan, window, softcap, sinks):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from cp_packing.attention import kernels
 from cp_packing.layouts import expand_runs, layout_plan
-from cp_packing.layouts.need import chunked_segments, exchange_pieces, split_plan
+from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
 __all__ = ["ExchangeTables", "build_tables", "exchange_tables", "layer"]
 
@@ -83,26 +83,10 @@ class ExchangeTables:
         return sum(self.recv_splits)
 
 
-def _row_lookup(starts: np.ndarray, rows: np.ndarray, lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Rows of global ``positions`` in a buffer made of ranges (``starts``/``lengths`` sorted by start, the range's
-    first row ``rows``); every position lies in some range."""
-    k = np.searchsorted(starts, positions, side="right") - 1
-    return rows[k] + (positions - starts[k])
-
-
 def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
           device: torch.device) -> _Keys:
     """A call's keys: for run i, the positions of ``[lo[i], hi[i])`` that the ranges hold, in position order."""
-    # clip every run's range to the ranges (sorted, disjoint) and expand: O(keys)
-    first = np.searchsorted(starts + lengths, lo, side="right")
-    last = np.searchsorted(starts, hi, side="left")
-    count = np.maximum(last - first, 0)
-    run = np.repeat(np.arange(lo.size), count)
-    k = first[run] + (np.arange(run.size) - np.repeat(np.cumsum(count) - count, count))
-    p_lo = np.maximum(lo[run], starts[k]) if k.size else lo[:0]
-    p_hi = np.minimum(hi[run], starts[k] + lengths[k]) if k.size else hi[:0]
-    keep = p_hi > p_lo
-    run, k, p_lo, p_hi = run[keep], k[keep], p_lo[keep], p_hi[keep]
+    run, k, p_lo, p_hi = intersect_ranges(lo, hi, starts, starts + lengths)
     piece_rows = rows[k] + (p_lo - starts[k])
     per_run = np.bincount(run, weights=p_hi - p_lo, minlength=lo.size).astype(np.int64)
     total = int(per_run.sum())
@@ -231,7 +215,7 @@ def _forward(plan, t: ExchangeTables, q, k, v, sinks, meta, overlap: bool):
         out_b, lse_b = _call(kernel, q, recv[:, 0], recv[:, 1], t, t.remote, False, meta)
         out, lse = _merge(out_a, lse_a, out_b, lse_b)
     if sinks is not None:
-        out, lse = kernels._add_sinks(out, lse, sinks)
+        out, lse = kernels.add_sinks(out, lse, sinks)
     return out, lse, recv
 
 

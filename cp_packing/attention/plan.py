@@ -31,7 +31,8 @@ from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, check_bool, check_num
 from cp_packing._imports import try_import
 from cp_packing.agreement import digest, fail_together, next_step
 from cp_packing.capabilities import backend_refusal
-from cp_packing.groups import (GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group)
+from cp_packing.groups import (GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group,
+                                peek_group)
 from cp_packing.options import CHECKED_STEPS, AttentionOptions
 from cp_packing.sharding import ShardedPackedSeqParams
 
@@ -100,20 +101,6 @@ def resolve_attention_group(group: GroupLike, sharded: ShardedPackedSeqParams, d
             f"'cpu:gloo,cuda:nccl')"
         )
     return dist.group.WORLD if group is None else group
-
-
-def _peek_group(group: GroupLike, cp_size: int) -> dist.ProcessGroup | None:
-    """The group a call would communicate over, or None; never raises (the strict checks run inside the
-    agreement, and their error travels through it)."""
-    try:
-        pg = as_process_group(group)
-    except (TypeError, ValueError):
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if pg is None:
-        return dist.group.WORLD if cp_size != 1 else None
-    return pg if dist.get_rank(pg) >= 0 and dist.get_world_size(pg) > 1 else None
 
 
 # ---------------------------------------------------------------------------------------------- backend choice
@@ -224,7 +211,8 @@ class StepPlan:
     every copy of the shard shares one plan and its state.
 
     Attributes:
-        sharded: the shard (without its plan). group: the CP ProcessGroup, or None without communication.
+        sharded: the shard (without its plan). group: the CP ProcessGroup, or None without communication (resolved
+            at the agreement); group_arg: the ``group=`` the step was prepared with.
         options: the :class:`AttentionOptions`. device: where the tables live (q's device).
         backend, kernel: chosen at the first attention call (``None`` before).
         agreed: whether the step's agreement ran. step: this group's step number (1, 2, ...).
@@ -236,12 +224,12 @@ class StepPlan:
 
     __slots__ = ("sharded", "group", "options", "device", "backend", "kernel", "agreed", "step", "check_layers",
                  "layer_calls", "backward_calls", "expected_layers", "num_items", "local_items", "digest", "_tables",
-                 "_group_arg", "features", "compiled", "pending", "__weakref__")
+                 "group_arg", "features", "compiled", "pending", "__weakref__")
 
     def __init__(self, sharded: ShardedPackedSeqParams, group: GroupLike, options: AttentionOptions,
                  device: torch.device | None = None, local_items: int | None = None):
         self.sharded = sharded
-        self._group_arg = group
+        self.group_arg = group
         self.group = None
         self.options = options
         self.device = device
@@ -269,7 +257,7 @@ class StepPlan:
         """The step's ONE agreement, at its first attention call: local checks (``error``: the caller's own
         refusal on this rank), the backend choice, then every rank compares (module docstring)."""
         sharded, options = self.sharded, self.options
-        pg = _peek_group(self._group_arg, sharded.cp_size)
+        pg = peek_group(self.group_arg, sharded.cp_size)
         with fail_together("context_parallel_attention", (pg, "CP group")) as agreement:
             if error is not None:
                 raise error
@@ -283,7 +271,7 @@ class StepPlan:
                 q, sharded, causal=causal, backend=options.backend, kernel=options.kernel,
                 ulysses_size=options.ulysses_size, window=window, num_kv_heads=k.shape[1], softcap=softcap,
                 sinks=sinks is not None or options.sinks, hardware=options.hardware, overlap=options.overlap)
-            self.group = resolve_attention_group(self._group_arg, sharded, q.device)
+            self.group = resolve_attention_group(self.group_arg, sharded, q.device)
             _check_heads_k_stride(options.heads_k_stride, k.shape[1])
             self.step = next_step(self.group)
             check = options.check_layers
@@ -386,6 +374,14 @@ class StepPlan:
         if self.check_layers:
             self.check_layer("attention backward", {"layer": layer})
 
+    def constant(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``, once per step for ``key`` (a per-step constant a layer needs, e.g. a per-token factor on q's
+        device): later layers read it, no host-to-device copy per layer."""
+        value = self._tables.get(("constant", *key))
+        if value is None:
+            value = self._tables[("constant", *key)] = build()
+        return value
+
     def tables(self, causal: bool = True, window: int | None = None, chunk: int | None = None):
         """The backend's tables for ``(causal, window, chunk)`` (built on first use in the step)."""
         key = (causal, window, chunk)
@@ -426,7 +422,7 @@ def register_backend(name: str, build: Callable, layer: Callable) -> None:
 def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: int) -> int:
     """This rank's valid labels, checked: integer, one per local token, shifted on the global stream (a valid label
     on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``)."""
-    from cp_packing.labels import check_labels_shifted
+    from cp_packing.labels import check_labels_shifted, segment_ends
 
     if not isinstance(labels, torch.Tensor) or labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must be an integer tensor (this rank's shifted labels), got "
@@ -435,9 +431,7 @@ def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: in
     if flat.numel() != sharded.num_local_tokens:
         raise ValueError(f"labels hold {flat.numel()} tokens but this rank holds T_local={sharded.num_local_tokens}; "
                          "pass this rank's shard of the labels")
-    cu = sharded.global_params.cu_seqlens.to(flat.device, torch.int64)
-    token_index = sharded.token_index.to(flat.device)
-    segment_end = token_index == cu[torch.searchsorted(cu, token_index, right=True)] - 1
+    segment_end = segment_ends(sharded.global_params.cu_seqlens, sharded.token_index.to(flat.device))
     check_labels_shifted(flat, segment_end=segment_end, ignore_index=ignore_index)
     return int((flat != ignore_index).sum())
 
