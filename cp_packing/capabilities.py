@@ -67,9 +67,9 @@ class Support:
 
 BACKEND_SUPPORT: dict[str, Support] = {
     "allgather": Support(compiled=True),
-    "exchange": Support(),
-    "ulysses": Support(heads="cp_size divides H"),
-    "hybrid": Support(window=False, heads="ulysses_size divides cp_size and H"),
+    "exchange": Support(compiled=True),
+    "ulysses": Support(compiled=True, heads="cp_size divides H"),
+    "hybrid": Support(window=False, compiled=True, heads="ulysses_size divides cp_size and H"),
     "ring_flash_attn": Support(layouts=("zigzag", "contiguous"), window=False, softcap=False, sinks=False,
                                non_causal=False, kernels=("flash_attn",), half_only=True),
 }

@@ -4,7 +4,7 @@
 supported extension point: no monkey-patching); :func:`cp_model_inputs` prepares a step and builds the call
 (``model(**inputs)``: ``input_ids`` and ``position_ids`` ``[1, T_local]``, ``use_cache=False``, ``cp_sharded`` with its
 step plan and ``cp_group``; never an ``attention_mask``); :func:`check_cp_model` checks a model and installs its
-guards. Why no mask, what the attention refuses, the model families and the supported transformers: docs/hf.md.
+guards. Eager and ``torch.compile`` run the same attention function on the same prepared plan. Why no mask, what the attention refuses, the model families and the supported transformers: docs/hf.md.
 Neither ``import cp_packing`` nor ``import cp_packing.hf`` imports transformers.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from cp_packing.groups import GroupLike, as_process_group
 from cp_packing.packed_seq import PackedSeqParams
@@ -106,10 +105,6 @@ def register_cp_attention(*, name: str = CP_ATTENTION_NAME) -> str:
     return name
 
 
-def _refuse(name: str, value: Any, fix: str) -> None:
-    raise ValueError(f"cp_packing attention does not support {name}={value!r}; {fix}")
-
-
 def _is_causal(module: Any, kwargs: Mapping[str, Any]) -> bool:
     flag = kwargs.get("is_causal")
     if flag is None:
@@ -130,53 +125,53 @@ def cp_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
-    cp_plan: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered with HF: context-parallel varlen attention over this rank's tokens.
 
+    The same code eager and under ``torch.compile``: it reads the step's prepared plan (``cp_model_inputs``), checks
+    shapes, and runs the plan's one attention op (docs/compile.md).
+
     Args:
         module: the HF attention module (``module.is_causal`` selects causal attention, default True; an
-            ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it; ``module.config`` and
-            ``module.layer_idx`` give the layer's features, ``cp_packing.model_features``).
+            ``is_causal`` keyword, which HF's sdpa path also honours first, overrides it; ``module.layer_idx`` picks
+            the layer's features from the plan, ``cp_packing.model_features``).
         query: ``[1, H, T_local, D]``; key / value ``[1, H_kv, T_local, D]`` (RoPE already applied by the model).
         attention_mask: must be ``None`` (HF builds none for this implementation; docs/hf.md).
         dropout: must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (``module.scaling``; ``None`` = ``D ** -0.5``).
         cp_sharded: this rank's ``ShardedPackedSeqParams`` of the step, with its plan (``cp_model_inputs``).
         **kwargs: ``cp_group`` (the CP group, passed by ``cp_model_inputs``) and, for a ``cp_sharded`` WITHOUT a plan
-            (hand-built kwargs), ``cp_backend`` / ``cp_kernel`` / ``cp_ulysses_size``: the options of an ad-hoc plan
-            (one agreement per call); the rest of HF's kwargs (``position_ids``, ...), ignored.
+            (hand-built kwargs, eager only), ``cp_backend`` / ``cp_kernel`` / ``cp_ulysses_size``: the options of an
+            ad-hoc step (one agreement per call); the rest of HF's kwargs (``position_ids``, ...), ignored.
         sliding_window: the layer's window (HF passes it; ``None`` = full attention; a window HF applies only in
             its mask, PhiMoE's, comes from the layer's features): within each document a token at position ``p``
             attends positions ``p - sliding_window < k <= p``.
         softcap: the layer's logit soft-capping (HF passes ``attn_logit_softcapping``; ``None`` = none).
         s_aux: the layer's attention sinks (gpt-oss passes ``module.sinks``, ``[H]``; ``None`` = none); its gradient
             on each rank is this rank's tokens' share.
-        cp_plan: the step's ``CompiledAttentionPlan`` (``cp_model_inputs(..., compiled=True)``), used while
-            ``torch.compile`` traces the model (docs/compile.md).
 
     Returns:
         ``(out [1, T_local, H, D], None)``: no attention weights.
 
     Raises:
-        ValueError / TypeError on EVERY rank (the step's agreement): a missing ``cp_sharded``, batch size != 1, a
-        token count that does not match ``cp_sharded``, a non-None ``attention_mask``, ``dropout > 0``, a model
-        feature the attention cannot express, and the checks of ``context_parallel_attention``.
+        ValueError / TypeError: a missing ``cp_sharded``, batch size != 1, a token count that does not match
+        ``cp_sharded``, a non-None ``attention_mask``, ``dropout > 0``, a model feature the attention cannot express
+        (on every rank in the checked steps, through the layer's agreement), and the checks of the step's plan.
 
     Under ``torch.autocast`` q/k/v are cast to the autocast dtype first (docs/hf.md).
     """
-    if cp_plan is not None and torch.compiler.is_compiling() and _is_causal(module, kwargs):
-        return _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, cp_plan,
-                                           sliding_window, softcap, s_aux)
     if not isinstance(cp_sharded, ShardedPackedSeqParams):
         raise _missing_shard(cp_sharded)  # every rank of a step passes the same kind of object
     plan = cp_sharded.plan
     if plan is None:
-        plan = _ad_hoc_plan(cp_sharded, kwargs.get("cp_group"), kwargs.get("cp_backend", "auto"),
+        plan = _ad_hoc_plan(module, query, key, cp_sharded, kwargs.get("cp_group"), kwargs.get("cp_backend", "auto"),
                             kwargs.get("cp_kernel", "auto"), kwargs.get("cp_ulysses_size"))
-    error = _wrapper_error(query, key, value, attention_mask, dropout, cp_sharded) or _read_features(module, plan)
-    features = _layer_features(module, plan)
+    error = _wrapper_error(query, key, value, attention_mask, dropout, cp_sharded)
+    try:
+        features = _layer_features(module, plan)
+    except ValueError as exc:  # a family CP cannot run (a step prepared without model=): raised like the others
+        features, error = None, error or exc
     if sliding_window is None and features is not None:
         sliding_window = features.window  # a window HF applies only in its mask (PhiMoE, Qwen2-MoE)
     # HF builds q/k/v as [1, T, H, D] views transposed to [1, H, T, D]: contiguous again after this transpose (the
@@ -192,16 +187,17 @@ def cp_attention_forward(
     if torch.is_autocast_enabled(device_type):
         # Standard AMP (float32 weights + torch.autocast): the projections come out in the autocast dtype but HF's
         # RoPE returns float32 q/k. Cast what autocast would cast (float32/fp16/bf16, not float64) to its dtype,
-        # as HF's sdpa path does, and run with autocast off so that forward and backward use that one dtype.
+        # as HF's sdpa path does; the op runs with autocast off, so forward and backward use that one dtype.
         amp_dtype = torch.get_autocast_dtype(device_type)
         q, k, v = (x.to(amp_dtype) if x.dtype in _AUTOCAST_ELIGIBLE else x for x in (q, k, v))
-        with torch.autocast(device_type, enabled=False):
-            out = plan.attend(q, k, v, causal=causal, window=sliding_window, softcap=softcap, sinks=s_aux,
-                              scale=scaling, error=error, chunk=None if features is None else features.chunk)
-    else:
-        out = plan.attend(q, k, v, causal=causal, window=sliding_window, softcap=softcap, sinks=s_aux, scale=scaling,
-                          error=error, chunk=None if features is None else features.chunk)
-    return out.unsqueeze(0), None  # [1, T_local, H, D]
+    value_dim = v.shape[-1]
+    if error is None and value_dim < q.shape[-1] == k.shape[-1]:
+        # MLA (DeepSeek-V2/V3): values have a smaller head dim than queries and keys. Zero-padded value dims give
+        # zero output dims (the weights do not depend on v), cut off below: exact, as HF's flash path does it.
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
+    out = plan.attend(q, k, v, causal=causal, window=sliding_window, softcap=softcap, sinks=s_aux, scale=scaling,
+                      error=error, chunk=None if features is None else features.chunk)
+    return out[..., :value_dim].unsqueeze(0), None  # [1, T_local, H, D_v]
 
 
 def _missing_shard(cp_sharded: Any) -> Exception:
@@ -248,33 +244,34 @@ def _wrapper_error(query, key, value, attention_mask, dropout, sharded) -> Excep
     return None
 
 
-def _read_features(module: Any, plan) -> Exception | None:
-    """At the step's first layer, the model's features from the layer's config into the plan (when
-    ``cp_model_inputs`` had no ``model=``), or the refusal of what a sequence split cannot express, as an error."""
-    config = getattr(module, "config", None)
-    if plan.features is not None or plan.agreed or config is None:
-        return None
-    try:
-        plan.features = _features_of(config)
-        plan.features.check_document_length(_longest_document(plan.sharded))  # longrope / dynamic RoPE
-    except ValueError as exc:
-        return exc
-    return None
-
-
-def _ad_hoc_plan(sharded, group, backend, kernel, ulysses_size):
-    """A plan for hand-built kwargs (a shard without one): this call is its own step."""
+def _ad_hoc_plan(module, query, key, sharded, group, backend, kernel, ulysses_size):
+    """A step for hand-built kwargs (a shard without a plan, eager only): this call is its own step, prepared for
+    this layer's config and shapes."""
     from cp_packing.attention.plan import prepare_attention
     from cp_packing.options import AttentionOptions
 
+    if torch.compiler.is_compiling():
+        raise ValueError("under torch.compile the step must be prepared before the model runs: call the model with "
+                         "cp_packing.hf.cp_model_inputs(local, sharded, group=..., model=model)")
     if sharded.cp_size > 1 and group is None:
         raise ValueError(
             f"cp_sharded is one of cp_size={sharded.cp_size} shards but cp_group is None; pass the CP process "
             "group as cp_group=... (the world is never assumed to be the CP group), or prepare the step with "
             "cp_packing.hf.cp_model_inputs(local, sharded, group=...)"
         )
-    options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
-    return prepare_attention(sharded, group=group, options=options).plan
+    error, features, options = None, None, AttentionOptions()
+    try:
+        options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
+        config = getattr(module, "config", None)
+        if config is not None:
+            features = _features_of(config)
+            features.check_document_length(_longest_document(sharded))  # longrope / dynamic RoPE
+    except (TypeError, ValueError) as exc:  # raised on every rank by the step's agreement
+        error = exc
+    shaped = all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (query, key))
+    shapes = {"num_heads": query.shape[1], "num_kv_heads": key.shape[1], "head_dim": query.shape[3],
+              "dtype": query.dtype, "device": query.device} if shaped and error is None else {}
+    return prepare_attention(sharded, group=group, options=options, features=features, error=error, **shapes).plan
 
 
 def _features_of(config: Any):
@@ -285,62 +282,46 @@ def _features_of(config: Any):
 
 
 def _layer_features(module: Any, plan) -> Any:
-    features = getattr(plan, "features", None)
+    """This layer's ``LayerFeatures``: from the plan (prepared with ``model=``), else, eagerly, from the layer's
+    config (a step prepared without the model; under ``torch.compile`` that is refused: it would drop a mask-only
+    window, chunking or query temperature silently)."""
+    features = plan.features
+    if features is None:
+        config = getattr(module, "config", None)
+        if config is None:
+            return None
+        if torch.compiler.is_compiling():
+            raise ValueError("under torch.compile the step must be prepared with the model, so that its layers' "
+                             "features (windows, chunks, query temperature) are in the plan: "
+                             "cp_packing.hf.cp_model_inputs(local, sharded, group=..., model=model)")
+        features = _config_features(config)
+        features.check_document_length(_longest_document(plan.sharded))  # longrope / dynamic RoPE
     index = getattr(module, "layer_idx", None)
-    if features is None or not isinstance(index, int) or not 0 <= index < len(features.layers):
+    if not isinstance(index, int) or not 0 <= index < len(features.layers):
         return None
     return features.layers[index]
 
 
+_CONFIG_FEATURES: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its features): steps without model=
+
+
+def _config_features(config: Any) -> Any:
+    entry = _CONFIG_FEATURES.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(_CONFIG_FEATURES) >= 16:
+            _CONFIG_FEATURES.clear()
+        entry = _CONFIG_FEATURES[id(config)] = (config, _features_of(config))
+    return entry[1]
+
+
 def _temperature_fix(plan, temperature: tuple[float, float], q: torch.Tensor) -> torch.Tensor:
     """``[T_local, 1, 1]``: scale(p) / scale(i), undoing HF's query temperature computed from the row index ``i``
-    (Llama 4 NoPE layers; ``cp_packing.model_features``). A per-step constant of the plan: built at the first such
-    layer, read by the others."""
-    floor_scale, attn_scale = temperature
-
-    def build() -> torch.Tensor:
-        p = plan.sharded.position_ids.to(q.device, torch.float32)
-        i = torch.arange(p.numel(), device=q.device, dtype=torch.float32)
-
-        def scale(x):
-            return torch.log1p(torch.floor((x + 1) / floor_scale)) * attn_scale + 1
-
-        return (scale(p) / scale(i)).to(q.dtype)[:, None, None]
-
-    return plan.constant(("query temperature", floor_scale, attn_scale, q.device, q.dtype), build)
-
-
-def _compiled_attention_forward(query, key, value, attention_mask, dropout, scaling, plan, window, softcap, sinks):
-    """``cp_attention_forward`` while ``torch.compile`` traces: the checks that need no per-step Python object, then
-    the all-gather custom ops on the prepared ``plan`` (no host sync, no collective outside an op: no graph break).
-    The step's agreement ran in ``cp_model_inputs``; the op checks ``T_local`` against the plan when it runs."""
-    from cp_packing.attention.ops import CompiledAttentionPlan, compiled_allgather_attention
-
-    if not isinstance(plan, CompiledAttentionPlan):
-        raise TypeError(
-            f"cp_plan must be a cp_packing.attention.ops.CompiledAttentionPlan, got {type(plan).__name__}; build the "
-            "call with cp_packing.hf.cp_model_inputs(..., compiled=True)"
-        )
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(
-            f"expected HF attention inputs query [1, H, T_local, D], key/value [1, H_kv, T_local, D]; got query "
-            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} (pass input_ids [1, T_local])"
-        )
-    if attention_mask is not None:
-        _refuse("attention_mask", f"<{type(attention_mask).__name__}>",
-                "document boundaries come from cp_sharded; call the model without attention_mask")
-    if dropout:
-        _refuse("dropout", dropout, "set config.attention_dropout = 0.0 (the CP kernels have no attention dropout)")
-    q = query[0].transpose(0, 1).contiguous()  # [T_local, H, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
-    v = value[0].transpose(0, 1).contiguous()  # [T_local, H_kv, D]
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):  # as the eager path: one dtype for q/k/v; the op runs autocast off
-        amp_dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (x.to(amp_dtype) if x.dtype in _AUTOCAST_ELIGIBLE else x for x in (q, k, v))
-    out = compiled_allgather_attention(q, k, v, plan, softmax_scale=scaling, window=window, softcap=softcap,
-                                       sinks=sinks)  # [T_local, H, D]
-    return out.unsqueeze(0), None  # [1, T_local, H, D]
+    (Llama 4 NoPE layers; ``cp_packing.model_features``): a per-step constant the plan was prepared with."""
+    factor = plan.constant(("query temperature", *temperature))
+    if factor is None:
+        raise ValueError("this layer has Llama 4's query temperature but its step was not prepared with the model; "
+                         "call cp_packing.hf.cp_model_inputs(..., model=model)")
+    return factor.to(q.dtype)
 
 
 def model_windows(config: Any) -> int | tuple[int | None, ...] | None:
@@ -398,13 +379,14 @@ def cp_model_inputs(
     options: Any = None,
     labels_key: str = "labels",
 ) -> dict[str, Any]:
-    """The keyword arguments of ``model(**kwargs)`` for one CP rank's step, with the step prepared.
+    """The keyword arguments of ``model(**kwargs)`` for one CP rank's step, with the step prepared and agreed.
 
-    Prepares the step once (``cp_packing.attention.prepare_attention``): the returned ``cp_sharded`` carries the
-    step plan that every attention layer only reads (one agreement over the CP group, at the first layer). The
-    guard is always on: a step whose model ran no cp_packing attention layer (an ``"sdpa"`` model, a config another
-    model switched) is refused by ``packed_cross_entropy(..., sharded=inputs["cp_sharded"])`` before any gradient,
-    and, with ``model=``, by the model's own hooks.
+    Prepares the step before the model runs (``cp_packing.attention.prepare_attention``): the returned
+    ``cp_sharded`` carries the frozen step plan that every attention layer only reads, eager or under
+    ``torch.compile`` alike (docs/compile.md). The guard is always on: a step whose model ran no cp_packing
+    attention layer (an ``"sdpa"`` model, a config another model switched) is refused by
+    ``packed_cross_entropy(..., sharded=inputs["cp_sharded"])`` before any gradient, and, with ``model=``, by the
+    model's own hooks.
 
     Args:
         local_batch: this rank's batch as returned by ``cp_packing.distribute_batch`` (a dict of ``[1, T_local, ...]``
@@ -416,66 +398,80 @@ def cp_model_inputs(
         group: the CP ProcessGroup (or a 1-D DeviceMesh); ``None`` only when ``sharded.cp_size == 1``.
         backend, kernel, ulysses_size: the attention options (or ``options=`` an ``AttentionOptions``).
         input_key: ``"input_ids"`` (default) or ``"inputs_embeds"`` (``[..., T_local, hidden]``).
-        compiled: ``True`` for a model under ``torch.compile`` (docs/compile.md): the step is agreed here and its
-            all-gather key index travels as ``"cp_plan"`` to custom ops that break no graph.
-        model: the model (recommended): :func:`check_cp_model` checks its attention implementation and its layers'
-            features and installs the guards; its windows plan the key tables.
+        compiled: deprecated, ignored (0.2: one path for eager and compiled models; removed in the next release).
+        model: the model (recommended; needed under ``torch.compile``): :func:`check_cp_model` checks its
+            attention implementation and its layers' features and installs the guards; the step is prepared for
+            its layers (every window, chunk and query temperature) and shapes (heads, head dim, dtype).
         options: a ``cp_packing.AttentionOptions`` (instead of ``backend`` / ``kernel`` / ``ulysses_size``).
         labels_key: the key of this rank's shifted labels in ``local_batch``.
 
     Returns:
         ``{input_key: [1, T_local(, hidden)], "position_ids": int64 [1, T_local], "use_cache": False,
-        "cp_sharded": the step's shard (with its plan), "cp_group": group}``, plus ``"cp_plan"`` with
-        ``compiled=True``. No ``attention_mask`` (never pass one) and no ``labels``: compute the loss from the logits
-        with ``cp_packing.packed_cross_entropy(logits, local_labels, sharded=inputs["cp_sharded"])``.
+        "cp_sharded": the step's shard (with its plan), "cp_group": group}``. No ``attention_mask`` (never pass
+        one) and no ``labels``: compute the loss from the logits with ``cp_packing.packed_cross_entropy(logits,
+        local_labels, sharded=inputs["cp_sharded"])``.
 
     Raises:
-        TypeError: wrong types. ValueError: a missing key, a token count that does not match ``sharded``, a missing
-        group with ``cp_size > 1``; with ``model``, a model whose attention is not cp_packing's or whose layers mix
-        tokens outside attention; with ``compiled=True`` also another backend, or ranks that disagree (raised on
-        every rank).
+        TypeError / ValueError, on every rank of the group (the step's agreement): wrong types, a missing key, a
+        token count that does not match ``sharded``, a missing group with ``cp_size > 1``, options a backend cannot
+        run, ranks that differ; with ``model``, a model whose attention is not cp_packing's or whose layers mix
+        tokens outside attention (raised at once, before any communication).
     """
     from cp_packing.attention.plan import prepare_attention
     from cp_packing.options import AttentionOptions
 
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled must be a bool, got {type(compiled).__name__}")
-    features = None
+    features, shapes = None, {}
     if model is not None:
         features = check_cp_model(model)
-    if options is None:
-        options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
-    elif not isinstance(options, AttentionOptions):
-        raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
-    call = lambda: _model_inputs(local_batch, sharded, group=group, input_key=input_key)  # noqa: E731
-    if not compiled:
-        inputs = call()
-        step = inputs["cp_sharded"]
-        if features is not None:
-            features.check_document_length(_longest_document(step))
-        labels = local_batch.get(labels_key) if isinstance(local_batch, Mapping) else None
-        step = prepare_attention(step, group=inputs["cp_group"], options=options,
-                                 labels=labels if isinstance(labels, torch.Tensor) else None)
-        step.plan.features = features
-        return inputs | {"cp_sharded": step}
-    from cp_packing.attention.ops import prepare_compiled_attention
-
+    error = None
     try:
-        inputs = call()
+        if options is None:
+            options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
+        elif not isinstance(options, AttentionOptions):
+            raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
+        inputs = _model_inputs(local_batch, sharded, group=group, input_key=input_key)
+        if model is not None:
+            features.check_document_length(_longest_document(inputs["cp_sharded"]))
+            options, shapes = _model_step_options(model, options, inputs[input_key].device)
     except (TypeError, ValueError) as exc:
         if not isinstance(sharded, ShardedPackedSeqParams):
             raise
-        prepare_compiled_attention(sharded, group=group, backend=options.backend, kernel=options.kernel,
-                                   error=exc)  # every rank raises
-        raise  # pragma: no cover - prepare_compiled_attention raised
-    x = inputs[input_key]
-    plan = prepare_compiled_attention(inputs["cp_sharded"], group=inputs["cp_group"], backend=options.backend,
-                                      kernel=options.kernel, device=x.device)
-    step = prepare_attention(inputs["cp_sharded"], group=inputs["cp_group"],
-                             options=options.replace(backend="allgather"))
-    step.plan.features, step.plan.compiled = features, True  # agreed above; the loss counts over its group
-    step.plan.group = None if not plan.group_name else as_process_group(inputs["cp_group"]) or dist.group.WORLD
-    return inputs | {"cp_sharded": step, "cp_plan": plan}
+        error = exc
+    if error is not None:
+        prepare_attention(sharded, group=group, error=error)  # raises on every rank of the group
+        raise error  # pragma: no cover - prepare_attention raised
+    labels = local_batch.get(labels_key) if isinstance(local_batch, Mapping) else None
+    step = prepare_attention(inputs["cp_sharded"], group=inputs["cp_group"], options=options, features=features,
+                             labels=labels if isinstance(labels, torch.Tensor) else None,
+                             device=inputs[input_key].device, **shapes)
+    return inputs | {"cp_sharded": step}
+
+
+def _model_step_options(model: torch.nn.Module, options: Any, device: torch.device) -> tuple[Any, dict]:
+    """The options and shapes a step of ``model`` is prepared with: its attention shapes (heads, head dim, the
+    dtype its layers attend in), and what ``backend="auto"`` must know of its layers (sinks, soft-capping)."""
+    model = _unwrapped(model)
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return options, {}
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None)
+    if isinstance(getattr(text, "qk_nope_head_dim", None), int):  # MLA (DeepSeek): q/k carry the RoPE part too
+        head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+    elif not isinstance(head_dim, int) or head_dim <= 0:
+        head_dim = text.hidden_size // heads
+    param = next(iter(model.parameters()), None)
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else (
+        param.dtype if param is not None and param.is_floating_point() else None)
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if options.softcap is None and isinstance(softcap, (int, float)) and softcap > 0:
+        options = options.replace(softcap=float(softcap))  # every layer passes it; auto must not pick the ring
+    if not options.sinks and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        options = options.replace(sinks=True)
+    return options, {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype}
 
 
 def _longest_document(sharded: ShardedPackedSeqParams) -> int:

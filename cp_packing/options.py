@@ -1,9 +1,11 @@
 """The frozen options of CP attention: everything that shapes a step's attention, validated once.
 
-One :class:`AttentionOptions` travels from where a step is set up (``cp_packing.hf.cp_model_inputs``, the trainers,
-the CLI, ``cp_packing.attention.prepare_attention``) into the step's plan; the layers only read it. Per-layer values
-that HF passes to the attention function (a layer's ``sliding_window``, ``scaling``, soft-capping, sinks,
-``is_causal``) override the defaults here for that layer.
+:class:`AttentionOptions` is the one way options reach the attention: ``cp_packing.attention.prepare_attention``
+takes it (or its fields as keywords), and every other entry point (``cp_packing.hf.cp_model_inputs``'s ``backend`` /
+``kernel`` / ``ulysses_size``, the HF ``cp_backend`` / ``cp_kernel`` kwargs of hand-built calls, the trainers, the
+CLI) only constructs one. It goes into the step's plan; the layers only read it. Per-layer values that HF passes to
+the attention function (a layer's ``sliding_window``, ``scaling``, soft-capping, sinks, ``is_causal``) override the
+defaults here for that layer.
 """
 
 from __future__ import annotations
@@ -12,14 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cp_packing._checks import check_bool, check_choice, check_int, check_number, check_softcap, check_windows
+from cp_packing._checks import check_bool, check_int, check_number, check_softcap, check_windows
 from cp_packing.capabilities import BACKENDS, KERNELS
-from cp_packing.layouts import LAYOUTS
 
-__all__ = ["AttentionOptions", "CHECKED_STEPS", "LAYOUT_CHOICES"]
-
-LAYOUT_CHOICES = ("auto", *LAYOUTS)
-"""The ``layout`` values (``"auto"``: chosen per batch by the cost model)."""
+__all__ = ["AttentionOptions", "CHECKED_STEPS"]
 
 CHECKED_STEPS = 2
 """With ``check_layers=None``, the first this-many steps of a CP group check every layer against the other ranks."""
@@ -34,9 +32,9 @@ class AttentionOptions:
             ``"hybrid"`` (with ``ulysses_size``) or ``"ring_flash_attn"``.
         kernel: the varlen kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` or ``"torch_varlen"``.
         ulysses_size: ranks per Ulysses group of ``backend="hybrid"`` (and only with it).
-        layout: the layout a step is sharded with where the options shard it (``"auto"``: the cost model's choice).
-        window: the model's sliding window(s), ``None``, an int or a per-layer tuple of ``int | None``: the layout is
-            balanced for it and the step's key tables are prepared for each distinct window.
+        window: the layers' sliding window(s), ``None``, an int or a per-layer tuple of ``int | None``: a step
+            prepared without the model's features gets key tables for each distinct window (with ``model=`` the
+            model's own layers decide).
         causal: causal attention within each document (a layer's ``is_causal`` overrides it).
         softcap: logit soft-capping of layers that pass none (``None``: none).
         sinks: whether the model's layers have attention sinks (rules out backends that cannot take them).
@@ -59,7 +57,6 @@ class AttentionOptions:
     backend: str = "auto"
     kernel: str = "auto"
     ulysses_size: int | None = None
-    layout: str = "auto"
     window: Any = None
     causal: bool = True
     softcap: float | None = None
@@ -85,7 +82,6 @@ class AttentionOptions:
             )
         if self.ulysses_size is not None:
             check_int(self.ulysses_size, "ulysses_size", min=1)
-        check_choice(self.layout, "layout", LAYOUT_CHOICES)
         object.__setattr__(self, "window", check_windows(self.window))
         check_bool(self.causal, "causal")
         object.__setattr__(self, "softcap", check_softcap(self.softcap))

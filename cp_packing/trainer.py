@@ -331,7 +331,7 @@ class CPTrainerMixin:
                  kernel: str = "auto", ulysses_size: int | None = None, **kwargs: Any) -> None:
         self.cp_size = check_int(cp_size, "cp_size", min=1)
         self.cp_layout = check_choice(layout, "layout", _LAYOUT_CHOICES)
-        self.cp_options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, layout=layout)
+        self.cp_options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
         super().__init__(*args, **kwargs)  # builds the Accelerator: the process group exists after this
         if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError(

@@ -233,7 +233,7 @@ def _run_case(case: Case, rank: int, cp: int) -> dict:
     (ref * dout).sum().backward()
 
     step = prepare_attention(sharded, group=dist.group.WORLD, backend="exchange", kernel="torch",
-                             overlap=case.overlap)
+                             overlap=case.overlap, causal=case.causal, window=case.window)
     device = rank_device()  # this rank's GPU under torchrun + NCCL, else the CPU
     local = [sharded.shard(x).to(device).requires_grad_() for x in (q, k, v)]
     s = sinks.to(device).requires_grad_()
@@ -282,10 +282,10 @@ def _run_mistake(how, rank: int, cp: int) -> dict:
     doc, layout, plan_window = how(rank)
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=cp, cp_rank=rank, layout=layout,
                                       window=plan_window)
-    step = prepare_attention(sharded, group=dist.group.WORLD, backend="exchange", kernel="torch")
     q, k, v, _, _ = _inputs(Case("", doc, layout), doc.numel())
     with recorded() as events:
-        try:
+        try:  # the step's agreement, before the model runs
+            step = prepare_attention(sharded, group=dist.group.WORLD, backend="exchange", kernel="torch")
             context_parallel_attention(*(sharded.shard(x).to(rank_device()) for x in (q, k, v)), step)
         except AgreementError as exc:
             return {"error": str(exc), "events": events}
@@ -344,7 +344,8 @@ def _a2a(events):
 def test_rows_moved_are_exactly_the_needed_keys(cp):
     """Per layer, forward: one all-to-all receiving from every rank exactly the keys this rank's queries attend that
     rank holds (counted token by token), sending what the others need of this rank's, K and V together; backward:
-    the same splits reversed (each received key's dK/dV back to its owner). The step plan's tables and need_tokens
+    the same exchange again (nothing received is kept for backward), then the splits reversed (each received key's
+    dK/dV back to its owner). The step plan's tables and need_tokens
     say the same. No other collective runs."""
     results = _results(cp)
     moved = {layout: 0 for layout in LAYOUTS}
@@ -366,7 +367,7 @@ def test_rows_moved_are_exactly_the_needed_keys(cp):
                    sum(r["send_splits"]), rows)
             bwd = ("all_to_all_single", r["send_splits"], r["recv_splits"], sum(r["send_splits"]),
                    sum(r["recv_splits"]), rows)
-            assert calls == [fwd] * case.layers + [bwd] * case.layers, (where, calls)
+            assert calls == [fwd] * case.layers + [fwd, bwd] * case.layers, (where, calls)
             if case.layout in moved:
                 moved[case.layout] += sum(r["recv_splits"])
     assert all(moved.values()), moved  # every layout's cases exchanged something: the checks above can fail
@@ -376,9 +377,10 @@ def test_rows_moved_are_exactly_the_needed_keys(cp):
 @pytest.mark.parametrize("cp", CPS)
 def test_overlap_runs_the_local_part_while_the_keys_travel(cp):
     """With overlap (no window), where this rank receives keys: forward = all-to-all, the local kernel, wait, the
-    remote kernel; backward = the remote part's backward, all-to-all, the local backward, wait. Serialized (or under
-    a window): wait before the one kernel call."""
+    remote kernel; backward = the all-to-all again, the local backward, wait, the remote part's backward, then the
+    gradients' all-to-all. Serialized (or under a window): wait before the one kernel call."""
     results = _results(cp)
+    serial_backward = ["all_to_all_single", "wait", "bwd", "all_to_all_single", "wait"]
     for case in _cases(cp):
         for rank, per_case in enumerate(results):
             r = per_case[case.name]
@@ -387,32 +389,32 @@ def test_overlap_runs_the_local_part_while_the_keys_travel(cp):
             kinds = [e[0] for e in r["events"]]
             where = f"cp={cp} rank {rank} {case.name}: {kinds}"
             if sum(r["recv_splits"]) == 0:  # nothing to attend remotely: one kernel call each way
-                assert kinds == ["all_to_all_single", "wait", "fwd", "bwd", "all_to_all_single", "wait"], where
+                assert kinds == ["all_to_all_single", "wait", "fwd", *serial_backward], where
             elif case.overlap and case.window is None:
                 assert kinds == ["all_to_all_single", "fwd", "wait", "fwd",
-                                 "bwd", "all_to_all_single", "bwd", "wait"], where
+                                 "all_to_all_single", "bwd", "wait", "bwd", "all_to_all_single", "wait"], where
             else:
-                assert kinds == ["all_to_all_single", "wait", "fwd", "bwd", "all_to_all_single", "wait"], where
+                assert kinds == ["all_to_all_single", "wait", "fwd", *serial_backward], where
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("cp", CPS)
 def test_ranks_without_remote_keys_join_or_skip_together(cp):
-    """A rank that needs no remote key (rank 0 of contiguous, an all-padding rank) still joins both all-to-alls
-    when any rank needs one; a step where no rank needs a remote key runs no collective on any rank."""
+    """A rank that needs no remote key (rank 0 of contiguous, an all-padding rank) still joins the three all-to-alls
+    (forward, and backward's keys and gradients) when any rank needs one; a step where no rank needs a remote key runs no collective on any rank."""
     results = _results(cp)
     for rank in range(cp):
         assert not results[rank]["aligned"]["communicate"] and _a2a(results[rank]["aligned"]["events"]) == []
         assert _a2a(results[rank]["aligned non-causal serial"]["events"]) == []
         base = results[rank]["contiguous base"]
-        assert base["communicate"] and len(_a2a(base["events"])) == 2
-        assert len(_a2a(results[rank]["all padding"]["events"])) == 2
+        assert base["communicate"] and len(_a2a(base["events"])) == 3
+        assert len(_a2a(results[rank]["all padding"]["events"])) == 3
     assert sum(results[0]["contiguous base"]["recv_splits"]) == 0  # rank 0 needs nothing, yet it took part
     padding = [results[r]["padding rank"] for r in range(cp)]
     assert sum(padding[-1]["recv_splits"]) == 0 and sum(padding[-1]["send_splits"]) == 0
     # cp 2: the padding rank's neighbour needs nothing either, so nothing runs; cp > 2: rank 1 needs rank 0's keys
     assert all(p["communicate"] == (cp > 2) for p in padding)
-    assert all(len(_a2a(p["events"])) == (2 if cp > 2 else 0) for p in padding)
+    assert all(len(_a2a(p["events"])) == (3 if cp > 2 else 0) for p in padding)
 
 
 @pytest.mark.distributed

@@ -236,32 +236,48 @@ def test_attention_function_errors():
         cp_attention_forward(attn, q[:, :, :30], kv[:, :, :30], kv[:, :, :30], None, cp_sharded=two)
 
 
-def test_cp_model_inputs_shapes_and_errors():
-    case = make_case("contiguous", 1)
+def _inputs_worker(rank: int, world_size: int, case: dict) -> list:
     params = packed_seq_params_from_doc_ids(case["doc"])
-    two = shard_packed_seq_params(params, cp_size=2, cp_rank=1, layout="contiguous")
+    two = shard_packed_seq_params(params, cp_size=2, cp_rank=rank, layout="contiguous")
     local = two.shard(case["ids"])  # [30]
-    group = dist.ProcessGroup(dist.HashStore(), 1, 2)  # a group object; nothing is communicated here
-    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
-        cp_model_inputs(local, two, group=object())
-    out = cp_model_inputs({"input_ids": local.unsqueeze(0), "labels": local}, two, group=group)
+    group = dist.group.WORLD
+    out = cp_model_inputs({"input_ids": local.unsqueeze(0), "labels": two.shard(case["labels"])}, two, group=group)
     assert out["input_ids"].shape == (1, 30) and out["position_ids"].shape == (1, 30)
     assert torch.equal(out["position_ids"][0], two.position_ids)
     assert out["use_cache"] is False and "attention_mask" not in out and "labels" not in out
     assert out["cp_sharded"].token_index is two.token_index and out["cp_sharded"].plan is not None  # the step
+    assert out["cp_sharded"].plan.num_items == int((case["labels"] != -100).sum())  # counted over the group
     assert torch.equal(cp_model_inputs(local, two, group=group)["input_ids"], out["input_ids"])
     emb = cp_model_inputs({"inputs_embeds": torch.randn(30, 8)}, two, group=group, input_key="inputs_embeds")
     assert emb["inputs_embeds"].shape == (1, 30, 8)
-    with pytest.raises(ValueError, match="T_local=30"):
-        cp_model_inputs(case["ids"], two, group=group)
+    errors = []
+    for call in (lambda: cp_model_inputs(case["ids"], two, group=group),
+                 lambda: cp_model_inputs({"ids": local}, two, group=group),
+                 lambda: cp_model_inputs(local, two, group=group, input_key="tokens"),
+                 lambda: cp_model_inputs(local if rank == 0 else local[:-1], two, group=group)):  # one rank only
+        try:
+            call()
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.distributed
+def test_cp_model_inputs_shapes_and_errors():
+    """The kwargs of a prepared step; every mistake raised on every rank, by the step's agreement."""
+    case = make_case("contiguous", 1)
+    two = shard_packed_seq_params(packed_seq_params_from_doc_ids(case["doc"]), cp_size=2, cp_rank=1,
+                                  layout="contiguous")
+    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+        cp_model_inputs(two.shard(case["ids"]), two, group=object())
     with pytest.raises(ValueError, match="group is None"):
-        cp_model_inputs(local, two)
-    with pytest.raises(ValueError, match="no 'input_ids'"):
-        cp_model_inputs({"ids": local}, two, group=group)
-    with pytest.raises(ValueError, match="input_key"):
-        cp_model_inputs(local, two, group=group, input_key="tokens")
+        cp_model_inputs(two.shard(case["ids"]), two)
     with pytest.raises(TypeError, match="ShardedPackedSeqParams"):
-        cp_model_inputs(local, case["doc"])
+        cp_model_inputs(two.shard(case["ids"]), case["doc"])
+    for errors in run_distributed(_inputs_worker, 2, case):
+        assert len(errors) == 4, errors
+        assert "T_local=30" in errors[0] and "no 'input_ids'" in errors[1] and "input_key" in errors[2]
+        assert "raised on CP group rank 1" in errors[3]
 
 
 # ------------------------------------------------------------------------------------------------ distributed

@@ -308,8 +308,6 @@ def test_ring_attention_refuses_non_half_dtypes_with_real_flash_attn(spy_ring, d
 def test_ring_attention_moves_the_metadata_to_q_device(spy_ring, layout):
     """The shard's cu_seqlens live on the CPU; the step plan's ring kwargs are on q's device (here "meta", a device
     that is not the CPU and needs no GPU), built once per step, and the kernel gets them."""
-    import types
-
     from cp_packing.attention import ring
     from cp_packing.attention.ring import ring_attention
 
@@ -318,7 +316,10 @@ def test_ring_attention_moves_the_metadata_to_q_device(spy_ring, layout):
     ring_attention(q, q, q, sharded, group=None)
     (_, _, kwargs), = spy_ring.calls
     assert all(v.device == q.device for v in kwargs.values() if isinstance(v, torch.Tensor))
-    kwargs = ring.build_tables(types.SimpleNamespace(sharded=sharded, device=torch.device("meta")), True, None)
+    from cp_packing.attention.plan import TableContext
+    from cp_packing.options import AttentionOptions
+
+    kwargs = ring.build_tables(TableContext(sharded, AttentionOptions(), torch.device("meta")), True, None)["kwargs"]
     tensors = {name: value for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
     assert {"cu_seqlens"} <= set(tensors) if layout == "zigzag" else {"cu_seqlens_q", "cu_seqlens_k"} <= set(tensors)
     assert all(value.device.type == "meta" for value in tensors.values()), {n: v.device for n, v in tensors.items()}

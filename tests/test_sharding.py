@@ -231,7 +231,7 @@ def test_step_plan_survives_input_tree_mapping():
     from cp_packing.attention import prepare_attention
 
     params = packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 2, 0, 0]]))
-    s = prepare_attention(shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous"))
+    s = prepare_attention(shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous"))
     # what FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) applies to every tensor among the inputs
     copy = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, {"cp_sharded": s})
     assert copy["cp_sharded"] is not s and copy["cp_sharded"].plan is s.plan

@@ -191,7 +191,7 @@ def _dist_heads(rank, world_size, heads_per_rank):
         ((3, 2), "ValueError", "cp_size=2 does not divide the 3 query heads; use backend='allgather'"),
         ((2, 3), "ValueError", "cp_size=2 does not divide the 3 query heads"),
         # both divisible, but the ranks disagree: the agreement names the field
-        ((4, 2), "AgreementError", "disagree on q"),
+        ((4, 2), "AgreementError", "disagree on shapes"),
     ],
 )
 def test_indivisible_heads_are_refused_on_every_rank(heads_per_rank, kind, words):
@@ -257,12 +257,11 @@ def test_auto_logs_its_bytes_choice_once(caplog):
     assert len(lines) == 1 and "backend=allgather" in lines[0], lines  # cp 1: nothing to communicate, no model
     plan._LOGGED.clear()
     s2 = [shard_packed_seq_params(params, cp_size=2, cp_rank=r, layout="contiguous") for r in range(2)]
-    from cp_packing.attention.plan import _log_choice, prepare_attention
+    from cp_packing.attention.plan import AttentionShapes, _log_choice, prepare_attention
 
-    step = prepare_attention(s2[0]).plan
-    step.backend, step.kernel = "exchange", "torch"
+    step = prepare_attention(s).plan.replace(sharded=s2[0], backend="exchange", kernel="torch")
     with caplog.at_level(logging.INFO, logger="cp_packing"):
-        _log_choice(step, q[:8], q[:8], True, None)
+        _log_choice(step, AttentionShapes(2, 2, D, torch.float32))
     line = caplog.records[-1].getMessage()
     assert "auto by the modelled busiest-rank time per layer: allgather" in line and "exchange" in line, line
 

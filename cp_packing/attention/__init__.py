@@ -1,12 +1,12 @@
 """Attention for packed, context-parallel batches.
 
-``dispatch``: ``context_parallel_attention``, the one entry point (local checks, one agreement per step, then the
-backend); ``kernels``: one varlen kernel API (pure-torch reference, flash-attn, torch varlen); ``allgather``: the
-built-in all-gather CP attention; ``ulysses``: the built-in all-to-all (head shard) CP attention; ``hybrid``: Ulysses
-inside groups of ranks, all-gather across them; ``ring``: the ring-flash-attn adapter. The backends are importable from their
-modules for tests and experiments, but only the entry point raises a one-rank mistake on every rank. Importing this
-package imports torch only; flash_attn, ring_flash_attn and transformers are imported inside the functions that
-need them.
+``plan``: ``prepare_attention``, the step prepared and agreed once before the model runs (a frozen ``StepPlan``);
+``dispatch``: ``context_parallel_attention``, the per-layer entry point; ``ops``: the one custom op pair every
+backend's layer runs in, eager and compiled, and the explicit backend table; ``kernels``: one varlen kernel API
+(pure-torch reference, flash-attn, torch varlen); the backends ``allgather``, ``exchange``, ``ulysses``, ``hybrid``
+and ``ring`` (the ring-flash-attn adapter) each build their tables and run a layer's collectives and kernel;
+``comm``: their collectives. Importing this package imports torch only; flash_attn, ring_flash_attn and
+transformers are imported inside the functions that need them.
 """
 
 from cp_packing.attention.dispatch import BACKENDS, context_parallel_attention, select_backend

@@ -22,8 +22,8 @@ from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AllGatherKeys", "allgather_attention", "allgather_keys", "backward_impl", "build_key_index",
-           "build_tables", "forward_impl", "layer"]
+__all__ = ["AllGatherKeys", "allgather_attention", "allgather_keys", "backward", "backward_impl", "build_key_index",
+           "build_tables", "fake", "forward", "forward_impl", "from_wire", "lse_like", "to_wire"]
 
 
 # -------------------------------------------------------------------------------------------------- key index
@@ -151,7 +151,7 @@ def build_key_index(
 
 
 # ------------------------------------------------------------------------------------------------ the math
-# One forward and one backward, shared by the eager binding below and the compiled custom ops (ops.py).
+# One forward and one backward, run by the attention op (ops.py) and by the hybrid backend.
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,7 @@ def forward_impl(q, k, v, sinks, keys: AllGatherKeys, group, cp_size: int, scale
 
 
 def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp_size: int, scale: float | None,
-                  causal: bool, kernel: str, window: int | None, softcap: float | None, need_sinks: bool = True):
+                  causal: bool, kernel: str, window: int | None, softcap: float | None):
     """Re-gather K/V, the kernel's backward from the saved ``out``/``lse``, reduce-scatter dK/dV:
     ``(dq, dk, dv, dsinks)`` (``dsinks`` None without sinks)."""
     k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
@@ -178,7 +178,7 @@ def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp
                                                 keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
                                                 keys.max_seqlen_k, scale, causal, window, softcap)
     # this rank's queries' share of the sinks' gradient: the shares sum over the CP group to the batch's
-    dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None and need_sinks else None
+    dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None else None
     total = k_all.shape[0]
     dk_all, dv_all = keys.scatter_add(dk_keys, total), keys.scatter_add(dv_keys, total)  # [cp * T_local, H_kv, D]
     if group is not None:
@@ -187,33 +187,36 @@ def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp
     return dq, dk_all, dv_all, dsinks
 
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, keys: AllGatherKeys, meta):
-        out, lse = forward_impl(q, k, v, sinks, keys, plan.group, plan.sharded.cp_size, *meta)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.plan, ctx.keys, ctx.meta, ctx.layer = plan, keys, meta, plan.layer_calls
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        plan.backward_check(ctx.layer)
-        dq, dk, dv, dsinks = backward_impl(dout.contiguous(), q, k, v, sinks, out, lse, ctx.keys, plan.group,
-                                           plan.sharded.cp_size, *ctx.meta, need_sinks=ctx.needs_input_grad[3])
-        return dq, dk, dv, dsinks, None, None, None
+# --------------------------------------------------------------------------------- the step plan's tables
 
 
-# ------------------------------------------------------------------------------------------- the step plan's
+def to_wire(keys: AllGatherKeys) -> tuple[torch.Tensor, ...]:
+    """``keys`` as the tensors the attention op takes: ``(key_index, cu_seqlens_q, cu_seqlens_k, sizes)``; ``sizes``
+    is an int64 CPU tensor (longest run, longest key range, the first gathered row when the keys are one range else
+    -1, the key count), so a new step's values are data, not constants that recompile a compiled model."""
+    first = keys.key_slice.start if keys.key_slice is not None else -1
+    device = keys.cu_seqlens_q.device
+    key_index = keys.key_index if keys.key_index is not None else torch.arange(
+        first, first + keys.num_keys, dtype=torch.int64, device=device)
+    sizes = torch.tensor([keys.max_seqlen_q, keys.max_seqlen_k, first, keys.num_keys], dtype=torch.int64)
+    return key_index, keys.cu_seqlens_q, keys.cu_seqlens_k, sizes
 
 
-def build_tables(plan, causal: bool, window: int | None, chunk: int | None = None) -> AllGatherKeys:
+def from_wire(tables) -> AllGatherKeys:
+    """Inverse of :func:`to_wire` (inside the op: ``sizes`` is on the CPU, no device sync)."""
+    key_index, cu_q, cu_k, sizes = tables
+    max_q, max_k, first, n = sizes.tolist()
+    return AllGatherKeys(key_index=None if first >= 0 else key_index,
+                         key_slice=slice(first, first + n) if first >= 0 else None, cu_seqlens_q=cu_q,
+                         cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, num_keys=n)
+
+
+def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
     """The step plan's tables for one ``(causal, window, chunk)``: the key index (``allgather_keys``; with a
     ``chunk``, every local run cut at its document's chunk boundaries, its keys from its chunk's start)."""
+    sharded = ctx.sharded
     if chunk is None:
-        return allgather_keys(plan.sharded, causal=causal, device=plan.device, window=window)
-    sharded = plan.sharded
+        return to_wire(allgather_keys(sharded, causal=causal, device=ctx.device, window=window))
     cu = chunked_segments(sharded.global_params.cu_seqlens.to("cpu", torch.int64).numpy(), chunk)
     local_plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=sharded.cp_size, layout=sharded.layout,
                              window=sharded.plan_window)
@@ -221,15 +224,35 @@ def build_tables(plan, causal: bool, window: int | None, chunk: int | None = Non
     run_cu = torch.zeros(run_len.size + 1, dtype=torch.int64)
     run_cu[1:] = torch.from_numpy(np.cumsum(run_len))
     key_start = torch.from_numpy(cu[np.searchsorted(cu, run_start, side="right") - 1].copy())
-    return build_key_index(sharded.token_index, run_cu, key_start, sharded.global_token_order().reshape(-1),
-                           torch.from_numpy(cu), causal, plan.device, window=window)
+    return to_wire(build_key_index(sharded.token_index, run_cu, key_start, sharded.global_token_order().reshape(-1),
+                                   torch.from_numpy(cu), causal, ctx.device, window=window))
 
 
-def layer(plan, keys: AllGatherKeys, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
-          scale: float | None) -> torch.Tensor:
-    """One all-gather attention layer on the step plan: ``[T_local, H, D]``."""
-    meta = (scale, causal, plan.kernel, window, softcap)
-    return _AllGatherAttention.apply(q, k, v, sinks, plan, keys, meta)
+# ------------------------------------------------------------------------------- the attention op's backend
+
+
+def lse_like(q: torch.Tensor, tokens: int | None = None, heads: int | None = None) -> torch.Tensor:
+    """An empty ``lse`` ``[H, T]`` for q (float32; float64 for float64 q): the fake implementations' outputs."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((q.shape[1] if heads is None else heads, q.shape[0] if tokens is None else tokens), dtype=dtype)
+
+
+def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    """The op's forward: ``[out, lse]`` (backward re-gathers K/V: only local tensors are saved)."""
+    out, lse = forward_impl(q, k, v, sinks, from_wire(tables), layer.group, layer.cp_size, layer.scale, layer.causal,
+                            layer.kernel, layer.window, layer.softcap)
+    return [out, lse.contiguous()]
+
+
+def backward(dout, q, k, v, sinks, saved, tables, layer):
+    """The op's backward: ``(dq, dk, dv, dsinks)``."""
+    out, lse = saved
+    return backward_impl(dout, q, k, v, sinks, out, lse, from_wire(tables), layer.group, layer.cp_size, layer.scale,
+                         layer.causal, layer.kernel, layer.window, layer.softcap)
+
+
+def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    return [torch.empty_like(q), lse_like(q)]
 
 
 def allgather_attention(q, k, v, sharded: ShardedPackedSeqParams, *, group=None, causal: bool = True,
@@ -241,8 +264,3 @@ def allgather_attention(q, k, v, sharded: ShardedPackedSeqParams, *, group=None,
 
     return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
                                       backend="allgather", kernel=kernel, window=window, softcap=softcap, sinks=sinks)
-
-
-from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
-
-register_backend("allgather", build_tables, layer)

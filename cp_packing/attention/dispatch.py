@@ -2,15 +2,15 @@
 
 It takes this rank's ``q [T_local, H, D]``, ``k``/``v [T_local, H_kv, D]`` and its ``ShardedPackedSeqParams`` and
 returns ``[T_local, H, D]``: attention over the keys of each token's segment, equal to full attention on the global
-stream, sharded. It runs the step plan of the shard (``cp_packing.attention.plan``; a shard without one gets a plan
-of its own, one agreement per call). The backends, ``"auto"``'s rule and what each runs: docs/attention.md.
+stream, sharded. It runs the step plan of the shard (``cp_packing.attention.plan``); a shard without one is
+prepared here for q's shapes (this call is its own step: one agreement). The backends, ``"auto"``'s rule and what
+each runs: docs/attention.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cp_packing.attention import allgather, exchange, hybrid, ring, ulysses  # noqa: F401  (they register)
 from cp_packing.attention.plan import prepare_attention, select_backend
 from cp_packing.capabilities import BACKENDS as _BACKENDS
 from cp_packing.groups import GroupLike
@@ -37,6 +37,7 @@ def context_parallel_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's tokens over their whole segments, for any layout. Differentiable.
 
@@ -48,13 +49,16 @@ def context_parallel_attention(
             no communication and no group needed with ``cp_size == 1``.
         causal: causal within each segment (default); ``False``: every token attends its whole segment.
         softmax_scale: default ``1 / sqrt(D)``.
-        backend, kernel, ulysses_size: for a shard without a plan: ``AttentionOptions``' fields.
+        backend, kernel, ulysses_size: for a shard without a plan: the ``AttentionOptions`` of this call's step
+            (a prepared step has its own).
         window: sliding window per segment (``None``: none; needs ``causal=True``): a token at in-segment position
             ``p`` attends keys ``p - window < k <= p`` (HF's ``sliding_window``).
         softcap: logit soft-capping (``None`` or a float > 0): scaled scores ``s`` become ``softcap * tanh(s /
             softcap)`` (HF Gemma 2's ``attn_logit_softcapping``).
         sinks: attention sinks (``None`` or a floating ``[H]`` tensor on q's device, HF's ``s_aux``): one logit per
             query head in every softmax denominator; its gradient on each rank is this rank's part.
+        chunk: chunked attention (Llama 4): a query attends only the keys of its own ``chunk``-token piece of its
+            document.
 
     Returns:
         ``[T_local, H, D]`` in q's dtype.
@@ -75,13 +79,35 @@ def context_parallel_attention(
         from cp_packing.attention.plan import check_attention_inputs
 
         check_attention_inputs(q, k, v, sharded)  # the TypeError naming the fix (every rank passes the same type)
-    plan, error = sharded.plan, None
+    plan = sharded.plan
     if plan is None or (group is not None and group is not plan.group_arg):
-        try:
-            options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, causal=causal,
-                                       softcap=softcap, sinks=isinstance(sinks, torch.Tensor), scale=softmax_scale)
-        except (TypeError, ValueError) as exc:  # raised on every rank, through the call's agreement
-            options, error = AttentionOptions(), exc
-        plan = prepare_attention(sharded, group=group, options=options).plan  # this call is its own step
+        plan = _prepare_call(q, k, v, sharded, group, backend, kernel, ulysses_size, causal, window, softcap, sinks,
+                             softmax_scale, chunk)
     return plan.attend(q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, scale=softmax_scale,
-                       error=error)
+                       chunk=chunk)
+
+
+def _prepare_call(q, k, v, sharded, group, backend, kernel, ulysses_size, causal, window, softcap, sinks, scale,
+                  chunk):
+    """A step for this one call, prepared for q's shapes and this call's arguments (one agreement)."""
+    from cp_packing.attention.plan import _check_layer_args, check_attention_inputs
+    from cp_packing.model_features import LayerFeatures, ModelFeatures
+
+    options, error = AttentionOptions(), None
+    try:
+        options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, causal=causal,
+                                   softcap=softcap, sinks=isinstance(sinks, torch.Tensor), scale=scale, window=window)
+        check_attention_inputs(q, k, v, sharded)
+        _check_layer_args(q, causal, window, softcap, sinks, scale)
+    except (TypeError, ValueError) as exc:  # raised on every rank, through the call's agreement
+        error = exc
+    features = None
+    if chunk is not None and error is None:
+        layer = LayerFeatures("chunked_attention", causal=causal, window=window, chunk=chunk)
+        features = ModelFeatures("", "", (layer,))
+    shaped = error is None
+    step = prepare_attention(sharded, group=group, options=options, features=features, error=error,
+                             num_heads=q.shape[1] if shaped else None, num_kv_heads=k.shape[1] if shaped else None,
+                             head_dim=q.shape[2] if shaped else None, dtype=q.dtype if shaped else None,
+                             device=q.device if isinstance(q, torch.Tensor) else None)
+    return step.plan

@@ -11,17 +11,18 @@ union of those ranges minus the tokens it holds (``cp_packing.layouts.need``). P
 3. when it lands, attends every run against its received keys (the *remote* part: all of them precede the run, so
    no mask), and merges the two partial results by their log-sum-exp (exact: the softmax over the union);
 
-Backward runs the remote part's kernel backward first, starts the reverse all-to-all that returns each received key's
-dK/dV to its owner, runs the local part's backward while it is in flight, and adds the returned gradients in.::
+Backward exchanges the keys again (nothing received is kept for backward: the layer saves only its local
+tensors), runs the local part's backward while they are in flight, then the remote part's, and returns each
+received key's dK/dV to its owner with the reverse all-to-all.::
 
-    forward   [a2a K/V (async) ...............]                     backward  [remote bwd][a2a dK/dV (async) ....]
-              [local attention][wait][remote attention][merge]                            [local bwd ][wait][add]
+    forward   [a2a K/V (async) ...............]                     backward  [a2a K/V (async) ....]
+              [local attention][wait][remote attention][merge]                [local bwd ][wait][remote bwd][a2a dK/dV][add]
 
 Under a sliding window the parts would need a position-aware mask, so the layer waits for the keys and runs ONE
 kernel call over each run's contiguous key range (the transfer still shrinks to the window); so does
 ``options.overlap=False``. With ``cp_size == 1``, or a step in which no rank needs a remote key, nothing is
 communicated and only the local kernel runs. Memory: the transient buffer holds the received keys only (the need),
-not ``cp * T_local`` rows; backward keeps them (saved for backward) instead of exchanging again.
+not ``cp * T_local`` rows, and is freed after the layer (docs/attention.md, "Memory").
 
 Every layout, causal or not, sliding windows, softcap, sinks (applied after the merge), GQA, every kernel of the
 all-gather backend. Call it as ``context_parallel_attention(..., backend="exchange")`` (or let ``"auto"`` pick it).
@@ -39,7 +40,7 @@ from cp_packing.attention import kernels
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
-__all__ = ["ExchangeTables", "build_tables", "exchange_tables", "layer"]
+__all__ = ["ExchangeTables", "backward", "build_tables", "exchange_tables", "fake", "forward", "from_wire", "to_wire"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,16 +158,47 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
     )
 
 
+# ------------------------------------------------------------------------------------------- the op's tables
+
+
+def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, ...]:
+    """``t`` as the tensors the attention op takes; every host-side number in one int64 CPU tensor (last), so a
+    new step's splits and maxima are data, not constants that recompile a compiled model."""
+    remote = t.remote if t.remote is not None else _Keys(t.local.index[:0], t.local.cu_seqlens_k[:1], -1)
+    sizes = torch.tensor([*t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
+                          remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)], dtype=torch.int64)
+    return (t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index, remote.cu_seqlens_k,
+            t.joint.index, t.joint.cu_seqlens_k, sizes)
+
+
+def from_wire(tables) -> ExchangeTables:
+    """Inverse of :func:`to_wire` (inside the op: the sizes are on the CPU, no device sync)."""
+    send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu, sizes = tables
+    values = sizes.tolist()
+    cp = (len(values) - 6) // 2
+    communicate, max_q, l_max, r_max, j_max, causal = values[2 * cp:]
+    return ExchangeTables(
+        send_index=send_index, send_splits=values[:cp], recv_splits=values[cp:2 * cp], communicate=bool(communicate),
+        cu_seqlens_q=cu_q, max_seqlen_q=max_q, local=_Keys(l_index, l_cu, l_max),
+        remote=None if r_max < 0 else _Keys(r_index, r_cu, r_max), joint=_Keys(j_index, j_cu, j_max),
+        causal=bool(causal))
+
+
+def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The step plan's exchange tables for one ``(causal, window, chunk)``."""
+    return to_wire(exchange_tables(ctx.sharded, causal=causal, window=window, device=ctx.device, chunk=chunk))
+
+
 # ------------------------------------------------------------------------------------------------ the math
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
-    """Two partial attentions over disjoint keys -> the attention over their union (exact, by log-sum-exp)."""
+    """Two partial attentions over disjoint keys -> the attention over their union (exact, by log-sum-exp), with
+    one float32 accumulator ``[T, H, D]`` (the two parts are scaled into it in place)."""
     lse = torch.logaddexp(lse_a, lse_b)  # [H, T]
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w_a = torch.exp(lse_a - safe).T.unsqueeze(-1)  # [T, H, 1]; 0 where a part attends nothing (lse -inf)
-    w_b = torch.exp(lse_b - safe).T.unsqueeze(-1)
-    out = out_a.to(lse.dtype) * w_a + out_b.to(lse.dtype) * w_b
+    out = out_a.to(lse.dtype, copy=True).mul_(torch.exp(lse_a - safe).T.unsqueeze(-1))  # 0 where a part is empty
+    out.addcmul_(out_b.to(lse.dtype), torch.exp(lse_b - safe).T.unsqueeze(-1))
     return out.to(out_a.dtype), lse
 
 
@@ -176,107 +208,96 @@ def _a2a(buffer: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return received, work
 
 
-def _call(kernel, q, k_buf, v_buf, t: ExchangeTables, keys: _Keys, causal, meta):
-    scale, window, softcap = meta
-    return kernels.run_forward(kernel, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index),
-                               t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, scale, causal,
-                               window, softcap)
+def _send_kv(t: ExchangeTables, k, v, group):
+    """Start the K/V exchange: ``(received [R, 2, H_kv, D], work)``, or ``(None, None)`` when nothing moves."""
+    if not t.communicate:
+        return None, None
+    return _a2a(torch.stack([k.index_select(0, t.send_index), v.index_select(0, t.send_index)], 1),
+                t.recv_splits, t.send_splits, group)
 
 
-def _call_backward(kernel, dout, q, k_buf, v_buf, out, lse, t: ExchangeTables, keys: _Keys, causal, meta):
+def _call(layer, q, k_buf, v_buf, t: ExchangeTables, keys: _Keys, causal):
+    return kernels.run_forward(layer.kernel, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index),
+                               t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, layer.scale,
+                               causal, layer.window, layer.softcap)
+
+
+def _call_backward(layer, dout, q, k_buf, v_buf, out, lse, t: ExchangeTables, keys: _Keys, causal):
     """``(dq, dk, dv)`` of one call, dk/dv scattered back onto the buffer's rows."""
-    scale, window, softcap = meta
     dq, dk_keys, dv_keys = kernels.run_backward(
-        kernel, dout, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index), out, lse,
-        t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, scale, causal, window, softcap)
+        layer.kernel, dout, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index), out, lse,
+        t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, layer.scale, causal, layer.window,
+        layer.softcap)
     dk = torch.zeros_like(k_buf).index_add_(0, keys.index, dk_keys)
     dv = torch.zeros_like(v_buf).index_add_(0, keys.index, dv_keys)
     return dq, dk, dv
 
 
-def _forward(plan, t: ExchangeTables, q, k, v, sinks, meta, overlap: bool):
-    """``(out, lse, received kv or None)``: the exchange, the local and remote parts (or one joint call)."""
-    kernel = plan.kernel
-    work, recv = None, None
-    if t.communicate:
-        recv, work = _a2a(torch.stack([k.index_select(0, t.send_index), v.index_select(0, t.send_index)], 1),
-                          t.recv_splits, t.send_splits, plan.group)  # [R, 2, H_kv, D]
-    if t.remote is None or not overlap:
+def _overlapped(t: ExchangeTables, layer) -> bool:
+    """The local part runs while the keys are in flight (else one joint call after they land)."""
+    return t.remote is not None and layer.overlap and layer.window is None
+
+
+def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    """The op's forward: ``[out, lse]``: the exchange, the local and remote parts (or one joint call)."""
+    t = from_wire(tables)
+    recv, work = _send_kv(t, k, v, layer.group)  # [R, 2, H_kv, D] in flight
+    if not _overlapped(t, layer):
         if work is not None:
             work.wait()
         if t.remote is None:
-            out, lse = _call(kernel, q, k, v, t, t.local, t.causal, meta)
+            out, lse = _call(layer, q, k, v, t, t.local, t.causal)
         else:
             k_buf, v_buf = torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]])
-            out, lse = _call(kernel, q, k_buf, v_buf, t, t.joint, t.causal, meta)
+            out, lse = _call(layer, q, k_buf, v_buf, t, t.joint, t.causal)
     else:
-        out_a, lse_a = _call(kernel, q, k, v, t, t.local, t.causal, meta)  # while the keys are in flight
+        out_a, lse_a = _call(layer, q, k, v, t, t.local, t.causal)  # while the keys are in flight
         work.wait()
-        out_b, lse_b = _call(kernel, q, recv[:, 0], recv[:, 1], t, t.remote, False, meta)
+        out_b, lse_b = _call(layer, q, recv[:, 0], recv[:, 1], t, t.remote, False)
+        del recv
         out, lse = _merge(out_a, lse_a, out_b, lse_b)
     if sinks is not None:
         out, lse = kernels.add_sinks(out, lse, sinks)
-    return out, lse, recv
+    return [out, lse.contiguous()]
 
 
-def _backward(plan, t: ExchangeTables, dout, q, k, v, recv, out, lse, meta, overlap: bool):
-    kernel = plan.kernel
+def backward(dout, q, k, v, sinks, saved, tables, layer):
+    """The op's backward: the keys are exchanged AGAIN (nothing received is kept for backward: saved memory is the
+    layer's local tensors only), the local part's backward runs while they are in flight, then the remote part's,
+    and the reverse all-to-all returns every received key's dK/dV to its owner: ``(dq, dk, dv, dsinks)``."""
+    out, lse = saved
+    t = from_wire(tables)
     T_local = k.shape[0]
-    returned = work = None
-    if t.remote is None or not overlap:
+    recv, work = _send_kv(t, k, v, layer.group)
+    if not _overlapped(t, layer):
+        if work is not None:
+            work.wait()
         if t.remote is None:
-            dq, dk, dv = _call_backward(kernel, dout, q, k, v, out, lse, t, t.local, t.causal, meta)
-            grad_recv = None
+            dq, dk, dv = _call_backward(layer, dout, q, k, v, out, lse, t, t.local, t.causal)
+            grad_recv = k.new_zeros((0, 2, *k.shape[1:]))
         else:
             k_buf, v_buf = torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]])
-            dq, dk_buf, dv_buf = _call_backward(kernel, dout, q, k_buf, v_buf, out, lse, t, t.joint, t.causal, meta)
+            del recv
+            dq, dk_buf, dv_buf = _call_backward(layer, dout, q, k_buf, v_buf, out, lse, t, t.joint, t.causal)
             dk, dv = dk_buf[:T_local], dv_buf[:T_local]
             grad_recv = torch.stack([dk_buf[T_local:], dv_buf[T_local:]], 1)
-        if t.communicate:
-            send = grad_recv if grad_recv is not None else k.new_zeros((0, 2, *k.shape[1:]))
-            returned, work = _a2a(send, t.send_splits, t.recv_splits, plan.group)
     else:
-        dq_b, dk_r, dv_r = _call_backward(kernel, dout, q, recv[:, 0], recv[:, 1], out, lse, t, t.remote, False, meta)
-        returned, work = _a2a(torch.stack([dk_r, dv_r], 1), t.send_splits, t.recv_splits, plan.group)
-        dq, dk, dv = _call_backward(kernel, dout, q, k, v, out, lse, t, t.local, t.causal, meta)  # overlapped
-        dq = dq + dq_b
-    if work is not None:
+        dq, dk, dv = _call_backward(layer, dout, q, k, v, out, lse, t, t.local, t.causal)  # while the keys fly
+        work.wait()
+        dq_b, dk_r, dv_r = _call_backward(layer, dout, q, recv[:, 0], recv[:, 1], out, lse, t, t.remote, False)
+        del recv
+        dq.add_(dq_b)
+        grad_recv = torch.stack([dk_r, dv_r], 1)
+    if t.communicate:
+        returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
         work.wait()
         dk = dk.index_add(0, t.send_index, returned[:, 0])  # every received key's gradient, back at its owner
         dv = dv.index_add(0, t.send_index, returned[:, 1])
-    return dq, dk, dv
+    dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None else None
+    return dq, dk, dv, dsinks
 
 
-class _ExchangeAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, tables, meta, overlap):
-        out, lse, recv = _forward(plan, tables, q, k, v, sinks, meta, overlap)
-        ctx.save_for_backward(q, k, v, sinks, out, lse, recv)
-        ctx.plan, ctx.tables, ctx.meta, ctx.overlap, ctx.layer = plan, tables, meta, overlap, plan.layer_calls
-        return out
+def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    from cp_packing.attention.allgather import lse_like
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, sinks, out, lse, recv = ctx.saved_tensors
-        ctx.plan.backward_check(ctx.layer)
-        dout = dout.contiguous()
-        dq, dk, dv = _backward(ctx.plan, ctx.tables, dout, q, k, v, recv, out, lse, ctx.meta, ctx.overlap)
-        dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None
-
-
-def build_tables(plan, causal: bool, window: int | None, chunk: int | None = None) -> ExchangeTables:
-    """The step plan's exchange tables for one ``(causal, window, chunk)``."""
-    return exchange_tables(plan.sharded, causal=causal, window=window, device=plan.device, chunk=chunk)
-
-
-def layer(plan, tables: ExchangeTables, q, k, v, sinks, *, causal: bool, window: int | None,
-          softcap: float | None, scale: float | None) -> torch.Tensor:
-    """One exchange attention layer on the step plan: ``[T_local, H, D]``."""
-    overlap = plan.options.overlap and window is None
-    return _ExchangeAttention.apply(q, k, v, sinks, plan, tables, (scale, window, softcap), overlap)
-
-
-from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
-
-register_backend("exchange", build_tables, layer)
+    return [torch.empty_like(q), lse_like(q)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from cp_packing.attention import kernels
-from cp_packing.attention.allgather import AllGatherKeys, build_key_index
+from cp_packing.attention.allgather import AllGatherKeys, build_key_index, from_wire, lse_like, to_wire
 from cp_packing.attention.comm import all_gather_tokens, heads_to_seq, reduce_scatter_tokens, seq_to_heads
 from cp_packing.attention.ulysses import (
     check_ulysses_heads,
@@ -26,11 +26,11 @@ from cp_packing.attention.ulysses import (
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["build_tables", "check_ulysses_size", "hybrid_attention", "hybrid_groups", "layer"]
+__all__ = ["backward", "build_tables", "check_ulysses_size", "fake", "forward", "hybrid_attention", "hybrid_groups"]
 
-# (CP group's global ranks, U) -> (Ulysses group, all-gather group): creating groups is a collective over their
-# ranks and costly, so they are made once per CP group and Ulysses degree and kept for the process's life (as
-# torch keeps every group it creates).
+# (CP group's name, U) -> (the world it was made in, Ulysses group, all-gather group): creating groups is a
+# collective over their ranks and costly, so they are made once per CP group and Ulysses degree; an entry made in
+# an earlier (destroyed and re-initialised) world is dropped, never reused.
 _GROUPS: dict = {}
 
 
@@ -61,8 +61,11 @@ def hybrid_groups(group, cp_size: int, ulysses_size: int):
 
     if group is None:
         return None, None
+    world = dist.distributed_c10d._get_default_group()
+    for stale in [key for key, entry in _GROUPS.items() if entry[0] is not world]:
+        del _GROUPS[stale]
     ranks = dist.get_process_group_ranks(group)  # global ranks, in CP-rank order
-    key = (tuple(ranks), ulysses_size)
+    key = (group.group_name, ulysses_size)
     if key not in _GROUPS:
         cp_rank = dist.get_rank(group)
         a, u = divmod(cp_rank, ulysses_size)
@@ -71,8 +74,8 @@ def hybrid_groups(group, cp_size: int, ulysses_size: int):
         mine_a = [ranks[j * U + u] for j in range(A)]
         ug = dist.new_group(mine_u, use_local_synchronization=True) if U > 1 else None
         ag = dist.new_group(mine_a, use_local_synchronization=True) if A > 1 else None
-        _GROUPS[key] = (ug, ag)
-    return _GROUPS[key]
+        _GROUPS[key] = (world, ug, ag)
+    return _GROUPS[key][1:]
 
 
 def _group_keys(sharded: ShardedPackedSeqParams, ulysses_size: int, causal: bool, device) -> AllGatherKeys:
@@ -89,55 +92,55 @@ def _group_keys(sharded: ShardedPackedSeqParams, ulysses_size: int, causal: bool
     return build_key_index(token_index, run_cu, cu[seg[starts]], order.reshape(-1), cu, causal, device)
 
 
-class _HybridAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, meta):
-        ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = meta
-        k, v = replicate_kv(k, v, rep)
-        qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
-        k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
-        out, lse = kernels.run_forward(kernel, qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
-                                       keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale, causal, None,
-                                       softcap, None if sinks is None else sinks[heads_mine])
-        ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
-        ctx.meta, ctx.plan, ctx.layer = meta, plan, plan.layer_calls
-        (out_local,) = heads_to_seq([out], ugroup, U)
-        return out_local
-
-    @staticmethod
-    def backward(ctx, dout):
-        qh, kh, vh, sinks, out, lse = ctx.saved_tensors
-        ugroup, agroup, U, A, rep, keys, scale, causal, kernel, softcap, heads_mine = ctx.meta
-        ctx.plan.backward_check(ctx.layer)
-        (douth,) = seq_to_heads([dout.contiguous()], ugroup, U)
-        k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
-        dqh, dk_keys, dv_keys = kernels.run_backward(kernel, douth, qh, keys.select(k_all), keys.select(v_all), out,
-                                                     lse, keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
-                                                     keys.max_seqlen_k, scale, causal, None, softcap)
-        dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
-        dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
-        if agroup is not None:
-            dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
-        dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
-        return (dq, *sum_replicas(dk, dv, rep), dsinks, None, None)
+def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The step plan's hybrid tables: the Ulysses group's key index (``allgather.to_wire``). The two sub-groups are
+    made by :func:`hybrid_groups` when the step is prepared and reach the op by name."""
+    return to_wire(_group_keys(ctx.sharded, ctx.options.ulysses_size, causal, ctx.device))
 
 
-def build_tables(plan, causal: bool, window: int | None):
-    """The step plan's hybrid tables: the two sub-groups and the Ulysses group's key index."""
-    U = plan.options.ulysses_size
-    ugroup, agroup = hybrid_groups(plan.group, plan.sharded.cp_size, U)
-    return ugroup, agroup, _group_keys(plan.sharded, U, causal, plan.device)
+def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    """The op's forward: ``[out, lse_h, qh, kh, vh, out_h]``."""
+    ugroup, agroup = layer.subgroups
+    U = layer.ulysses_size
+    A = layer.cp_size // U
+    keys = from_wire(tables)
+    k, v = replicate_kv(k, v, kv_replication(q.shape[1], k.shape[1], U))
+    qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
+    k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
+    mine = head_slice(q.shape[1], U, layer.cp_rank % U)
+    out_h, lse = kernels.run_forward(layer.kernel, qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
+                                     keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, layer.scale,
+                                     layer.causal, None, layer.softcap, None if sinks is None else sinks[mine])
+    (out,) = heads_to_seq([out_h], ugroup, U)
+    return [out, lse.contiguous(), qh, kh, vh, out_h]
 
 
-def layer(plan, tables, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
-          scale: float | None) -> torch.Tensor:
-    """One hybrid attention layer on the step plan: ``[T_local, H, D]``."""
-    ugroup, agroup, keys = tables
-    U = plan.options.ulysses_size
-    rep = kv_replication(q.shape[1], k.shape[1], U)
-    heads_mine = head_slice(q.shape[1], U, plan.sharded.cp_rank % U)
-    meta = (ugroup, agroup, U, plan.sharded.cp_size // U, rep, keys, scale, causal, plan.kernel, softcap, heads_mine)
-    return _HybridAttention.apply(q, k, v, sinks, plan, meta)
+def backward(dout, q, k, v, sinks, saved, tables, layer):
+    """The op's backward (K/V re-gathered across the all-gather group): ``(dq, dk, dv, dsinks)``."""
+    _, lse, qh, kh, vh, out_h = saved
+    ugroup, agroup = layer.subgroups
+    U = layer.ulysses_size
+    A = layer.cp_size // U
+    keys = from_wire(tables)
+    (douth,) = seq_to_heads([dout], ugroup, U)
+    k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
+    dqh, dk_keys, dv_keys = kernels.run_backward(layer.kernel, douth, qh, keys.select(k_all), keys.select(v_all),
+                                                 out_h, lse, keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+                                                 keys.max_seqlen_k, layer.scale, layer.causal, None, layer.softcap)
+    dsinks = sliced_sinks_grad(douth, out_h, lse, sinks, head_slice(q.shape[1], U, layer.cp_rank % U), True)
+    dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
+    if agroup is not None:
+        dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
+    dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
+    return (dq, *sum_replicas(dk, dv, kv_replication(q.shape[1], k.shape[1], U)), dsinks)
+
+
+def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    U = layer.ulysses_size
+    T, h = q.shape[0] * U, q.shape[1] // U
+    h_kv = k.shape[1] * kv_replication(q.shape[1], k.shape[1], U) // U
+    return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
+            k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
 
 
 def hybrid_attention(
@@ -153,8 +156,3 @@ def hybrid_attention(
     return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
                                       backend="hybrid", kernel=kernel, ulysses_size=ulysses_size, softcap=softcap,
                                       sinks=sinks)
-
-
-from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
-
-register_backend("hybrid", build_tables, layer)

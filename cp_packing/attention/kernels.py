@@ -44,6 +44,7 @@ on CUDA), ``"torch_varlen"`` (``torch.nn.attention.varlen.varlen_attn``, recent 
 from __future__ import annotations
 
 import importlib
+import functools
 import inspect
 import math
 from types import ModuleType
@@ -450,14 +451,21 @@ def _reference_backward(
 # --------------------------------------------------------------------------------------------------- flash-attn
 
 
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> frozenset[str]:
+    """The keyword names a flash-attn (or torch varlen) function takes, looked up once per function."""
+    target = fn if inspect.isfunction(fn) else getattr(fn, "_init_fn", fn)
+    return frozenset(inspect.signature(target).parameters)
+
+
 def _fa_call(fn, **kwargs):
     """Call a flash-attn private function with the keyword names its installed version takes.
 
     flash-attn >= 2.7 takes ``window_size_left``/``window_size_right`` (and ``softcap``); 2.6 a ``window_size``
-    tuple. Its functions may be ``torch.library`` custom ops whose Python function is ``_init_fn``.
+    tuple. Its functions may be ``torch.library`` custom ops whose Python function is ``_init_fn``. The signature is
+    read once per function (:func:`_parameter_names`), not per call.
     """
-    target = fn if inspect.isfunction(fn) else getattr(fn, "_init_fn", fn)
-    names = set(inspect.signature(target).parameters)
+    names = _parameter_names(fn)
     if kwargs.get("softcap") and "softcap" not in names:  # flash-attn < 2.6: it would be dropped silently
         raise ValueError(
             f"kernel='flash_attn' cannot soft-cap scores (softcap={kwargs['softcap']}): the installed flash-attn has "
@@ -540,7 +548,7 @@ def _torch_varlen_forward(
 
     H = q.shape[1]
     kwargs: dict[str, Any] = {"return_aux": AuxRequest(lse=True), "scale": scale}
-    names = set(inspect.signature(varlen_attn).parameters)
+    names = _parameter_names(varlen_attn)
     if "is_causal" in names:  # torch 2.9 / 2.10: no window argument
         if window is not None:
             raise ValueError(

@@ -1,46 +1,64 @@
-"""The step plan: one step's CP attention, prepared once, agreed once, read by every layer.
+"""The step plan: one step's CP attention, prepared and agreed BEFORE the model runs, frozen, read by every layer.
 
-A training step makes its metadata in one place (``cp_packing.hf.cp_model_inputs``, the loader, or
-:func:`prepare_attention`); that place attaches a :class:`StepPlan` to the step's shard (``sharded.plan``, a field:
-copies of the shard share it, FSDP2's input casting passes it through). The plan holds:
+:func:`prepare_attention` (called by ``cp_packing.hf.cp_model_inputs``, the trainers and the launcher) builds the
+whole step at once:
 
-* the :class:`~cp_packing.options.AttentionOptions` and the CP group;
-* the agreement: the FIRST attention call of the step runs every rank-local check (q/k/v against the shard, the
-  options, the group, the HF wrapper's own refusals passed in as this rank's error), picks the backend and kernel,
-  and makes ONE agreement over the group (``cp_packing.agreement``): a mistake on one rank raises on every rank;
-* the tables every backend reads (the all-gather key index, the exchange's send/receive tables, Ulysses'
-  permutation, ring-flash-attn's kwargs), built once per step and per distinct ``(causal, window)``;
-* the count of valid labels over the group when the step was prepared with labels (the loss divides by it).
+* the :class:`~cp_packing.options.AttentionOptions`, the CP group, the backend and kernel;
+* ONE agreement over the group (``cp_packing.agreement``): every rank-local check (the shard, the options, the
+  shapes, the labels) runs inside it, so a mistake on one rank raises on every rank before any collective;
+* every table each layer of the model will ask for: one per distinct ``(causal, window, chunk)`` the model's layers
+  use (read from its :class:`~cp_packing.model_features.ModelFeatures`, or from ``options.window`` / ``causal``),
+  and the per-step constants (Llama 4's query temperature);
+* the count of valid labels over the group when labels are given (the loss divides by it).
 
-Later layers only read the plan: a dictionary lookup and the backend. Where ``check_layers`` is on (the first
-:data:`~cp_packing.options.CHECKED_STEPS` steps of a group by default) every layer also makes a small agreement of
-its call number and shapes, so a per-layer desync (an extra or missing layer, another head count) raises on every
-rank instead of aborting gloo.
+The result is a frozen :class:`StepPlan` on the shard (``sharded.plan``). A layer (:meth:`StepPlan.attend`) only
+reads it: a table lookup, cheap shape checks, and ONE ``torch.library`` custom op (``cp_packing::attention_fwd``,
+``cp_packing.attention.ops``) that runs the backend's collectives and kernel, the same code eager and under
+``torch.compile``. Two things are written per layer, both outside the plan's frozen fields: ``plan.trace`` (an int64
+CPU tensor: attention calls and a digest of their arguments, which the next step's agreement compares and the loss's
+guard reads), and, in the first :data:`~cp_packing.options.CHECKED_STEPS` steps of a group (eager only,
+``check_layers``), a small per-layer agreement so a per-layer desync raises on every rank instead of aborting gloo.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+import warnings
+import zlib
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, check_bool, check_number, check_softcap, check_window,
-                                INTEGER_DTYPES)
+from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_number,
+                                check_softcap, check_window)
 from cp_packing._imports import try_import
-from cp_packing.agreement import digest, fail_together, next_step
+from cp_packing.agreement import AgreementError, digest, fail_together, next_step
 from cp_packing.capabilities import backend_refusal
 from cp_packing.groups import (GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group,
                                 peek_group)
 from cp_packing.options import CHECKED_STEPS, AttentionOptions
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["StepPlan", "check_attention_inputs", "prepare_attention", "resolve_attention_group", "select_backend"]
+__all__ = ["AttentionShapes", "StepPlan", "check_attention_inputs", "prepare_attention", "resolve_attention_group",
+           "select_backend"]
 
 _RING_LAYOUTS = ("zigzag", "contiguous")
 
 logger = logging.getLogger("cp_packing")
+
+
+class AttentionShapes(NamedTuple):
+    """What a step's layers look like: query heads, key/value heads, head dim, dtype (``None``: unknown)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype | None = None
+
+
+DEFAULT_SHAPES = AttentionShapes(32, 8, 128, torch.bfloat16)
+"""The shapes ``backend="auto"`` prices with when a step is prepared without them (a Llama-3-8B layer)."""
 
 
 # ------------------------------------------------------------------------------------------------- local checks
@@ -112,32 +130,13 @@ def _ring_importable() -> bool:
     return try_import("ring_flash_attn", import_ring_flash_attn) is not None
 
 
-def _auto_wants_ring(device_type: str, dtype: torch.dtype, layout: str, cp_size: int, causal: bool, kernel: str) -> bool:
+def _auto_wants_ring(device_type: str, dtype: torch.dtype | None, layout: str, cp_size: int, causal: bool,
+                     kernel: str) -> bool:
     """``backend="auto"``'s ring rule, before the import check: ring-flash-attn only where it is fast AND right
     (CUDA fp16/bf16: its float32 zigzag backward is wrong), where it has a kernel (zigzag/contiguous, causal), where
     there is something to communicate (cp_size > 1) and where the caller did not ask for another kernel."""
     return (causal and kernel in ("auto", "flash_attn") and layout in _RING_LAYOUTS and cp_size > 1
             and device_type == "cuda" and dtype in HALF_DTYPES)
-
-
-_LOGGED: set[tuple[str, str]] = set()  # (backend, kernel) choices logged (once per process, INFO)
-
-
-def _log_choice(plan: "StepPlan", q: torch.Tensor, k: torch.Tensor, causal: bool, window: int | None) -> None:
-    if (plan.backend, plan.kernel) in _LOGGED:
-        return
-    _LOGGED.add((plan.backend, plan.kernel))
-    why = ""
-    if plan.options.backend == "auto" and plan.backend != "ring_flash_attn" and plan.sharded.cp_size > 1:
-        from cp_packing.cost import backend_times
-
-        times = backend_times(plan.sharded, num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                              dtype_bytes=q.element_size(), causal=causal, window=window)
-        why = "; auto by the modelled busiest-rank time per layer: " + ", ".join(
-            f"{name} {1e6 * t:.1f} us" for name, t in times.items())
-    logger.info("context_parallel_attention: backend=%s kernel=%s (layout=%s, cp_size=%d, %s on %s)%s", plan.backend,
-                plan.kernel, plan.sharded.layout, plan.sharded.cp_size, str(q.dtype).replace("torch.", ""),
-                q.device.type, why)
 
 
 def _raise_refusal(refusal) -> None:
@@ -146,12 +145,55 @@ def _raise_refusal(refusal) -> None:
         raise cls(message)
 
 
+def _choose_backend(sharded: ShardedPackedSeqParams, options: AttentionOptions, shapes: AttentionShapes,
+                    device_type: str, *, causal: bool, window: int | None, softcap: float | None, sinks: bool,
+                    chunk: bool = False) -> str:
+    """The backend a step runs (docs/attention.md, "auto"); an explicit one checked against the capabilities."""
+    from cp_packing.attention.hybrid import check_ulysses_size
+    from cp_packing.attention.ulysses import check_ulysses_heads
+
+    backend, layout, cp_size = options.backend, sharded.layout, sharded.cp_size
+    if backend == "auto":
+        if (window is None and softcap is None and not sinks and not chunk and _auto_wants_ring(
+                device_type, shapes.dtype, layout, cp_size, causal, options.kernel) and _ring_importable()):
+            return "ring_flash_attn"
+        from cp_packing.cost import choose_backend
+
+        size = (shapes.dtype or DEFAULT_SHAPES.dtype).itemsize
+        chosen = choose_backend(sharded, num_heads=shapes.num_heads, num_kv_heads=shapes.num_kv_heads,
+                                head_dim=shapes.head_dim, dtype_bytes=size, causal=causal, window=window,
+                                overlap=options.overlap, **({} if options.hardware is None else
+                                                            {"hardware": options.hardware}))
+        return "allgather" if chunk and chosen not in ("allgather", "exchange") else chosen
+    _raise_refusal(backend_refusal(backend, layout=layout, causal=causal, window=window, softcap=softcap,
+                                   sinks=sinks, kernel=options.kernel))
+    if chunk and backend not in ("allgather", "exchange"):
+        raise NotImplementedError(
+            f"backend={backend!r} cannot run chunked attention (Llama 4's chunked layers); use backend='allgather' or "
+            "'exchange' (or 'auto')")
+    if backend == "ulysses":
+        check_ulysses_heads(shapes.num_heads, cp_size)
+    if backend == "hybrid":
+        check_ulysses_size(options.ulysses_size, shapes.num_heads, cp_size)
+    if backend == "ring_flash_attn":
+        from cp_packing.attention.ring import import_ring_flash_attn
+
+        dtype = shapes.dtype
+        if dtype is not None and dtype not in HALF_DTYPES and layout == "zigzag":  # before the import
+            _raise_refusal(backend_refusal(backend, layout=layout, dtype=dtype))
+        import_ring_flash_attn()  # ImportError that says what to install
+        if dtype is not None:
+            _raise_refusal(backend_refusal(backend, layout=layout, dtype=dtype))
+    return backend
+
+
 def select_backend(
     q: torch.Tensor, sharded: ShardedPackedSeqParams, *, causal: bool = True, backend: str = "auto",
     kernel: str = "auto", ulysses_size: int | None = None, window: int | None = None, num_kv_heads: int | None = None,
     softcap: float | None = None, sinks: bool = False, hardware: Any = None, overlap: bool = True,
 ) -> tuple[str, str]:
-    """The ``(backend, kernel)`` pair the attention runs for these arguments (docs/attention.md, "auto").
+    """The ``(backend, kernel)`` pair a step prepared for q's shapes runs (docs/attention.md, "auto"): a query, not
+    an entry point (the options reach a step through ``AttentionOptions``).
 
     ``backend="auto"``: ring-flash-attn where it is importable and fast AND right (CUDA fp16/bf16, zigzag or
     contiguous, causal, no window / softcap / sinks, ``cp_size > 1``, kernel auto or flash_attn); else the backend
@@ -163,37 +205,15 @@ def select_backend(
             arguments (the message names the fix).
     """
     from cp_packing.attention import kernels
-    from cp_packing.attention.hybrid import check_ulysses_size
-    from cp_packing.attention.ulysses import check_ulysses_heads
 
-    AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)  # names and pairing, today's texts
-    layout, cp_size = sharded.layout, sharded.cp_size
-    if backend == "auto":
-        if (window is None and softcap is None and not sinks
-                and _auto_wants_ring(q.device.type, q.dtype, layout, cp_size, causal, kernel) and _ring_importable()):
-            return "ring_flash_attn", "flash_attn"
-        from cp_packing.cost import choose_backend
-
-        H_kv = q.shape[1] if num_kv_heads is None else num_kv_heads
-        chosen = choose_backend(sharded, num_heads=q.shape[1], num_kv_heads=H_kv, head_dim=q.shape[2],
-                                dtype_bytes=q.element_size(), causal=causal, window=window, overlap=overlap,
-                                **({} if hardware is None else {"hardware": hardware}))
-        return chosen, kernels.resolve_kernel(kernel, q, softcap=softcap)
-    _raise_refusal(backend_refusal(backend, layout=layout, causal=causal, window=window, softcap=softcap,
-                                   sinks=sinks, kernel=kernel))
-    if backend == "ulysses":
-        check_ulysses_heads(q.shape[1], cp_size)
-    if backend == "hybrid":
-        check_ulysses_size(ulysses_size, q.shape[1], cp_size)
-    if backend != "ring_flash_attn":
-        return backend, kernels.resolve_kernel(kernel, q, softcap=softcap)
-    from cp_packing.attention.ring import import_ring_flash_attn
-
-    _raise_refusal(backend_refusal(backend, layout=layout, dtype=q.dtype) if q.dtype not in HALF_DTYPES
-                   and layout == "zigzag" else None)  # independent of which flash_attn: before the import
-    import_ring_flash_attn()  # ImportError that says what to install
-    _raise_refusal(backend_refusal(backend, layout=layout, dtype=q.dtype))
-    return "ring_flash_attn", "flash_attn"
+    options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, hardware=hardware,
+                               overlap=overlap)
+    shapes = AttentionShapes(q.shape[1], q.shape[1] if num_kv_heads is None else num_kv_heads, q.shape[2], q.dtype)
+    chosen = _choose_backend(sharded, options, shapes, q.device.type, causal=causal, window=window, softcap=softcap,
+                             sinks=bool(sinks))
+    if chosen == "ring_flash_attn":
+        return chosen, "flash_attn"
+    return chosen, kernels.resolve_kernel(kernel, q, softcap=softcap)
 
 
 def _check_heads_k_stride(stride: int | None, num_kv_heads: int) -> None:
@@ -204,118 +224,71 @@ def _check_heads_k_stride(stride: int | None, num_kv_heads: int) -> None:
 # --------------------------------------------------------------------------------------------------- the plan
 
 
-class StepPlan:
-    """One step's CP attention (see the module docstring). Built by :func:`prepare_attention`; read by the layers.
+class TableContext(NamedTuple):
+    """What a backend's table builder reads: the shard, the options, the tables' device."""
 
-    A plain object (not a dataclass): tree-mapping utilities (FSDP2's input casting) pass it through unchanged, so
-    every copy of the shard shares one plan and its state.
+    sharded: ShardedPackedSeqParams
+    options: AttentionOptions
+    device: torch.device
+
+
+LayerKey = tuple  # (causal, window, chunk): one table set of a step
+
+_LAST_TRACE: dict[str, torch.Tensor] = {}  # CP group name -> the trace of its last prepared step (this process)
+
+
+_PLAN_FIELDS = ("sharded", "options", "group", "group_arg", "backend", "kernel", "device", "step", "check_layers",
+                "num_items", "local_items", "features", "shapes", "tables", "constants", "group_names", "digest",
+                "trace")
+
+
+class StepPlan:
+    """One step's CP attention, prepared and agreed (module docstring). Built by :func:`prepare_attention`.
+
+    Frozen (no attribute can be set after the agreement) and opaque to tree-mapping utilities: a plain object, not
+    a dataclass, so FSDP2's input casting and ``torch.compile`` pass it through and every copy of the shard shares
+    it (its tables are never cast or copied).
 
     Attributes:
-        sharded: the shard (without its plan). group: the CP ProcessGroup, or None without communication (resolved
-            at the agreement); group_arg: the ``group=`` the step was prepared with.
-        options: the :class:`AttentionOptions`. device: where the tables live (q's device).
-        backend, kernel: chosen at the first attention call (``None`` before).
-        agreed: whether the step's agreement ran. step: this group's step number (1, 2, ...).
-        check_layers: whether every layer makes its own small agreement this step.
-        layer_calls: attention calls (forward) so far this step; expected_layers: how many the model has (read from
-            the first layer's module config), or None.
-        num_items: valid labels over the CP group (when prepared with labels), known after the agreement.
+        sharded: the shard (without its plan). options: the :class:`AttentionOptions`. group: the CP ProcessGroup,
+            or None without communication; group_arg: the ``group=`` the step was prepared with.
+        backend, kernel: the backend and the kernel option (``"auto"`` resolves per dtype inside the op).
+        device: where the tables live. step: this group's step number (1, 2, ...).
+        check_layers: whether every layer (eager) makes its own small agreement this step.
+        num_items: valid labels over the CP group (when prepared with labels), else None; local_items: this rank's.
+        features: the model's ``ModelFeatures`` (or None). shapes: the :class:`AttentionShapes` agreed (or None).
+        tables: ``(causal, window, chunk)`` -> the backend's tables, for every kind of layer the step runs.
+        constants: per-step tensors the layers read (Llama 4's query temperature factors).
+        group_names: the op's groups by name (CP group, and the hybrid backend's two sub-groups).
+        digest: the shard's digest when the step was agreed (an edited shard is refused in checked steps).
+        trace: int64 CPU ``[2]``: attention calls this step and a digest of their arguments (written per layer).
     """
 
-    __slots__ = ("sharded", "group", "options", "device", "backend", "kernel", "agreed", "step", "check_layers",
-                 "layer_calls", "backward_calls", "expected_layers", "num_items", "local_items", "digest", "_tables",
-                 "group_arg", "features", "compiled", "pending", "__weakref__")
+    __slots__ = (*_PLAN_FIELDS, "__weakref__")
 
-    def __init__(self, sharded: ShardedPackedSeqParams, group: GroupLike, options: AttentionOptions,
-                 device: torch.device | None = None, local_items: int | None = None):
-        self.sharded = sharded
-        self.group_arg = group
-        self.group = None
-        self.options = options
-        self.device = device
-        self.backend = self.kernel = None
-        self.agreed = False
-        self.step = 0
-        self.check_layers = False
-        self.layer_calls = self.backward_calls = 0
-        self.expected_layers = None
-        self.local_items = local_items
-        self.num_items = local_items if sharded.cp_size == 1 else None
-        self.digest = _shard_digest(sharded)
-        self.features = None  # the model's per-layer attention features (cp_packing.model_features), HF only
-        self.compiled = False  # prepared for torch.compile (cp_model_inputs(compiled=True)): layers run custom ops
-        self.pending = None  # a mistake found while preparing: raised on every rank by the step's agreement
-        self._tables: dict = {}
+    def __init__(self, **fields: Any):
+        if set(fields) != set(_PLAN_FIELDS):
+            raise TypeError(f"StepPlan takes exactly {_PLAN_FIELDS}, got {sorted(fields)}")
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StepPlan is frozen: {name!r} cannot change after the step's agreement; prepare a new "
+                             "step (cp_packing.prepare_attention) instead")
+
+    def replace(self, **changes: Any) -> "StepPlan":
+        """A copy with ``changes`` (tests and tools; a real step comes from :func:`prepare_attention`)."""
+        return StepPlan(**({name: getattr(self, name) for name in _PLAN_FIELDS} | changes))
 
     def __repr__(self) -> str:
         return (f"StepPlan(cp_size={self.sharded.cp_size}, cp_rank={self.sharded.cp_rank}, layout="
-                f"{self.sharded.layout!r}, backend={self.backend!r}, kernel={self.kernel!r}, step={self.step})")
+                f"{self.sharded.layout!r}, backend={self.backend!r}, kernel={self.kernel!r}, step={self.step}, "
+                f"layers={sorted(self.tables, key=repr)})")
 
-    # ------------------------------------------------------------------------------------------ the agreement
-
-    def agree(self, q, k, v, *, causal, window, softcap, sinks, scale, error: BaseException | None = None) -> None:
-        """The step's ONE agreement, at its first attention call: local checks (``error``: the caller's own
-        refusal on this rank), the backend choice, then every rank compares (module docstring)."""
-        sharded, options = self.sharded, self.options
-        pg = peek_group(self.group_arg, sharded.cp_size)
-        with fail_together("context_parallel_attention", (pg, "CP group")) as agreement:
-            if error is not None:
-                raise error
-            if self.pending is not None:
-                raise self.pending
-            check_attention_inputs(q, k, v, sharded)
-            if self.digest != _shard_digest(sharded):
-                raise ValueError(_EDITED)
-            self._check_layer_args(q, causal, window, softcap, sinks, scale)
-            self.backend, self.kernel = select_backend(
-                q, sharded, causal=causal, backend=options.backend, kernel=options.kernel,
-                ulysses_size=options.ulysses_size, window=window, num_kv_heads=k.shape[1], softcap=softcap,
-                sinks=sinks is not None or options.sinks, hardware=options.hardware, overlap=options.overlap)
-            self.group = resolve_attention_group(self.group_arg, sharded, q.device)
-            _check_heads_k_stride(options.heads_k_stride, k.shape[1])
-            self.step = next_step(self.group)
-            check = options.check_layers
-            # without peers no layer can desync: nothing to check
-            self.check_layers = self.group is not None and ((self.step <= CHECKED_STEPS) if check is None else check)
-            agreement.fields = {
-                "cp_size": sharded.cp_size, "layout": sharded.layout,
-                "plan": digest(sharded.global_params.cu_seqlens, sharded.layout, sharded.cp_size,
-                               sharded.plan_window),
-                "T_local": sharded.num_local_tokens, "ulysses_size": options.ulysses_size,
-                "q": (tuple(q.shape[1:]), str(q.dtype), q.device.type),
-                "k": tuple(k.shape[1:]), "backend": self.backend, "kernel": self.kernel, "causal": causal,
-                "softmax_scale": scale, "window": window, "softcap": softcap, "options": options,
-                "sinks": None if sinks is None else tuple(sinks.shape), "check_layers": self.check_layers,
-                "labels counted": self.local_items is not None,
-                "attention layers": None if self.features is None else len(self.features.attention_layers),
-            }
-            agreement.payload = self.local_items
-        records = agreement.records.get("CP group", [])
-        if self.local_items is not None and len(records) > 1:
-            self.num_items = sum(r.payload for r in records)
-        self.device = q.device
-        self.agreed = True
-        _log_choice(self, q, k, causal, window)
-
-    def _check_layer_args(self, q, causal, window, softcap, sinks, scale) -> None:
-        from cp_packing.attention import kernels
-
-        check_bool(causal, "causal")
-        check_number(scale, "softmax_scale", allow_none=True)
-        check_window(window, causal)
-        if softcap is not None:
-            check_softcap(softcap)
-        kernels.check_sinks(sinks, q)
-
-    def check_layer(self, call: str, fields: dict, error: BaseException | None = None,
-                    layer_args: tuple | None = None) -> None:
-        """A per-layer agreement (``check_layers``): the layer's call number, shapes and arguments on every rank."""
-        with fail_together(call, (self.group, "CP group")) as agreement:
-            if error is not None:
-                raise error
-            if layer_args is not None:
-                self._check_layer_args(*layer_args)
-            agreement.fields = fields
+    @property
+    def layer_calls(self) -> int:
+        """Attention calls (forward) this step so far."""
+        return int(self.trace[0])
 
     # ------------------------------------------------------------------------------------------------ a layer
 
@@ -323,80 +296,82 @@ class StepPlan:
                window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                scale: float | None = None, error: BaseException | None = None,
                chunk: int | None = None) -> torch.Tensor:
-        """One attention layer: ``q [T_local, H, D]``, k/v ``[T_local, H_kv, D]`` -> ``[T_local, H, D]``.
+        """One attention layer: ``q [T_local, H, D]``, k/v ``[T_local, H_kv, D]`` -> ``[T_local, H, D]``; the same
+        code eager and compiled.
 
         ``None`` arguments take the options' defaults. ``chunk``: chunked attention (Llama 4: a query attends the
         keys of its own ``chunk``-token piece of its document). ``error``: the caller's own refusal on this rank
-        (raised on every rank through the step's or the layer's agreement)."""
+        (raised on every rank by the layer's agreement in checked steps, else here)."""
+        from cp_packing.attention import ops
+
         options = self.options
         causal = options.causal if causal is None else causal
         softcap = options.softcap if softcap is None else softcap
         scale = options.scale if scale is None else scale
-        if not self.agreed:
-            self.agree(q, k, v, causal=causal, window=window, softcap=softcap, sinks=sinks, scale=scale, error=error)
-        elif self.check_layers:
-            if error is None and _shard_digest(self.sharded) != self.digest:
-                error = ValueError(_EDITED)
-            self.check_layer("attention layer", {
-                "layer": self.layer_calls + 1, "q": (tuple(q.shape), str(q.dtype)), "k": tuple(k.shape),
-                "causal": causal, "window": window, "softcap": softcap,
-                "sinks": None if sinks is None else tuple(sinks.shape)}, error, (q, causal, window, softcap, sinks,
-                                                                               scale))
-        elif error is not None:
-            raise error
-        self.layer_calls += 1
-        tables = self._tables.get((causal, window, chunk))
-        if tables is None:
-            tables = self.tables(causal, window, chunk)
-        return _LAYER[self.backend](self, tables, q, k, v, sinks, causal=causal, window=window, softcap=softcap,
-                                    scale=scale)
+        key = (causal, window, chunk)
+        check = 0
+        if not torch.compiler.is_compiling() and self.check_layers:
+            check = self.layer_calls + 1
+            self._check_layer(check, q, k, v, key, softcap, sinks, scale, error)
+        else:
+            if error is not None:
+                raise error
+            _check_layer_args(q, causal, window, softcap, sinks, scale)  # constants: once per trace when compiled
+        _check_shapes(self, q, k, v)
+        tables = self._tables_for(key)
+        code = _layer_code(key, softcap, None if sinks is None else tuple(sinks.shape), scale, str(q.dtype),
+                           (q.shape[1], k.shape[1], q.shape[2]))
+        self.trace.add_(self.trace.new_tensor([1, code]))
+        return ops.run_layer(self, tables, q, k, v, sinks, causal=causal, window=window, softcap=softcap,
+                             scale=scale, check=check)
+
+    def _tables_for(self, key: LayerKey):
+        tables = self.tables.get(key)
+        if tables is not None:
+            return tables
+        causal, window, chunk = key
+        fix = ("prepare the step with the model (cp_packing.hf.cp_model_inputs(..., model=model)) or with the "
+               "layers' windows (AttentionOptions(window=...)), so that its tables are built before the model runs")
+        if torch.compiler.is_compiling():
+            raise ValueError(f"this step was prepared for the layers {sorted(self.tables, key=repr)} (causal, "
+                             f"window, chunk), but a layer asks for {key} under torch.compile; {fix}")
+        _warn_late_table(key, fix)
+        self.tables[key] = _build(self, key)  # eager only: built once, then read like the others
+        return self.tables[key]
+
+    def _check_layer(self, number: int, q, k, v, key: LayerKey, softcap, sinks, scale, error) -> None:
+        """A per-layer agreement (``check_layers``): every argument that changes the result, on every rank."""
+        causal, window, chunk = key
+        with fail_together("attention layer", (self.group, "CP group")) as agreement:
+            if error is not None:
+                raise error
+            if _shard_digest(self.sharded) != self.digest:
+                raise ValueError(_EDITED)
+            check_attention_inputs(q, k, v, self.sharded)
+            _check_layer_args(q, causal, window, softcap, sinks, scale)
+            agreement.fields = {
+                "layer": number, "q": (tuple(q.shape), str(q.dtype)), "k": tuple(k.shape), "causal": causal,
+                "window": window, "chunk": chunk, "softcap": softcap, "softmax_scale": scale,
+                "sinks": None if sinks is None else tuple(sinks.shape)}
 
     def check_ran(self) -> None:
         """Raise unless this step's model ran cp_packing's attention in all its attention layers (the guard the loss
         runs before any gradient: a model switched to ``"sdpa"`` would attend across documents and shards)."""
-        if self.compiled:
-            return  # the compiled layers run custom ops: nothing counts them (the model guard checks the implementation)
         fix = ("the model runs another attention implementation (attn_implementation='sdpa' or 'eager', or a config "
                "shared with another model that switched it: build each model from copy.deepcopy(config) and "
                "set model.set_attn_implementation(cp_packing.hf.register_cp_attention()))")
-        if not self.layer_calls:
+        calls = self.layer_calls
+        if not calls:
             raise ValueError(f"no attention layer ran cp_packing's attention in this step: {fix}; its output is "
                              "wrong (documents and shards attend across each other)")
         expected = len(self.features.attention_layers) if self.features is not None else 0
-        if expected and self.layer_calls % expected:
-            raise ValueError(f"{self.layer_calls} attention calls ran cp_packing's attention in this step, not a "
-                             f"multiple of the model's {expected} attention layers: some layers run another "
-                             f"attention; {fix}")
+        if expected and calls % expected:
+            raise ValueError(f"{calls} attention calls ran cp_packing's attention in this step, not a multiple of "
+                             f"the model's {expected} attention layers: some layers run another attention; {fix}")
 
-    def backward_check(self, layer: int) -> None:
-        """Called by the backends' backward: the per-layer agreement of a backward call (``check_layers``)."""
-        self.backward_calls += 1
-        if self.check_layers:
-            self.check_layer("attention backward", {"layer": layer})
-
-    def constant(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """``build()``, once per step for ``key`` (a per-step constant a layer needs, e.g. a per-token factor on q's
-        device): later layers read it, no host-to-device copy per layer."""
-        value = self._tables.get(("constant", *key))
-        if value is None:
-            value = self._tables[("constant", *key)] = build()
-        return value
-
-    def tables(self, causal: bool = True, window: int | None = None, chunk: int | None = None):
-        """The backend's tables for ``(causal, window, chunk)`` (built on first use in the step)."""
-        key = (causal, window, chunk)
-        if key not in self._tables:
-            if self.agreed and _shard_digest(self.sharded) != self.digest:
-                raise ValueError(_EDITED)
-            if chunk is None:
-                self._tables[key] = _BUILD[self.backend](self, causal, window)
-            elif self.backend in ("allgather", "exchange"):
-                self._tables[key] = _BUILD[self.backend](self, causal, window, chunk)
-            else:
-                raise NotImplementedError(
-                    f"backend={self.backend!r} cannot run chunked attention (chunk={chunk}, Llama 4's chunked "
-                    "layers); use backend='allgather' or 'exchange' (or 'auto')")
-        return self._tables[key]
+    def constant(self, key: tuple) -> torch.Tensor | None:
+        """A per-step constant the step was prepared with (e.g. ``("query temperature", floor, scale)``)."""
+        return self.constants.get(key)
 
 
 _EDITED = ("the shard's metadata (token_index, cu_seqlens, key_start or the global cu_seqlens) changed in place after "
@@ -407,33 +382,166 @@ def _shard_digest(sharded: ShardedPackedSeqParams) -> str:
     return digest(sharded.global_params.cu_seqlens, sharded.token_index, sharded.cu_seqlens, sharded.key_start)
 
 
-# Backend name -> (tables builder, layer function); filled by the backend modules' register() at import.
-_BUILD: dict[str, Callable] = {}
-_LAYER: dict[str, Callable] = {}
+def _check_layer_args(q, causal, window, softcap, sinks, scale) -> None:
+    from cp_packing.attention import kernels
+
+    check_bool(causal, "causal")
+    scale = check_number(scale, "softmax_scale", allow_none=True)
+    if scale is not None and not (0.0 < scale < float("inf")):
+        raise ValueError(f"softmax_scale={scale!r} must be a finite number > 0 (None: 1/sqrt(head_dim))")
+    check_window(window, causal)
+    if softcap is not None:
+        check_softcap(softcap)
+    kernels.check_sinks(sinks, q)
 
 
-def register_backend(name: str, build: Callable, layer: Callable) -> None:
-    """Register a backend: ``build(plan, causal, window) -> tables`` (once per step and key) and
-    ``layer(plan, tables, q, k, v, sinks, *, causal, window, softcap, scale) -> out``."""
-    _BUILD[name] = build
-    _LAYER[name] = layer
+def _check_shapes(plan: StepPlan, q, k, v) -> None:
+    """Cheap checks of q/k/v against the step: shapes only (no host sync; under ``torch.compile`` they are evaluated
+    while tracing, on static or symbolic sizes)."""
+    T_local = plan.sharded.num_local_tokens
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise TypeError(f"q, k, v must share one dtype (a floating one), got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+                        "first")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3 or x.shape[0] != T_local:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but this rank holds T_local={T_local} tokens "
+                             "(sharded.num_local_tokens): pass [T_local, heads, head_dim] of this step's shard")
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must have one shape "
+                         "[T_local, H_kv, D] and q [T_local, H, D] with H a multiple of H_kv (an MLA model with "
+                         "another value head dim: pad v to q's head dim)")
+    shapes = plan.shapes
+    if shapes is not None and (q.shape[1], k.shape[1], q.shape[2]) != shapes[:3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not have the heads the step was prepared for "
+                         f"({shapes.num_heads} query / {shapes.num_kv_heads} key-value heads of {shapes.head_dim}); "
+                         "prepare the step with this model's shapes")
+
+
+@torch._dynamo.assume_constant_result
+def _layer_code(*arguments) -> int:
+    """A deterministic 31-bit code of a layer's arguments (summed into ``plan.trace``; a constant when compiled)."""
+    return zlib.crc32(repr(arguments).encode()) & 0x7FFFFFFF
+
+
+_WARNED: set = set()
+
+
+def _warn_late_table(key: LayerKey, fix: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"a layer asks for attention tables {key} (causal, window, chunk) that its step was not "
+                      f"prepared for: built at the layer (eager only; torch.compile refuses it); {fix}",
+                      stacklevel=4)
+
+
+# ------------------------------------------------------------------------------------------------- preparing
 
 
 def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: int) -> int:
     """This rank's valid labels, checked: integer, one per local token, shifted on the global stream (a valid label
-    on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``)."""
+    on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``).
+    Compared in int64, so an unsigned dtype cannot wrap ``ignore_index``."""
     from cp_packing.labels import check_labels_shifted, segment_ends
 
     if not isinstance(labels, torch.Tensor) or labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must be an integer tensor (this rank's shifted labels), got "
                         f"{type(labels).__name__ if not isinstance(labels, torch.Tensor) else labels.dtype}")
-    flat = labels.reshape(-1)
+    flat = labels.reshape(-1).to(torch.int64)
     if flat.numel() != sharded.num_local_tokens:
         raise ValueError(f"labels hold {flat.numel()} tokens but this rank holds T_local={sharded.num_local_tokens}; "
                          "pass this rank's shard of the labels")
     segment_end = segment_ends(sharded.global_params.cu_seqlens, sharded.token_index.to(flat.device))
     check_labels_shifted(flat, segment_end=segment_end, ignore_index=ignore_index)
     return int((flat != ignore_index).sum())
+
+
+def _layer_keys(options: AttentionOptions, features: Any) -> tuple[LayerKey, ...]:
+    """Every ``(causal, window, chunk)`` the step's layers ask for: the model's attention layers, else the options'
+    windows (the layer's own ``sliding_window`` is HF's; a mask-only window is the features')."""
+    if features is not None:
+        keys = [(layer.causal, layer.window, layer.chunk) for i, layer in enumerate(features.layers)
+                if i in set(features.attention_layers)]
+        if keys:
+            return tuple(dict.fromkeys(keys))
+    return tuple(dict.fromkeys((options.causal, window, None) for window in options.windows))
+
+
+def _check_shapes_arg(shapes: AttentionShapes | None) -> AttentionShapes | None:
+    if shapes is None:
+        return None
+    H, H_kv, D, dtype = shapes
+    check_int(H, "num_heads", min=1)
+    check_int(H_kv, "num_kv_heads", min=1)
+    check_int(D, "head_dim", min=1)
+    if H % H_kv:
+        raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={H_kv} (GQA)")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return shapes
+
+
+def _build(plan_or_ctx, key: LayerKey):
+    from cp_packing.attention.ops import BACKEND_TABLE
+
+    causal, window, chunk = key
+    ctx = TableContext(plan_or_ctx.sharded, plan_or_ctx.options, plan_or_ctx.device)
+    tables = BACKEND_TABLE[plan_or_ctx.backend].build(ctx, causal, window, chunk)
+    if isinstance(tables, tuple):
+        for x in tables:  # their lengths change with every batch's documents: a new step does not recompile
+            if x.device.type != "cpu" or x.dtype != torch.int64 or x.dim() != 1 or x.numel() > 64:
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+    return tables
+
+
+def _temperature_constants(features: Any, sharded: ShardedPackedSeqParams, device: torch.device) -> dict:
+    """Llama 4's query-temperature factors, one float32 ``[T_local, 1, 1]`` per distinct setting: scale(p) / scale(i)
+    undoes HF's temperature computed from the row index ``i`` (``cp_packing.model_features``)."""
+    constants = {}
+    for layer in () if features is None else features.layers:
+        if layer.query_temperature is None or ("query temperature", *layer.query_temperature) in constants:
+            continue
+        floor_scale, attn_scale = layer.query_temperature
+        p = sharded.position_ids.to(device, torch.float32)
+        i = torch.arange(p.numel(), device=device, dtype=torch.float32)
+
+        def scale(x):
+            return torch.log1p(torch.floor((x + 1) / floor_scale)) * attn_scale + 1
+
+        constants[("query temperature", floor_scale, attn_scale)] = (scale(p) / scale(i))[:, None, None]
+    return constants
+
+
+def _group_names(group, backend: str, options: AttentionOptions, cp_size: int) -> str:
+    """The op's ``groups`` argument: the CP group's name, and the hybrid backend's two sub-groups' ("" for none)."""
+    if group is None:
+        return ""
+    if backend != "hybrid":
+        return group.group_name
+    from cp_packing.attention.hybrid import hybrid_groups
+
+    ugroup, agroup = hybrid_groups(group, cp_size, options.ulysses_size)
+    return ",".join(("" if g is None else g.group_name) for g in (group, ugroup, agroup))
+
+
+def _previous_trace(group) -> tuple[int, int] | None:
+    if group is None:
+        return None
+    trace = _LAST_TRACE.get(group.group_name)
+    return None if trace is None else tuple(int(x) for x in trace.tolist())
+
+
+def _check_previous_traces(records: list) -> None:
+    """Raise (on every rank: every rank reads the same records) when the ranks' previous steps ran different
+    attention calls: a later-layer difference after the checked steps becomes an error at the next step."""
+    traces = [r.payload[1] for r in records]
+    if any(t is None for t in traces) or len(set(traces)) == 1:
+        return
+    listed = "; ".join(f"rank {rank}: {calls} calls, digest {code}" for rank, (calls, code) in enumerate(traces))
+    raise AgreementError(
+        f"context_parallel_attention: the ranks of the CP group ran different attention layers in the previous step "
+        f"({listed}): a layer's arguments (softmax scale, window, softcap, causal, chunk, dtype, heads) or the number "
+        "of layers differ between ranks, so that step's results are not trustworthy; run with "
+        "AttentionOptions(check_layers=True) to find the layer")
 
 
 def prepare_attention(
@@ -443,11 +551,19 @@ def prepare_attention(
     options: AttentionOptions | None = None,
     labels: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    features: Any = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    error: BaseException | None = None,
     **option_kwargs: Any,
 ) -> ShardedPackedSeqParams:
-    """This step's shard with its :class:`StepPlan` attached (``result.plan``): prepare once per step, then every
-    attention layer (``context_parallel_attention(q, k, v, result)``) only reads the plan. No communication here:
-    the step's one agreement runs at its first attention call.
+    """This step's shard with its frozen :class:`StepPlan` attached (``result.plan``), agreed over the group.
+
+    Prepare once per step, before the model runs; then every attention layer
+    (``context_parallel_attention(q, k, v, result)``, or the HF attention function) only reads the plan.
 
     Args:
         sharded: this rank's ``ShardedPackedSeqParams`` of the step.
@@ -457,9 +573,22 @@ def prepare_attention(
         labels: this rank's shifted labels (optional): their valid count, summed over the group in the agreement,
             becomes ``plan.num_items``, the divisor ``packed_cross_entropy(..., sharded=result)`` uses.
         ignore_index: the label value to ignore.
+        features: the model's ``cp_packing.model_features.ModelFeatures`` (``cp_model_inputs(model=)`` passes
+            them): the tables of every kind of layer it has, its query temperature, its layer count.
+        num_heads, num_kv_heads, head_dim, dtype: the layers' shapes (all or none): the agreement compares them,
+            every layer is checked against them, ``backend="auto"`` prices with them (default
+            :data:`DEFAULT_SHAPES`) and ``dtype`` decides whether auto may pick ring-flash-attn.
+        device: where the tables go (default ``sharded.token_index``'s device).
+        error: the caller's own failure on this rank (raised on every rank by the agreement).
 
     Returns:
-        A copy of ``sharded`` whose ``plan`` is this step's.
+        A copy of ``sharded`` whose ``plan`` is this step's. Costs one agreement over the group (none at
+        ``cp_size == 1``) and the tables' host-side planning.
+
+    Raises:
+        TypeError / ValueError / NotImplementedError / ImportError on EVERY rank of the group: a malformed shard,
+        options, shapes or labels, a group that does not match the shard, a backend or kernel that cannot run the
+        step's layers, ranks that differ.
 
     >>> import torch, cp_packing
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
@@ -471,18 +600,113 @@ def prepare_attention(
     if not isinstance(sharded, ShardedPackedSeqParams):
         raise TypeError(f"sharded must be ShardedPackedSeqParams, got {type(sharded).__name__}; build it with "
                         "cp_packing.shard_packed_seq_params(...) or cp_packing.distribute_batch(...)")
-    if options is None:
-        options = AttentionOptions(**option_kwargs)
-    elif option_kwargs:
-        options = options.replace(**option_kwargs)
-    elif not isinstance(options, AttentionOptions):
-        raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
-    local_items, pending = None, None
-    if labels is not None:
-        try:
-            local_items = _count_labels(labels, sharded, ignore_index)
-        except (TypeError, ValueError) as exc:  # raised on every rank, by the step's agreement
-            local_items, pending = 0, exc
-    plan = StepPlan(sharded.without_plan(), group, options, local_items=local_items)
-    plan.pending = pending
+    sharded = sharded.without_plan()
+    pg = peek_group(group, sharded.cp_size)
+    with fail_together("context_parallel_attention", (pg, "CP group")) as agreement:
+        if error is not None:
+            raise error
+        if options is None:
+            options = AttentionOptions(**option_kwargs)
+        elif not isinstance(options, AttentionOptions):
+            raise TypeError(f"options must be cp_packing.AttentionOptions, got {type(options).__name__}")
+        elif option_kwargs:
+            options = options.replace(**option_kwargs)
+        given = (num_heads, num_kv_heads, head_dim)
+        if any(x is not None for x in given) and not all(x is not None for x in given):
+            raise ValueError(f"num_heads, num_kv_heads and head_dim go together (got {given}); give all or none")
+        shapes = _check_shapes_arg(None if num_heads is None else AttentionShapes(num_heads, num_kv_heads, head_dim,
+                                                                                 dtype))
+        local_items = None if labels is None else _count_labels(labels, sharded, ignore_index)
+        device = torch.device(device) if device is not None else sharded.token_index.device
+        keys = _layer_keys(options, features)
+        backend = _choose_for_layers(sharded, options, shapes, device, keys)
+        resolved = resolve_attention_group(group, sharded, device)
+        if shapes is not None:
+            _check_heads_k_stride(options.heads_k_stride, shapes.num_kv_heads)
+            if options.kernel != "auto" and backend != "ring_flash_attn" and shapes.dtype is not None:
+                from cp_packing.attention import kernels
+
+                kernels.resolve_kernel(options.kernel, torch.empty(0, dtype=shapes.dtype, device=device),
+                                       softcap=options.softcap)
+        step = next_step(resolved)
+        check = options.check_layers
+        # without peers no layer can desync: nothing to check
+        check_layers = resolved is not None and ((step <= CHECKED_STEPS) if check is None else check)
+        agreement.fields = {
+            "cp_size": sharded.cp_size, "layout": sharded.layout,
+            "plan": digest(sharded.global_params.cu_seqlens, sharded.layout, sharded.cp_size, sharded.plan_window),
+            "T_local": sharded.num_local_tokens, "ulysses_size": options.ulysses_size, "backend": backend,
+            "options": options, "layers": keys,
+            "shapes": None if shapes is None else (*shapes[:3], str(shapes.dtype)), "device": device.type,
+            "check_layers": check_layers, "labels counted": local_items is not None,
+            "attention layers": None if features is None else len(features.attention_layers),
+        }
+        agreement.payload = (local_items, _previous_trace(resolved))
+    records = agreement.records.get("CP group", [])
+    num_items = local_items
+    if len(records) > 1:
+        _check_previous_traces(records)
+        if local_items is not None:
+            num_items = sum(r.payload[0] for r in records)
+    plan = StepPlan(
+        sharded=sharded, options=options, group=resolved, group_arg=group, backend=backend,
+        kernel="flash_attn" if backend == "ring_flash_attn" else options.kernel, device=device, step=step,
+        check_layers=check_layers, num_items=num_items, local_items=local_items, features=features, shapes=shapes,
+        tables={}, constants=_temperature_constants(features, sharded, device),
+        group_names=_group_names(resolved, backend, options, sharded.cp_size), digest=_shard_digest(sharded),
+        trace=torch.zeros(2, dtype=torch.int64))
+    for key in keys:
+        plan.tables[key] = _build(plan, key)
+    if resolved is not None:
+        _LAST_TRACE[resolved.group_name] = plan.trace
+    _log_choice(plan, shapes)
     return sharded.with_plan(plan)
+
+
+def _choose_for_layers(sharded, options: AttentionOptions, shapes, device, keys) -> str:
+    """One backend for every kind of layer of the step: ``auto`` prices the step's tightest layer (a global one if
+    any); an explicit backend must run every one."""
+    sinks = options.sinks
+    if options.backend != "auto":
+        for causal, window, chunk in keys:
+            backend = _choose_backend(sharded, options, shapes or DEFAULT_SHAPES, device.type, causal=causal,
+                                      window=window, softcap=options.softcap, sinks=sinks, chunk=chunk is not None)
+        return backend
+    causal = all(k[0] for k in keys)
+    windows = [k[1] for k in keys]
+    window = None if None in windows else max(windows)
+    return _choose_backend(sharded, options, shapes or DEFAULT_SHAPES, device.type, causal=causal, window=window,
+                           softcap=options.softcap, sinks=sinks, chunk=any(k[2] is not None for k in keys))
+
+
+_LOGGED: set[tuple[str, str]] = set()  # (backend, kernel) choices logged (once per process, INFO)
+
+
+def _log_choice(plan: StepPlan, shapes: AttentionShapes | None) -> None:
+    if (plan.backend, plan.kernel) in _LOGGED or not logger.isEnabledFor(logging.INFO):
+        return
+    _LOGGED.add((plan.backend, plan.kernel))
+    why = ""
+    if plan.options.backend == "auto" and plan.backend != "ring_flash_attn" and plan.sharded.cp_size > 1:
+        from cp_packing.cost import backend_times
+
+        s = shapes or DEFAULT_SHAPES
+        times = backend_times(plan.sharded, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                              dtype_bytes=(s.dtype or DEFAULT_SHAPES.dtype).itemsize)
+        why = "; auto by the modelled busiest-rank time per layer: " + ", ".join(
+            f"{name} {1e6 * t:.1f} us" for name, t in times.items())
+    kernel = plan.kernel
+    if kernel == "auto" and shapes is not None and shapes.dtype is not None:
+        from cp_packing.attention.kernels import select_kernel
+
+        kernel = select_kernel(plan.device, shapes.dtype, softcap=plan.options.softcap is not None)
+    logger.info("context_parallel_attention: backend=%s kernel=%s (layout=%s, cp_size=%d)%s", plan.backend, kernel,
+                plan.sharded.layout, plan.sharded.cp_size, why)
+
+
+def clear_caches() -> None:
+    """Forget the per-process state of the step plans: the last trace of each group, the logged choices, the
+    warned layer keys (tests; a re-initialised world)."""
+    _LAST_TRACE.clear()
+    _LOGGED.clear()
+    _WARNED.clear()

@@ -21,7 +21,7 @@ from cp_packing.capabilities import flash_attn_is_test_stub, ring_dtype_refusal
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["build_tables", "flash_attn_is_test_stub", "import_ring_flash_attn", "layer", "ring_attention",
+__all__ = ["build_tables", "eager", "flash_attn_is_test_stub", "import_ring_flash_attn", "ring_attention",
            "ring_dtype_refusal"]
 
 _SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
@@ -79,26 +79,27 @@ def _loaded_ring_flash_attn() -> ModuleType | None:
     return None
 
 
-def build_tables(plan, causal: bool, window: int | None) -> dict:
-    """The step plan's ring-flash-attn kwargs (``cp_packing.adapters.ring_flash_attn_kwargs``) on q's device: built
-    once per step, not in every layer."""
+def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> dict:
+    """The step plan's ring-flash-attn call: the kernel of the shard's layout and its kwargs
+    (``cp_packing.adapters.ring_flash_attn_kwargs``) on q's device, built once per step, not in every layer."""
     from cp_packing.adapters import ring_flash_attn_kwargs
 
-    return {name: value.to(plan.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for name, value in ring_flash_attn_kwargs(plan.sharded).items()}
+    kwargs = {name: value.to(ctx.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+              for name, value in ring_flash_attn_kwargs(ctx.sharded).items()}
+    return {"layout": ctx.sharded.layout, "heads_k_stride": ctx.options.heads_k_stride, "kwargs": kwargs}
 
 
-def layer(plan, kwargs: dict, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
-          scale: float | None) -> torch.Tensor:
-    """One ring-flash-attn layer on the step plan (zigzag ring or llama3 all-gather, by the shard's layout)."""
+def eager(q, k, v, sinks, tables: dict, layer) -> torch.Tensor:
+    """One ring-flash-attn layer (zigzag ring or llama3 all-gather, by the shard's layout): ring-flash-attn's own
+    autograd functions, so it runs eagerly only (``torch.compile`` is refused by the step plan)."""
     rfa = import_ring_flash_attn()
-    if plan.sharded.layout == "zigzag":
-        return rfa.zigzag_ring_flash_attn_varlen_func(q, k, v, softmax_scale=scale, causal=True, group=plan.group,
-                                                      **kwargs)
+    if tables["layout"] == "zigzag":
+        return rfa.zigzag_ring_flash_attn_varlen_func(q, k, v, softmax_scale=layer.scale, causal=True,
+                                                      group=layer.group, **tables["kwargs"])
     H_kv = k.shape[1]
-    stride = H_kv if plan.options.heads_k_stride is None else plan.options.heads_k_stride  # divides H_kv: checked
-    return rfa.llama3_flash_attn_varlen_func(q, k, v, heads_k_stride=stride, softmax_scale=scale, causal=True,
-                                             group=plan.group, **kwargs)
+    stride = H_kv if tables["heads_k_stride"] is None else tables["heads_k_stride"]  # divides H_kv: checked
+    return rfa.llama3_flash_attn_varlen_func(q, k, v, heads_k_stride=stride, softmax_scale=layer.scale, causal=True,
+                                             group=layer.group, **tables["kwargs"])
 
 
 def ring_attention(
@@ -125,12 +126,17 @@ def ring_attention(
             shard, an unknown layout, a group that is not the shard's. ImportError: ring-flash-attn / flash_attn /
             transformers missing (see ``import_ring_flash_attn``).
     """
-    from cp_packing.attention.plan import prepare_attention
+    from cp_packing.attention.plan import check_attention_inputs, prepare_attention
 
-    step = prepare_attention(sharded, group=group, backend="ring_flash_attn", heads_k_stride=heads_k_stride)
+    error, shapes = None, {}
+    try:
+        check_attention_inputs(q, k, v, sharded)
+        shapes = {"num_heads": q.shape[1], "num_kv_heads": k.shape[1], "head_dim": q.shape[2], "dtype": q.dtype,
+                  "device": q.device}
+    except (TypeError, ValueError) as exc:  # raised on every rank by the step's agreement
+        if not isinstance(sharded, ShardedPackedSeqParams):
+            raise
+        error = exc
+    step = prepare_attention(sharded, group=group, backend="ring_flash_attn", heads_k_stride=heads_k_stride,
+                             error=error, **shapes)
     return step.plan.attend(q, k, v, scale=softmax_scale)
-
-
-from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
-
-register_backend("ring_flash_attn", build_tables, layer)

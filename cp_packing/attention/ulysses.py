@@ -23,7 +23,7 @@ from cp_packing.cost import kv_replication_factor
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["build_tables", "check_ulysses_heads", "kv_replication", "layer", "ulysses_attention"]
+__all__ = ["backward", "build_tables", "check_ulysses_heads", "fake", "forward", "kv_replication", "ulysses_attention"]
 
 
 # ------------------------------------------------------------------------------------------------------ heads
@@ -114,53 +114,68 @@ def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Te
     return tuple(x.view(x.shape[0], -1, rep, x.shape[2]).sum(2) for x in (dk, dv))
 
 
-# --------------------------------------------------------------------------------------------------- autograd
+# ------------------------------------------------------------------------------- the attention op's backend
 
 
-class _UlyssesAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, meta):
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = meta
-        k, v = replicate_kv(k, v, rep)  # [T_local, H_kv * rep, D]
-        heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
-        qh, kh, vh = (x.contiguous() for x in heads)  # views of one buffer when not permuted
-        out, lse = kernels.run_forward(kernel, qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale,
-                                       causal, window, softcap, None if sinks is None else sinks[heads_mine])
-        # [T, H/cp, D], [H/cp, T]
-        ctx.save_for_backward(qh, kh, vh, sinks, out, lse)
-        ctx.meta, ctx.plan, ctx.layer = meta, plan, plan.layer_calls
-        (out_local,) = heads_to_seq(_to_gathered([out], perm), group, cp_size)
-        return out_local  # [T_local, H, D]
-
-    @staticmethod
-    def backward(ctx, dout):
-        qh, kh, vh, sinks, out, lse = ctx.saved_tensors
-        group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, kernel, softcap, heads_mine, window = ctx.meta
-        ctx.plan.backward_check(ctx.layer)
-        (douth,) = _to_global(seq_to_heads([dout.contiguous()], group, cp_size), perm)  # transposed output a2a
-        dqh, dkh, dvh = kernels.run_backward(kernel, douth, qh, kh, vh, out, lse, cu_seqlens, cu_seqlens, max_seqlen,
-                                             max_seqlen, scale, causal, window, softcap)
-        dsinks = sliced_sinks_grad(douth, out, lse, sinks, heads_mine, ctx.needs_input_grad[3])
-        dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
-        return (dq, *sum_replicas(dk, dv, rep), dsinks, None, None)
+def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The step plan's Ulysses tables: ``(order, inverse, cu_seqlens, sizes)``: the gathered <-> global permutation
+    (empty when it is the identity), the global ``cu_seqlens`` and, on the CPU, ``[max_seqlen, permuted]``."""
+    params = ctx.sharded.global_params
+    cu_seqlens = params.cu_seqlens.to(device=ctx.device, dtype=torch.int32)
+    perm = _global_permutation(ctx.sharded, ctx.device)
+    empty = torch.zeros(0, dtype=torch.int64, device=ctx.device)
+    order, inverse = perm if perm is not None else (empty, empty)
+    sizes = torch.tensor([int(params.max_seqlen), int(perm is not None)], dtype=torch.int64)
+    return order, inverse, cu_seqlens, sizes
 
 
-def build_tables(plan, causal: bool, window: int | None):
-    """The step plan's Ulysses tables: the gathered <-> global permutation and the global ``cu_seqlens``."""
-    params = plan.sharded.global_params
-    cu_seqlens = params.cu_seqlens.to(device=plan.device, dtype=torch.int32)
-    return _global_permutation(plan.sharded, plan.device), cu_seqlens, int(params.max_seqlen)
+def _unwire(tables):
+    order, inverse, cu_seqlens, sizes = tables
+    max_seqlen, permuted = sizes.tolist()
+    return (order, inverse) if permuted else None, cu_seqlens, max_seqlen
 
 
-def layer(plan, tables, q, k, v, sinks, *, causal: bool, window: int | None, softcap: float | None,
-          scale: float | None) -> torch.Tensor:
-    """One Ulysses attention layer on the step plan: ``[T_local, H, D]``."""
-    perm, cu_seqlens, max_seqlen = tables
-    cp_size = plan.sharded.cp_size
+def _head_shapes(q, k, cp_size: int) -> tuple[int, int, int]:
+    """``(T, query heads, key/value heads)`` of this rank's head shard."""
     rep = kv_replication_factor(k.shape[1], cp_size)
-    meta = (plan.group, cp_size, rep, perm, cu_seqlens, max_seqlen, scale, causal, plan.kernel, softcap,
-            head_slice(q.shape[1], cp_size, plan.sharded.cp_rank), window)
-    return _UlyssesAttention.apply(q, k, v, sinks, plan, meta)
+    return q.shape[0] * cp_size, q.shape[1] // cp_size, k.shape[1] * rep // cp_size
+
+
+def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    """The op's forward: ``[out, lse_h, qh, kh, vh, out_h]`` (the head shard is kept for backward)."""
+    perm, cu_seqlens, max_seqlen = _unwire(tables)
+    cp_size, group = layer.cp_size, layer.group
+    k, v = replicate_kv(k, v, kv_replication_factor(k.shape[1], cp_size))  # [T_local, H_kv * rep, D]
+    heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
+    qh, kh, vh = (x.contiguous() for x in heads)
+    mine = head_slice(q.shape[1], cp_size, layer.cp_rank)
+    out_h, lse = kernels.run_forward(layer.kernel, qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                     layer.scale, layer.causal, layer.window, layer.softcap,
+                                     None if sinks is None else sinks[mine])  # [T, H/cp, D], [H/cp, T]
+    (out,) = heads_to_seq(_to_gathered([out_h], perm), group, cp_size)
+    return [out, lse.contiguous(), qh, kh, vh, out_h]
+
+
+def backward(dout, q, k, v, sinks, saved, tables, layer):
+    """The op's backward: ``(dq, dk, dv, dsinks)``."""
+    _, lse, qh, kh, vh, out_h = saved
+    perm, cu_seqlens, max_seqlen = _unwire(tables)
+    cp_size, group = layer.cp_size, layer.group
+    (douth,) = _to_global(seq_to_heads([dout], group, cp_size), perm)  # transposed output a2a
+    dqh, dkh, dvh = kernels.run_backward(layer.kernel, douth, qh, kh, vh, out_h, lse, cu_seqlens, cu_seqlens,
+                                         max_seqlen, max_seqlen, layer.scale, layer.causal, layer.window,
+                                         layer.softcap)
+    dsinks = sliced_sinks_grad(douth, out_h, lse, sinks, head_slice(q.shape[1], cp_size, layer.cp_rank), True)
+    dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
+    return (dq, *sum_replicas(dk, dv, kv_replication_factor(k.shape[1], cp_size)), dsinks)
+
+
+def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
+    from cp_packing.attention.allgather import lse_like
+
+    T, h, h_kv = _head_shapes(q, k, layer.cp_size)
+    return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
+            k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
 
 
 def ulysses_attention(
@@ -186,8 +201,3 @@ def ulysses_attention(
 
     return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
                                       backend="ulysses", kernel=kernel, softcap=softcap, sinks=sinks, window=window)
-
-
-from cp_packing.attention.plan import register_backend  # noqa: E402  (plan imports no backend)
-
-register_backend("ulysses", build_tables, layer)
