@@ -160,6 +160,7 @@ class Row:
     cp1: str = ""
     features: str = ""
     note: str = ""
+    compiled: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -278,8 +279,9 @@ def documents_alone(model: torch.nn.Module, case: dict) -> tuple[float, dict[str
 
 
 def cp_step(model: torch.nn.Module, case: dict, *, group, cp_size: int, cp_rank: int, layout: str,
-            guard: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    """One CP rank's forward/backward: (this rank's loss share, its local gradients)."""
+            guard: bool, compiled: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    """One CP rank's forward/backward: (this rank's loss share, its local gradients); ``compiled``: the model under
+    ``torch.compile`` (aot_eager: dynamo and AOT autograd, no code generation), prepared with ``model=``."""
     from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
     from cp_packing.hf import cp_model_inputs
     from cp_packing.loss import packed_cross_entropy
@@ -287,9 +289,14 @@ def cp_step(model: torch.nn.Module, case: dict, *, group, cp_size: int, cp_rank:
     model.zero_grad(set_to_none=True)
     params = packed_seq_params_from_doc_ids(case["doc"])
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
-    inputs = cp_model_inputs(sharded.shard(case["ids"]), sharded, group=group, model=model if guard else None)
-    logits = model(**inputs).logits[0].float()  # [T_local, V]
-    share = packed_cross_entropy(logits, sharded.shard(case["labels"]), group=group)
+    inputs = cp_model_inputs(sharded.shard(case["ids"]), sharded, group=group,
+                             model=model if guard or compiled else None)
+    call = model
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(model, backend="aot_eager")
+    logits = call(**inputs).logits[0].float()  # [T_local, V]
+    share = packed_cross_entropy(logits, sharded.shard(case["labels"]), sharded=inputs["cp_sharded"])
     share.backward()
     return float(share), _grads(model)
 
@@ -305,14 +312,14 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return ("refused at run" if loud else "error"), _short(exc)
 
 
-def _cp_worker(rank: int, world_size: int, jobs: list, layout: str) -> dict:
+def _cp_worker(rank: int, world_size: int, jobs: list, layout: str, compiled: bool = False) -> dict:
     """Every job's loss and SUM-reduced gradients at cp ``world_size`` (rank 0 returns them), or its error."""
     group = dist.group.WORLD
     out = {}
     for name, model, case, guard in jobs:
         try:
             share, grads = cp_step(model, case, group=group, cp_size=world_size, cp_rank=rank, layout=layout,
-                                   guard=guard)
+                                   guard=guard, compiled=compiled)
             flat = torch.cat([torch.tensor([share])] + [g.reshape(-1) for g in grads.values()])
             dist.all_reduce(flat, group=group)  # one collective: the loss shares and every gradient
             loss, offset, summed = float(flat[0]), 1, {}
@@ -558,12 +565,13 @@ def _finish(row: Row, job: dict, result: tuple) -> None:
     row.status = f"{row.status}; forced run: {verdict}" if row.status else verdict
 
 
-def run_cp(jobs: dict[str, dict], cp_size: int, layout: str, timeout: float) -> dict[str, tuple]:
+def run_cp(jobs: dict[str, dict], cp_size: int, layout: str, timeout: float,
+           compiled: bool = False) -> dict[str, tuple]:
     """The cp runs of ``jobs`` in one set of ranks; on a failure of the ranks themselves, one set per family."""
     from cp_packing.testing import run_ranks
 
     items = [(name, j["model"], j["case"], j["guard"]) for name, j in jobs.items()]
-    results = run_ranks(_cp_worker, cp_size, items, layout, timeout=timeout)
+    results = run_ranks(_cp_worker, cp_size, items, layout, compiled, timeout=timeout)
     if all(r.ok for r in results):
         return results[0].value
     if len(items) == 1:
@@ -571,13 +579,14 @@ def run_cp(jobs: dict[str, dict], cp_size: int, layout: str, timeout: float) -> 
         return {items[0][0]: ("error", f"the ranks failed: {text[:120]}")}
     out = {}
     for name in jobs:
-        out |= run_cp({name: jobs[name]}, cp_size, layout, timeout=min(timeout, 120))
+        out |= run_cp({name: jobs[name]}, cp_size, layout, timeout=min(timeout, 120), compiled=compiled)
     return out
 
 
 def sweep(types: list[str], *, cp_size: int = 2, layout: str = "contiguous", timeout: float = 600.0,
-          log=None) -> list[Row]:
-    """Rows of the sweep over ``types`` (model types of the causal-LM mapping)."""
+          log=None, compiled: bool = False) -> list[Row]:
+    """Rows of the sweep over ``types`` (model types of the causal-LM mapping); ``compiled``: the families run
+    eagerly also run under ``torch.compile`` (the ``compiled`` column, against the same documents-alone reference)."""
     from cp_packing.hf import register_cp_attention
 
     import transformers
@@ -599,6 +608,14 @@ def sweep(types: list[str], *, cp_size: int = 2, layout: str = "contiguous", tim
     if jobs:
         for name, result in run_cp(jobs, cp_size, layout, timeout).items():
             _finish(rows[name], jobs[name], result)
+        runnable = {name: job for name, job in jobs.items() if job["guard"]}
+        if compiled and runnable:
+            for name, (kind, value) in run_cp(runnable, cp_size, layout, timeout, compiled=True).items():
+                if kind != "ok":
+                    rows[name].compiled = f"{kind}: {value[:80]}"
+                    continue
+                d_loss, d_grad, ok = compare(*value, *runnable[name]["ref"])
+                rows[name].compiled = ("match" if ok else "MISMATCH (silently wrong)") + f" ({d_loss:.1e}, {d_grad:.1e})"
     return [rows[t] for t in types]
 
 
@@ -609,13 +626,13 @@ def _fmt(x: float | None) -> str:
 def markdown(rows: list[Row], cp_size: int) -> str:
     lines = [
         f"| model type | class | status at cp {cp_size} | loss diff | max grad rel diff | cp 1 (loss, grad) "
-        "| features probe, cp 1 | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| features probe, cp 1 | compiled (loss, grad) | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         note = r.note.replace("|", "/")
         lines.append(f"| {r.model_type} | {r.architecture} | {r.status} | {_fmt(r.loss_diff)} | {_fmt(r.grad_rel)} "
-                     f"| {r.cp1} | {r.features} | {note} |")
+                     f"| {r.cp1} | {r.features} | {r.compiled.replace('|', '/')} | {note} |")
     return "\n".join(lines)
 
 
@@ -627,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", nargs="+", help="these model types only")
     p.add_argument("--layout", default="contiguous", choices=("contiguous", "balanced"))
     p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="also run every runnable family under torch.compile")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     types = list(QUICK) if a.quick else (a.types or [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VARIANTS])
@@ -634,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"not causal-LM model types of this transformers: {unknown}")
     t0 = time.monotonic()
-    rows = sweep(types, cp_size=a.cp, layout=a.layout, log=sys.stderr)
+    rows = sweep(types, cp_size=a.cp, layout=a.layout, log=sys.stderr, compiled=a.compiled)
     print(markdown(rows, a.cp))
     counts: dict[str, int] = {}
     for r in rows:

@@ -18,6 +18,7 @@ import torch
 from cp_packing._checks import check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
+from cp_packing.attention.wire import pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
@@ -190,25 +191,23 @@ def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp
 # --------------------------------------------------------------------------------- the step plan's tables
 
 
-def to_wire(keys: AllGatherKeys) -> tuple[torch.Tensor, ...]:
-    """``keys`` as the tensors the attention op takes: ``(key_index, cu_seqlens_q, cu_seqlens_k, sizes)``; ``sizes``
-    is an int64 CPU tensor (longest run, longest key range, the first gathered row when the keys are one range else
-    -1, the key count), so a new step's values are data, not constants that recompile a compiled model."""
+def to_wire(keys: AllGatherKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys`` as the attention op takes them (``cp_packing.attention.wire``): the key index (empty when the keys
+    are one range), ``cu_seqlens_q`` and ``cu_seqlens_k``; the longest run and key range, the first gathered row of
+    a one-range index (else -1) and the key count on the host."""
     first = keys.key_slice.start if keys.key_slice is not None else -1
-    device = keys.cu_seqlens_q.device
-    key_index = keys.key_index if keys.key_index is not None else torch.arange(
-        first, first + keys.num_keys, dtype=torch.int64, device=device)
-    sizes = torch.tensor([keys.max_seqlen_q, keys.max_seqlen_k, first, keys.num_keys], dtype=torch.int64)
-    return key_index, keys.cu_seqlens_q, keys.cu_seqlens_k, sizes
+    index = keys.key_index if keys.key_index is not None else keys.cu_seqlens_q.new_zeros(0, dtype=torch.int64)
+    return pack([keys.max_seqlen_q, keys.max_seqlen_k, first, keys.num_keys],
+                [index, keys.cu_seqlens_q, keys.cu_seqlens_k], keys.cu_seqlens_q.device)
 
 
 def from_wire(tables) -> AllGatherKeys:
-    """Inverse of :func:`to_wire` (inside the op: ``sizes`` is on the CPU, no device sync)."""
-    key_index, cu_q, cu_k, sizes = tables
-    max_q, max_k, first, n = sizes.tolist()
+    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync)."""
+    (max_q, max_k, first, n), (key_index, cu_q, cu_k) = unpack(tables)
     return AllGatherKeys(key_index=None if first >= 0 else key_index,
-                         key_slice=slice(first, first + n) if first >= 0 else None, cu_seqlens_q=cu_q,
-                         cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, num_keys=n)
+                         key_slice=slice(first, first + n) if first >= 0 else None,
+                         cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32), max_seqlen_q=max_q,
+                         max_seqlen_k=max_k, num_keys=n)
 
 
 def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:

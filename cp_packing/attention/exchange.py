@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cp_packing.attention import kernels
+from cp_packing.attention.wire import pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
@@ -161,26 +162,26 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
 # ------------------------------------------------------------------------------------------- the op's tables
 
 
-def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, ...]:
-    """``t`` as the tensors the attention op takes; every host-side number in one int64 CPU tensor (last), so a
-    new step's splits and maxima are data, not constants that recompile a compiled model."""
-    remote = t.remote if t.remote is not None else _Keys(t.local.index[:0], t.local.cu_seqlens_k[:1], -1)
-    sizes = torch.tensor([*t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
-                          remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)], dtype=torch.int64)
-    return (t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index, remote.cu_seqlens_k,
-            t.joint.index, t.joint.cu_seqlens_k, sizes)
+def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` as the attention op takes it (``cp_packing.attention.wire``): the send index, ``cu_seqlens_q`` and the
+    three calls' keys; the splits, the flags and the maxima on the host."""
+    remote = t.remote if t.remote is not None else _Keys(t.local.index[:0], t.local.cu_seqlens_k[:0], -1)
+    header = [*t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
+              remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)]
+    return pack(header, [t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index,
+                         remote.cu_seqlens_k, t.joint.index, t.joint.cu_seqlens_k], t.cu_seqlens_q.device)
 
 
 def from_wire(tables) -> ExchangeTables:
-    """Inverse of :func:`to_wire` (inside the op: the sizes are on the CPU, no device sync)."""
-    send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu, sizes = tables
-    values = sizes.tolist()
-    cp = (len(values) - 6) // 2
-    communicate, max_q, l_max, r_max, j_max, causal = values[2 * cp:]
+    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync)."""
+    header, (send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu) = unpack(tables)
+    cp = (len(header) - 6) // 2
+    communicate, max_q, l_max, r_max, j_max, causal = header[2 * cp:]
+    i32 = torch.int32
     return ExchangeTables(
-        send_index=send_index, send_splits=values[:cp], recv_splits=values[cp:2 * cp], communicate=bool(communicate),
-        cu_seqlens_q=cu_q, max_seqlen_q=max_q, local=_Keys(l_index, l_cu, l_max),
-        remote=None if r_max < 0 else _Keys(r_index, r_cu, r_max), joint=_Keys(j_index, j_cu, j_max),
+        send_index=send_index, send_splits=header[:cp], recv_splits=header[cp:2 * cp], communicate=bool(communicate),
+        cu_seqlens_q=cu_q.to(i32), max_seqlen_q=max_q, local=_Keys(l_index, l_cu.to(i32), l_max),
+        remote=None if r_max < 0 else _Keys(r_index, r_cu.to(i32), r_max), joint=_Keys(j_index, j_cu.to(i32), j_max),
         causal=bool(causal))
 
 

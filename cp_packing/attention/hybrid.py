@@ -138,7 +138,7 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     U = layer.ulysses_size
     T, h = q.shape[0] * U, q.shape[1] // U
-    h_kv = k.shape[1] * kv_replication(q.shape[1], k.shape[1], U) // U
+    h_kv = k.shape[1] * kv_replication(int(q.shape[1]), int(k.shape[1]), U) // U
     return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
             k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
 

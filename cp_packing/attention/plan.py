@@ -486,10 +486,8 @@ def _build(plan_or_ctx, key: LayerKey):
     causal, window, chunk = key
     ctx = TableContext(plan_or_ctx.sharded, plan_or_ctx.options, plan_or_ctx.device)
     tables = BACKEND_TABLE[plan_or_ctx.backend].build(ctx, causal, window, chunk)
-    if isinstance(tables, tuple):
-        for x in tables:  # their lengths change with every batch's documents: a new step does not recompile
-            if x.device.type != "cpu" or x.dtype != torch.int64 or x.dim() != 1 or x.numel() > 64:
-                torch._dynamo.maybe_mark_dynamic(x, 0)
+    if isinstance(tables, tuple):  # (blob, sizes): the blob's length changes with every batch's documents
+        torch._dynamo.maybe_mark_dynamic(tables[0], 0)  # so a new step does not recompile (cp_packing.attention.wire)
     return tables
 
 

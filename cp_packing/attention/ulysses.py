@@ -19,6 +19,7 @@ import torch
 
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
+from cp_packing.attention.wire import pack, unpack
 from cp_packing.cost import kv_replication_factor
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
@@ -118,26 +119,24 @@ def sum_replicas(dk: torch.Tensor, dv: torch.Tensor, rep: int) -> tuple[torch.Te
 
 
 def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
-    """The step plan's Ulysses tables: ``(order, inverse, cu_seqlens, sizes)``: the gathered <-> global permutation
-    (empty when it is the identity), the global ``cu_seqlens`` and, on the CPU, ``[max_seqlen, permuted]``."""
+    """The step plan's Ulysses tables (``cp_packing.attention.wire``): the gathered <-> global permutation (empty
+    when it is the identity) and the global ``cu_seqlens``; the longest segment on the host."""
     params = ctx.sharded.global_params
-    cu_seqlens = params.cu_seqlens.to(device=ctx.device, dtype=torch.int32)
     perm = _global_permutation(ctx.sharded, ctx.device)
     empty = torch.zeros(0, dtype=torch.int64, device=ctx.device)
     order, inverse = perm if perm is not None else (empty, empty)
-    sizes = torch.tensor([int(params.max_seqlen), int(perm is not None)], dtype=torch.int64)
-    return order, inverse, cu_seqlens, sizes
+    return pack([int(params.max_seqlen), int(perm is not None)], [order, inverse, params.cu_seqlens], ctx.device)
 
 
 def _unwire(tables):
-    order, inverse, cu_seqlens, sizes = tables
-    max_seqlen, permuted = sizes.tolist()
-    return (order, inverse) if permuted else None, cu_seqlens, max_seqlen
+    (max_seqlen, permuted), (order, inverse, cu_seqlens) = unpack(tables)
+    return (order, inverse) if permuted else None, cu_seqlens.to(torch.int32), max_seqlen
 
 
 def _head_shapes(q, k, cp_size: int) -> tuple[int, int, int]:
-    """``(T, query heads, key/value heads)`` of this rank's head shard."""
-    rep = kv_replication_factor(k.shape[1], cp_size)
+    """``(T, query heads, key/value heads)`` of this rank's head shard (fake implementations: head counts may be
+    symbolic there, so the replication factor is read as a plain int)."""
+    rep = kv_replication_factor(int(k.shape[1]), cp_size)
     return q.shape[0] * cp_size, q.shape[1] // cp_size, k.shape[1] * rep // cp_size
 
 
