@@ -338,6 +338,50 @@ def user_exception_between_two_calls_cp3(rank, world):
     _layers(_step(sharded, dist.group.WORLD), *_local_qkv(sharded), 2)
 
 
+# Two group objects with the same ranks (dist.new_group called twice): the agreement's channel is the process group
+# (torch's group name, the same on all its ranks), so rank 0 in one and rank 1 in the other find the crossing.
+_TWINS = r"passed different groups.*same ranks \(dist.new_group called twice\) are two different groups"
+
+
+def _twin_groups(rank: int):
+    """``a = new_group([0, 1]); b = new_group([0, 1])`` on every rank; rank 0's is a, rank 1's is b."""
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    return a if rank == 0 else b
+
+
+@case("hangs", 2, {r: ("AgreementError", _TWINS) for r in (0, 1)})
+def twin_groups_in_attention(rank, world):
+    sharded = _shard(world, rank)
+    context_parallel_attention(*_local_qkv(sharded), sharded, group=_twin_groups(rank), backend="allgather")
+
+
+@case("hangs", 2, {r: ("AgreementError", _TWINS) for r in (0, 1)})
+def twin_groups_in_the_loss(rank, world):
+    sharded = _shard(world, rank)
+    logits = torch.randn(sharded.num_local_tokens, VOCAB)
+    packed_cross_entropy(logits, sharded.shard(_batch()["labels"]), group=_twin_groups(rank), sharded=sharded)
+
+
+# A rank that reaches a step after its peer gave up on it: the step was abandoned (marked in the store), so it raises
+# at once, naming the peer and how long ago, instead of passing the agreement into an all-gather nobody joins.
+_LATE_TIMEOUT, _LATE_DELAY = 2.0, 3.0
+
+
+@case("hangs", 2, {0: ("AgreementTimeout", r"context_parallel_attention: rank 1 of the CP group \(global 1\) did not "
+                                           r"arrive within 2 s"),
+                   1: ("AgreementTimeout", r"context_parallel_attention: this rank \(global rank 1\) arrived too late: "
+                                           r"global rank 0 of its CP group gave up waiting for it in "
+                                           r"context_parallel_attention \d+\.\d s ago, after 2 s")})
+def late_rank_reaches_a_step_its_peer_gave_up_on(rank, world):
+    import time
+
+    agreement.set_agreement_timeout(_LATE_TIMEOUT)
+    sharded = _shard(world, rank)
+    if rank == 1:
+        time.sleep(_LATE_DELAY)  # e.g. a long save on this rank only, past the agreement timeout
+    context_parallel_attention(*_local_qkv(sharded), sharded, group=dist.group.WORLD, backend="allgather")
+
+
 # ------------------------------------------------------------------------------------------------ aborts
 # A rank whose calls differ from its peers' inside a step. Inside the checked steps (the first CHECKED_STEPS of a
 # group, check_layers=None) every layer and every backward call is agreed: the desync is raised on every rank.
