@@ -682,3 +682,67 @@ def test_aborts_call_desync(name):
 def test_silent_wrong_metadata(name):
     """Metadata that is wrong but looks right: refused on every rank."""
     _run(name)
+
+
+# ------------------------------------------------------------------------------------------------ the docs' tally
+
+_FAMILIES = {"hangs": "hangs (group mismatch, a missing call, a late rank)",
+             "aborts": "aborts (a call desync in a step)",
+             "silent_wrong": "silent wrong (well-formed, wrong metadata)"}
+_TALLY_BEGIN = "<!-- fault-tally:begin (generated: python tests/test_fault_scenarios.py --write) -->\n"
+_TALLY_END = "\n<!-- fault-tally:end -->"
+_DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+
+
+def _how(spec: Case) -> str:
+    """How a passing case ends: every rank runs right, raises within seconds, or some rank waits out the bound."""
+    kinds = {spec.expect.get(r, ("ok", None))[0] for r in range(spec.world)}
+    if kinds == {"ok"}:
+        return "runs right"
+    return "through the bounded wait on some rank" if "AgreementTimeout" in kinds else "raised within seconds"
+
+
+def tally_markdown() -> str:
+    """docs/troubleshooting.md's tally of these cases and the list of the strict xfails, from ``CASES``."""
+    lines = [f"**Tally of `tests/test_fault_scenarios.py`** ({len(CASES)} cases; gloo, 2 to 4 ranks, agreement timeout "
+             f"{AGREEMENT_TIMEOUT:g} s):", "", "| family | cases | pass | strict xfail |", "|---|---|---|---|"]
+    for family, title in _FAMILIES.items():
+        cases = [c for c in CASES.values() if c.family == family]
+        passing = [c for c in cases if c.xfail is None]
+        hows: dict[str, int] = {}
+        for c in passing:
+            hows[_how(c)] = hows.get(_how(c), 0) + 1
+        detail = ", ".join(f"{n} {how}" for how, n in sorted(hows.items(), key=lambda kv: -kv[1]))
+        if len(hows) == 1:
+            detail = f"all {next(iter(hows))}"
+        lines.append(f"| {title} | {len(cases)} | {len(passing)}{': ' + detail if detail else ''} | "
+                     f"{len(cases) - len(passing)} |")
+    lines += ["", "The strict xfails (what happens instead, and why the library cannot catch it):", ""]
+    lines += [f"- `{c.name}` ({c.family}, {c.world} ranks): {c.xfail}" for c in CASES.values() if c.xfail]
+    return "\n".join(lines)
+
+
+def _tally_in_docs(text: str) -> tuple[int, int]:
+    begin, end = text.find(_TALLY_BEGIN), text.find(_TALLY_END)
+    assert begin >= 0 and end > begin, f"{_DOCS} lacks the markers {_TALLY_BEGIN.strip()} ... {_TALLY_END.strip()}"
+    return begin + len(_TALLY_BEGIN), end
+
+
+def test_the_troubleshooting_tally_is_generated_from_the_cases():
+    """docs/troubleshooting.md's tally (counts, and every strict xfail with its reason) is these cases' own."""
+    text = _DOCS.read_text()
+    begin, end = _tally_in_docs(text)
+    assert text[begin:end] == tally_markdown(), (
+        "docs/troubleshooting.md's fault tally is out of date: run PYTHONPATH=. python tests/test_fault_scenarios.py "
+        "--write")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_fault_scenarios.py --write  (regenerates docs/troubleshooting.md's tally)")
+    text = _DOCS.read_text()
+    begin, end = _tally_in_docs(text)
+    _DOCS.write_text(text[:begin] + tally_markdown() + text[end:])
+    print(f"wrote the tally of {len(CASES)} cases to {_DOCS}")
