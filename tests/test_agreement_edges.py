@@ -9,6 +9,7 @@ killed at the hard timeout (a hang) fails the test.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -180,3 +181,27 @@ def test_a_late_rank_of_three_raises_at_once_naming_who_gave_up():
     assert kind == "AgreementTimeout", said
     assert "arrived too late: global rank" in message and "gave up waiting for it in distribute_batch" in message
     assert " s ago, after 2 s" in message, said
+
+
+# ------------------------------------------------------------------------------------------------ num_items_in_batch
+
+
+def _num_items_differ(rank: int, world: int, group_given: bool):
+    from cp_packing.loss import packed_cross_entropy
+
+    labels = torch.tensor([1, 2, -100, 3])
+    try:
+        loss = packed_cross_entropy(torch.zeros(4, 5), labels, num_items_in_batch=6 + rank,
+                                    group=dist.group.WORLD if group_given else None)
+        return "ok", float(loss)
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return type(exc).__name__, str(exc)
+
+
+def test_num_items_in_batch_is_compared_across_the_group_given():
+    """packed_cross_entropy's docstring: the value is compared across ``group`` when given (else local math)."""
+    with_group = [r.value for r in run_ranks(_num_items_differ, 2, True, timeout=HARD_TIMEOUT)]
+    assert all(kind == "AgreementError" and "disagree on num_items_in_batch" in msg for kind, msg in with_group), \
+        with_group
+    alone = [r.value for r in run_ranks(_num_items_differ, 2, False, timeout=HARD_TIMEOUT)]
+    assert [round(v, 6) for _, v in alone] == [round(3 * math.log(5) / n, 6) for n in (6, 7)], alone  # ln 5 per label
