@@ -302,8 +302,9 @@ def _store_lost(call: str, group_name: str, exc: BaseException) -> AgreementErro
     )
 
 
-def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str] | None:
-    """``(global rank, description)`` of a missing peer that waits for this rank in ANOTHER group, or None."""
+def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str, bool] | None:
+    """``(global rank, description, same ranks)`` of a missing peer that waits for this rank in ANOTHER group (one
+    with the same ranks too: a twin), or None."""
     me_global = channel.ranks[channel.me]
     for r in missing:
         found = _read(channel.store, f"waiting/{channel.ranks[r]}")
@@ -315,12 +316,11 @@ def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str] | 
         if channel.store.check([_key(name, seq, ranks.index(me_global))]):
             continue  # this rank has posted there: the peer waits for someone else
         return channel.ranks[r], (f"global rank {channel.ranks[r]} waits in {call} over its {group_name} of global "
-                                  f"ranks {list(ranks)} (process group {pg_name!r})")
+                                  f"ranks {list(ranks)} (process group {pg_name!r})"), ranks == channel.ranks
     return None
 
 
-def _crossed_error(channel: _Channel, call: str, group_name: str, other: str) -> AgreementError:
-    twins = f"(process group {channel.pg_name!r})" not in other and f"of global ranks {list(channel.ranks)} (" in other
+def _crossed_error(channel: _Channel, call: str, group_name: str, other: str, twins: bool) -> AgreementError:
     return AgreementError(
         f"{call}: this rank (global rank {channel.ranks[channel.me]}) waits over {channel.describe(group_name)}, but "
         f"{other}: the ranks passed different groups. Every rank must pass the same group (the CP group, e.g. "
@@ -374,17 +374,17 @@ def _exchange(channel: _Channel, data: bytes, call: str, group_name: str) -> lis
             told = _read(store, f"crossed/{channel.ranks[channel.me]}")  # a peer found the crossing first
             if told is not None:
                 store.delete_key(f"crossed/{channel.ranks[channel.me]}")
-                raise _crossed_error(channel, call, group_name, told)
+                raise _crossed_error(channel, call, group_name, *told)
             missing = _missing(channel, seq)
             if not missing:
                 continue
             crossed = _waiting_for_me(channel, missing)
             if crossed is not None:
-                peer, other = crossed
+                peer, other, twins = crossed
                 here = (f"global rank {channel.ranks[channel.me]} waits in {call} over its {group_name} of global "
                         f"ranks {list(channel.ranks)} (process group {channel.pg_name!r})")
-                store.set(f"crossed/{peer}", pickle.dumps(here))  # the peer raises too, naming this rank's group
-                raise _crossed_error(channel, call, group_name, other)
+                store.set(f"crossed/{peer}", pickle.dumps((here, twins)))  # the peer raises too, naming this group
+                raise _crossed_error(channel, call, group_name, other, twins)
             if time.monotonic() >= deadline:
                 gone = _give_up(channel, seq, missing, call, timeout)
                 if gone:
@@ -467,12 +467,13 @@ def agree(
         data = pickle.dumps(mine)
     channel = _channel(group)
     try:
-        records = [pickle.loads(v) for v in _exchange(channel, data, call, group_name)]
+        values = _exchange(channel, data, call, group_name)
     except dist.DistNetworkError as exc:  # the store's host exited (it raised, or was killed)
         if error is not None:
             raise error  # what this rank carries from an earlier group is the verdict every rank raises
         raise _store_lost(call, group_name, exc) from exc
     try:
+        records = [pickle.loads(v) for v in values]
         _verdict(records, group_name, error)
     except Exception:
         _acknowledge(channel)
