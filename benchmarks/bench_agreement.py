@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/bench_agreement.py            (full: S=2048, 3 layers, cp 2 and 4, 10 steps)
       .venv/bin/python benchmarks/bench_agreement.py --quick    (smoke run: S=512, 2 layers, cp 2, 3 steps)
+      .venv/bin/python benchmarks/bench_agreement.py --agree-only 5   (``agree`` alone, back to back, 5 runs)
 
 Every cp-packing call that communicates starts with ONE ``cp_packing.agreement.agree`` (a small record per rank
 posted to and read from the job's c10d store). This script runs ``cp`` forked gloo ranks (``cp_packing.testing.run_distributed``, one
@@ -163,6 +164,12 @@ def _back_to_back(rank: int, group, passing: int, failing: int) -> tuple[float, 
     return pass_ms, 1e3 * (time.perf_counter() - t0) / failing
 
 
+def _agree_only(rank: int, world: int, micro: tuple[int, int]) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    _back_to_back(rank, dist.group.WORLD, 50, 5)  # warm-up
+    return _back_to_back(rank, dist.group.WORLD, *micro)
+
+
 def _median_ms(values) -> float:
     return 1e3 * statistics.median(values)
 
@@ -219,7 +226,18 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="tokens in the step's one row (default 2048; quick 512)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64; 4 heads, 2 KV heads)")
     p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes, one run each (default 2 4; quick 2)")
+    p.add_argument("--agree-only", type=int, default=0, metavar="RUNS",
+                   help="only the back-to-back agreements (1000 passing, 200 failing calls), RUNS runs per cp")
     a = p.parse_args(argv)
+    if a.agree_only:
+        from cp_packing.testing import run_distributed
+
+        for cp in (a.cp or [2]):
+            for _ in range(a.agree_only):
+                per_rank = run_distributed(_agree_only, cp, (1000, 200), timeout=600)
+                print(f"cp={cp}: back to back (worst rank): a passing agreement "
+                      f"{max(p for p, _ in per_rank):.3f} ms, a failing one {max(f for _, f in per_rank):.3f} ms")
+        return 0
     steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     layers = a.layers if a.layers is not None else 3
     seq = a.seq if a.seq is not None else (512 if a.quick else 2048)
