@@ -3,20 +3,22 @@
 The project's issue listed these mistakes (hangs, gloo aborts, silently wrong answers), tried on real gloo groups of
 2, 3 and 4 ranks. One parametrized test per family:
 
-* ``hangs``: a rank whose group argument differs from its peers' (or that leaves a call out);
+* ``hangs``: a rank whose group argument differs from its peers' (twin groups with the same ranks included), that
+  leaves a call out, or that reaches a step after its peer gave up on it;
 * ``aborts``: a rank whose calls differ from its peers' inside a step (an extra layer, a missing backward, another
   head count), which made collectives of different sizes meet and gloo abort ("Received data size doesn't match");
 * ``silent_wrong``: metadata that is wrong but looks right.
 
 Every case runs ``cp_packing.testing.run_ranks`` with a hard timeout, each rank with the agreement timeout at 5 s
-(``agreement.set_agreement_timeout``), so a rank that never arrives is resolved by the bounded wait in seconds. A
+(``agreement.set_agreement_timeout``; the late-rank case sets 2 s), so a rank that never arrives is resolved by the bounded wait in seconds. A
 case passes when every rank that takes part raises a Python exception of the expected class whose message names
 the problem (the call, the ranks or groups, the field), and every bystander (a rank of another CP group) finishes;
 a rank killed by a signal (a gloo abort) or past the hard timeout comes back in ``RankResult.error`` and fails it.
 An ``AgreementTimeout`` expected on a rank means "resolved by the bounded wait", an ``AgreementError`` "found
 within seconds". A few cases expect ``ok``: the mistake of the issue is no longer one (the rank asserts its output
 against a dense reference). Where the library cannot meet the promise today the case is a strict xfail whose
-reason says what happens; docs/troubleshooting.md ("One rank's mistake") keeps the tally.
+reason says what happens. docs/troubleshooting.md ("One rank's mistake") shows the tally and every strict xfail with
+its reason, generated from ``CASES`` (``python tests/test_fault_scenarios.py --write``) and checked by a test here.
 """
 
 from __future__ import annotations
