@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/bench_agreement.py            (full: S=2048, 3 layers, cp 2 and 4, 10 steps)
       .venv/bin/python benchmarks/bench_agreement.py --quick    (smoke run: S=512, 2 layers, cp 2, 3 steps)
+      .venv/bin/python benchmarks/bench_agreement.py --agree-only 5   (``agree`` alone, back to back, 5 runs)
 
 Every cp-packing call that communicates starts with ONE ``cp_packing.agreement.agree`` (a small record per rank
 posted to and read from the job's c10d store). This script runs ``cp`` forked gloo ranks (``cp_packing.testing.run_distributed``, one
@@ -16,13 +17,15 @@ step draws a new batch outside the timed region and is bracketed by ``dist.barri
 rank 0's (it covers the slowest rank). After ``--warmup`` untimed steps, medians over ``--steps``; a fraction is the
 median over the steps of (agreements / step) within each step, so drift in a shared machine's load cancels out.
 
-The agreements, measured two ways:
+The agreements, measured three ways:
 - ``in step``: every ``agree`` the library calls is wrapped (in ``cp_packing.distributed``, ``.loss`` and
   ``.attention.dispatch``, the modules that call it) and its wall time summed per step; the worst rank. It includes
   waiting for the other ranks to arrive (e.g. the loss's agreement waits for the slowest rank's forward), time a real
   collective right after it would wait anyway, so it is an upper bound.
 - ``bare``: right after each step, behind a barrier, the same agreements (same group, call, fields and payload as
   recorded in the step) are replayed back to back: the cost of the exchanges themselves; the worst rank.
+- ``back to back``: after the steps, ``agree`` alone, 200 passing calls then 40 failing ones (a field that differs:
+  every rank raises AgreementError and acknowledges the verdict), ms per call; the worst rank.
 
 Counts: the store exchange (``agreement._exchange``) is wrapped too, and forward hooks count the attention layers run. The
 run fails (exit 1) unless every step made exactly one agreement each in ``distribute_batch`` and
@@ -135,17 +138,47 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             out["bare_exchanges"].append(bare_exchanges)
             out["T_local"] = sharded.num_local_tokens
             out["layout"] = sharded.layout
+    out["pass_ms"], out["fail_ms"] = _back_to_back(rank, group, *cfg["micro"])
     return out
+
+
+def _back_to_back(rank: int, group, passing: int, failing: int) -> tuple[float, float]:
+    """ms per agreement, back to back behind a barrier: ``passing`` that agree, then ``failing`` that do not (each
+    raises AgreementError on every rank; a failing one also waits until every rank has read the verdict)."""
+    from cp_packing.agreement import AgreementError, agree
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(passing):
+        agree(group, "bench pass", {"n": 1})
+    pass_ms = 1e3 * (time.perf_counter() - t0) / passing
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(failing):
+        try:
+            agree(group, "bench fail", {"rank": rank})
+        except AgreementError:
+            pass
+        else:
+            raise AssertionError("an agreement on different values passed")
+    return pass_ms, 1e3 * (time.perf_counter() - t0) / failing
+
+
+def _agree_only(rank: int, world: int, micro: tuple[int, int]) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    _back_to_back(rank, dist.group.WORLD, 50, 5)  # warm-up
+    return _back_to_back(rank, dist.group.WORLD, *micro)
 
 
 def _median_ms(values) -> float:
     return 1e3 * statistics.median(values)
 
 
-def run(cp: int, args, steps: int, warmup: int) -> dict:
+def run(cp: int, args, steps: int, warmup: int, micro: tuple[int, int]) -> dict:
     from cp_packing.testing import run_distributed
 
-    results = run_distributed(_rank, cp, {"args": args, "steps": steps, "warmup": warmup}, timeout=600)
+    results = run_distributed(_rank, cp, {"args": args, "steps": steps, "warmup": warmup, "micro": micro},
+                              timeout=600)
     r0 = results[0]
     worst = lambda key: [max(r[key][i] for r in results) for i in range(steps)]  # noqa: E731
     problems = []
@@ -177,6 +210,8 @@ def run(cp: int, args, steps: int, warmup: int) -> dict:
         "by_call": {c: _median_ms([max(r["by_call"][i].get(c, 0.0) for r in results) for i in range(steps)])
                     for c in EXPECTED_CALLS},
         "checked": r0["checked"],
+        "pass_ms": max(r["pass_ms"] for r in results), "fail_ms": max(r["fail_ms"] for r in results),
+        "micro": micro,
     }
 
 
@@ -191,7 +226,18 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="tokens in the step's one row (default 2048; quick 512)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64; 4 heads, 2 KV heads)")
     p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes, one run each (default 2 4; quick 2)")
+    p.add_argument("--agree-only", type=int, default=0, metavar="RUNS",
+                   help="only the back-to-back agreements (1000 passing, 200 failing calls), RUNS runs per cp")
     a = p.parse_args(argv)
+    if a.agree_only:
+        from cp_packing.testing import run_distributed
+
+        for cp in (a.cp or [2]):
+            for _ in range(a.agree_only):
+                per_rank = run_distributed(_agree_only, cp, (1000, 200), timeout=600)
+                print(f"cp={cp}: back to back (worst rank): a passing agreement "
+                      f"{max(p for p, _ in per_rank):.3f} ms, a failing one {max(f for _, f in per_rank):.3f} ms")
+        return 0
     steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     layers = a.layers if a.layers is not None else 3
     seq = a.seq if a.seq is not None else (512 if a.quick else 2048)
@@ -216,7 +262,7 @@ def main(argv=None) -> int:
           f"float32, gloo on CPU, 1 thread per rank; {a.warmup} warm-up + {steps} timed steps", flush=True)
     rows = []
     for cp in cps:
-        rows.append(run(cp, args, steps, a.warmup))
+        rows.append(run(cp, args, steps, a.warmup, (20, 5) if a.quick else (200, 40)))
         print(f"  cp={cp} done", flush=True)
 
     print()
@@ -232,6 +278,9 @@ def main(argv=None) -> int:
         by_call = ", ".join(f"{c} {ms:.2f}" for c, ms in r["by_call"].items())
         print(f"cp={r['cp']}: step time over the timed steps {r['step_range'][0]:.1f}-{r['step_range'][1]:.1f} ms; "
               f"agreements in step by call (median ms, worst rank): {by_call}")
+    for r in rows:
+        print(f"cp={r['cp']}: back to back (worst rank): a passing agreement {r['pass_ms']:.3f} ms, a failing one "
+              f"{r['fail_ms']:.3f} ms ({r['micro'][0]} and {r['micro'][1]} calls)")
     for r in rows:
         if r["checked"]:
             per = statistics.median(t / n for _, t, n in r["checked"])

@@ -11,14 +11,20 @@ not through the group's collectives, so:
 
 * records of any size and of two different calls pair up safely (one rank in ``distribute_batch``, another in the
   attention of a layer it added), and an NCCL group needs no device sync for them;
-* every group keeps a sequence number of its agreements: the k-th agreement of a rank meets the k-th of its peers,
-  so an extra or a missing call is an error naming both calls, never a hang;
+* every group (by torch's name of the process group, the same on all its ranks: two groups with the same ranks are two
+  groups) keeps a sequence number of its agreements: the k-th agreement of a rank meets the k-th of its peers, so an
+  extra or a missing call is an error naming both calls, never a hang;
 * a peer that never arrives (it raised in its own code, died, or took another branch) is a bounded wait: after
   :func:`agreement_timeout` seconds (default 120, ``CP_PACKING_TIMEOUT``) every waiting rank raises
-  :class:`AgreementTimeout` naming the call and the ranks that did not arrive;
+  :class:`AgreementTimeout` naming the call and the ranks that did not arrive, and marks their places in that
+  agreement as abandoned (atomically, ``compare_set``): a rank that arrives later raises at once, naming the peer
+  that gave up and how long ago, instead of passing into collectives nobody joins;
 * a rank that passed another group (``None`` on one rank, the DP group for the CP group) is found while waiting: a
   waiting rank announces where it waits, and two ranks that wait for each other in different groups both raise,
-  naming the groups, within seconds.
+  naming the groups, within seconds;
+* an agreement that fails is left only when every rank has read the verdict (an acknowledgement per rank), so the
+  rank that hosts the store may raise and exit at once; a rank that still loses the store raises an
+  ``AgreementError`` that says so (its own carried error where it has one), never a bare transport error.
 
 :func:`fail_together` is the one way call sites use it: local checks inside the ``with`` block, one agreement per
 group on exit, whatever the exception class.
@@ -193,29 +199,39 @@ def _raise_disagreement(records: list[Record], group_name: str) -> None:
 class _Channel:
     """One group's agreements in the store: its key prefix, its global ranks and its sequence number."""
 
-    def __init__(self, ranks: tuple[int, ...], store: Any):
+    def __init__(self, pg_name: str, ranks: tuple[int, ...], store: Any):
+        self.pg_name = pg_name  # torch's name of the process group: the same on every rank of it
         self.ranks = ranks
-        self.name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+        self.name = _channel_name(pg_name, ranks)
         self.store = store
         self.seq = 0
         self.steps = 0
         self.me = ranks.index(dist.get_rank())
 
+    def describe(self, group_name: str) -> str:
+        return f"its {group_name} of global ranks {list(self.ranks)} (process group {self.pg_name!r})"
 
-# One per group (its global ranks) of the current world: the sequence numbers live here, as torch keeps its own per
-# process group. A new world (init_process_group again) starts new channels.
-_CHANNELS: dict[tuple[int, tuple[int, ...]], _Channel] = {}
+
+def _channel_name(pg_name: str, ranks: tuple[int, ...]) -> str:
+    return hashlib.blake2b(f"{pg_name}:{ranks}".encode(), digest_size=8).hexdigest()
+
+
+# One per process group (torch's name for it) of the current world: the sequence numbers live here, as torch keeps
+# its own per process group. A new world (init_process_group again) starts new channels.
+_CHANNELS: dict[tuple[int, str], _Channel] = {}
 
 
 def _channel(group: dist.ProcessGroup) -> _Channel:
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (id(dist.group.WORLD), ranks)
+    pg_name = dist.distributed_c10d._get_process_group_name(group)  # "0" for the world, "1", ... (or a hash)
+    if pg_name == "None":  # not registered with torch (a hand-made group): its ranks are all there is
+        pg_name = "ranks " + repr(tuple(dist.get_process_group_ranks(group)))
+    key = (id(dist.group.WORLD), pg_name)
     channel = _CHANNELS.get(key)
     if channel is None:
         for stale in [k for k in _CHANNELS if k[0] != key[0]]:
             del _CHANNELS[stale]
         store = dist.PrefixStore("cp_packing/", dist.distributed_c10d._get_default_store())
-        channel = _CHANNELS[key] = _Channel(ranks, store)
+        channel = _CHANNELS[key] = _Channel(pg_name, tuple(dist.get_process_group_ranks(group)), store)
     return channel
 
 
@@ -241,29 +257,75 @@ def _read(store: Any, key: str) -> Any:
         return None
 
 
-def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str] | None:
-    """``(global rank, description)`` of a missing peer that waits for this rank in ANOTHER group, or None."""
+# A rank that gave up waiting writes this (then a pickled (global rank, wall time, call, seconds waited)) into each
+# missing peer's place of that agreement; records are pickles (they start with b"\x80"), so the two never mix.
+_GAVE_UP = b"cp_packing:gave-up\n"
+
+
+def _gave_up(value: bytes) -> tuple[int, float, str, float] | None:
+    return pickle.loads(value[len(_GAVE_UP):]) if value.startswith(_GAVE_UP) else None
+
+
+def _timeout_error(channel: _Channel, call: str, group_name: str, missing: list[int], timeout: float,
+                   gave_up: tuple[int, float, str, float] | None = None) -> AgreementTimeout:
+    gone = ", ".join(str(channel.ranks[r]) for r in missing)
+    who = "" if gave_up is None else f" (global rank {gave_up[0]} gave up waiting for them {_ago(gave_up[1])})"
+    return AgreementTimeout(
+        f"{call}: {_ranks(missing)} of the {group_name} (global {gone}) did not arrive within {timeout:g} s{who}; "
+        "they raised in their own code, died, or took another branch (every rank of the group must make the same "
+        f"cp-packing calls). Set {TIMEOUT_ENV}=<seconds> (or cp_packing.agreement.set_agreement_timeout) where a "
+        "rank may legitimately lag longer, e.g. a long save"
+    )
+
+
+def _ago(when: float) -> str:
+    return f"{max(time.time() - when, 0.0):.1f} s ago"
+
+
+def _late_error(channel: _Channel, call: str, group_name: str, gave_up: tuple[int, float, str, float]) -> \
+        AgreementTimeout:
+    rank, when, their_call, waited = gave_up
+    return AgreementTimeout(
+        f"{call}: this rank (global rank {channel.ranks[channel.me]}) arrived too late: global rank {rank} of its "
+        f"{group_name} gave up waiting for it in {their_call} {_ago(when)}, after {waited:g} s (it raised "
+        "AgreementTimeout), so this agreement can never complete. Find why this rank lagged (see the other rank's "
+        f"error), or set {TIMEOUT_ENV}=<seconds> higher on every rank where a rank may legitimately lag that long"
+    )
+
+
+def _store_lost(call: str, group_name: str, exc: BaseException) -> AgreementError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return AgreementError(
+        f"{call}: this rank lost the c10d store that carries the {group_name}'s agreement ({type(exc).__name__}: "
+        f"{first}): the store host exited after raising: see its error (global rank 0 hosts the store in a plain "
+        "init_process_group; under torchrun, the agent)"
+    )
+
+
+def _waiting_for_me(channel: _Channel, missing: list[int]) -> tuple[int, str, bool] | None:
+    """``(global rank, description, same ranks)`` of a missing peer that waits for this rank in ANOTHER group (one
+    with the same ranks too: a twin), or None."""
     me_global = channel.ranks[channel.me]
     for r in missing:
         found = _read(channel.store, f"waiting/{channel.ranks[r]}")
         if found is None:
             continue
-        ranks, seq, call, group_name = found
-        if ranks == channel.ranks or me_global not in ranks:
+        name, pg_name, ranks, seq, call, group_name = found
+        if name == channel.name or me_global not in ranks:
             continue
-        name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
         if channel.store.check([_key(name, seq, ranks.index(me_global))]):
             continue  # this rank has posted there: the peer waits for someone else
         return channel.ranks[r], (f"global rank {channel.ranks[r]} waits in {call} over its {group_name} of global "
-                                  f"ranks {list(ranks)}")
+                                  f"ranks {list(ranks)} (process group {pg_name!r})"), ranks == channel.ranks
     return None
 
 
-def _crossed_error(channel: _Channel, call: str, group_name: str, other: str) -> AgreementError:
+def _crossed_error(channel: _Channel, call: str, group_name: str, other: str, twins: bool) -> AgreementError:
     return AgreementError(
-        f"{call}: this rank (global rank {channel.ranks[channel.me]}) waits over its {group_name} of global ranks "
-        f"{list(channel.ranks)}, but {other}: the ranks passed different groups. Every rank must pass the same group "
-        "(the CP group, e.g. mesh['cp'], on every rank; not None or the DP group on some)"
+        f"{call}: this rank (global rank {channel.ranks[channel.me]}) waits over {channel.describe(group_name)}, but "
+        f"{other}: the ranks passed different groups. Every rank must pass the same group (the CP group, e.g. "
+        "mesh['cp'], on every rank; not None or the DP group on some)"
+        + ("; two groups with the same ranks (dist.new_group called twice) are two different groups" if twins else "")
     )
 
 
@@ -271,12 +333,29 @@ def _missing(channel: _Channel, seq: int) -> list[int]:
     return [r for r in range(len(channel.ranks)) if not channel.store.check([_key(channel.name, seq, r)])]
 
 
+def _give_up(channel: _Channel, seq: int, missing: list[int], call: str, timeout: float) -> list[int]:
+    """Mark the missing ranks' places in agreement ``seq`` as abandoned; return those still missing (a rank whose
+    record landed first arrived in time after all). Atomic: a late rank's own ``compare_set`` finds the mark."""
+    mark = _GAVE_UP + pickle.dumps((channel.ranks[channel.me], time.time(), call, timeout))
+    gone = []
+    for r in missing:
+        value = channel.store.compare_set(_key(channel.name, seq, r), b"", mark)
+        if value == mark or value.startswith(_GAVE_UP):  # marked now, or by another rank that gave up first
+            gone.append(r)
+    return gone
+
+
 def _exchange(channel: _Channel, data: bytes, call: str, group_name: str) -> list[bytes]:
     """Post this rank's record for the group's next agreement and return every rank's, in group-rank order."""
     channel.seq += 1
     seq, store = channel.seq, channel.store
     keys = [_key(channel.name, seq, r) for r in range(len(channel.ranks))]
-    store.set(keys[channel.me], data)
+    posted = store.compare_set(keys[channel.me], b"", data)  # one round trip, as a set; never over a peer's mark
+    if posted != data:
+        gave_up = _gave_up(posted)
+        if gave_up is not None:
+            raise _late_error(channel, call, group_name, gave_up)
+        store.set(keys[channel.me], data)  # a stale record of an earlier world on the same store
     timeout = agreement_timeout()
     deadline = time.monotonic() + timeout
     wait, announced = 1.0, None
@@ -290,37 +369,59 @@ def _exchange(channel: _Channel, data: bytes, call: str, group_name: str) -> lis
                 pass
             if announced is None:  # the slow path: say where this rank waits, for a peer in another group
                 announced = f"waiting/{channel.ranks[channel.me]}"
-                store.set(announced, pickle.dumps((channel.ranks, seq, call, group_name)))
+                store.set(announced, pickle.dumps((channel.name, channel.pg_name, channel.ranks, seq, call,
+                                                   group_name)))
             told = _read(store, f"crossed/{channel.ranks[channel.me]}")  # a peer found the crossing first
             if told is not None:
                 store.delete_key(f"crossed/{channel.ranks[channel.me]}")
-                raise _crossed_error(channel, call, group_name, told)
+                raise _crossed_error(channel, call, group_name, *told)
             missing = _missing(channel, seq)
             if not missing:
                 continue
             crossed = _waiting_for_me(channel, missing)
             if crossed is not None:
-                peer, other = crossed
+                peer, other, twins = crossed
                 here = (f"global rank {channel.ranks[channel.me]} waits in {call} over its {group_name} of global "
-                        f"ranks {list(channel.ranks)}")
-                store.set(f"crossed/{peer}", pickle.dumps(here))  # the peer raises too, naming this rank's group
-                raise _crossed_error(channel, call, group_name, other)
+                        f"ranks {list(channel.ranks)} (process group {channel.pg_name!r})")
+                store.set(f"crossed/{peer}", pickle.dumps((here, twins)))  # the peer raises too, naming this group
+                raise _crossed_error(channel, call, group_name, other, twins)
             if time.monotonic() >= deadline:
-                gone = ", ".join(str(channel.ranks[r]) for r in missing)
-                raise AgreementTimeout(
-                    f"{call}: {_ranks(missing)} of the {group_name} (global {gone}) did not arrive within "
-                    f"{timeout:g} s; they raised in their own code, died, or took another branch (every rank of the "
-                    f"group must make the same cp-packing calls). Set {TIMEOUT_ENV}=<seconds> (or cp_packing."
-                    "agreement.set_agreement_timeout) where a rank may legitimately lag longer, e.g. a long save"
-                )
+                gone = _give_up(channel, seq, missing, call, timeout)
+                if gone:
+                    raise _timeout_error(channel, call, group_name, gone, timeout)
             wait = min(2 * wait, 10.0)
         values = store.multi_get(keys)
     finally:
         if announced is not None:
-            store.delete_key(announced)
+            with contextlib.suppress(dist.DistError):
+                store.delete_key(announced)
+    marks = [(r, _gave_up(v)) for r, v in enumerate(values) if v.startswith(_GAVE_UP)]
+    if marks:  # a peer gave up on a rank while this one waited: the agreement is abandoned on every rank
+        raise _timeout_error(channel, call, group_name, [r for r, _ in marks], timeout, marks[0][1])
     if seq > 1:
         store.delete_key(_key(channel.name, seq - 1, channel.me))  # every peer has read it: they posted seq
     return values
+
+
+def _acknowledge(channel: _Channel) -> None:
+    """After a failed agreement: say this rank read the verdict, and wait (within the bound) until every rank has,
+    so that the rank hosting the store may exit right after raising without cutting a peer off mid-read."""
+    keys = [f"{channel.name}/{channel.seq}/read/{r}" for r in range(len(channel.ranks))]
+    with contextlib.suppress(dist.DistError):  # the store may go first: this rank has its verdict already
+        channel.store.set(keys[channel.me], b"1")
+        channel.store.wait(keys, timedelta(seconds=agreement_timeout()))
+
+
+def _verdict(records: list[Record], group_name: str, error: BaseException | None) -> None:
+    """Raise the agreement's error (the lowest failing rank's, else a disagreement), or return."""
+    failed = [rank for rank, r in enumerate(records) if r.error is not None]
+    if failed:
+        name, message = records[failed[0]].error
+        also = f"; {_ranks(failed[1:])} failed too" if len(failed) > 1 else ""
+        text = f"{message} [raised on {group_name} rank {failed[0]}{also}; every rank of the group raises this]"
+        exc = _ERROR_TYPES[name](text)
+        raise exc from error
+    _raise_disagreement(records, group_name)
 
 
 def agree(
@@ -348,7 +449,8 @@ def agree(
     Raises:
         The class of the lowest failing rank's error (ValueError, TypeError, ...; other classes as RuntimeError) on
         every rank; ``AgreementError`` (a ValueError) when the ranks differ in ``call`` or in a field, or passed
-        different groups; ``AgreementTimeout`` (a RuntimeError) when a rank does not arrive in time.
+        different groups, or the store is lost (this rank's own ``error`` then, where it has one);
+        ``AgreementTimeout`` (a RuntimeError) when a rank does not arrive in time, or arrives after a peer gave up.
 
     >>> agree(None, "my_call", {"layout": "zigzag"})[0].fields
     {'layout': 'zigzag'}
@@ -363,15 +465,19 @@ def agree(
     except Exception:  # noqa: BLE001 - an unpicklable error argument: send its text
         mine = Record(call=call, fields={k: repr(v) for k, v in mine.fields.items()}, error=mine.error)
         data = pickle.dumps(mine)
-    records = [pickle.loads(v) for v in _exchange(_channel(group), data, call, group_name)]
-    failed = [rank for rank, r in enumerate(records) if r.error is not None]
-    if failed:
-        name, message = records[failed[0]].error
-        also = f"; {_ranks(failed[1:])} failed too" if len(failed) > 1 else ""
-        text = f"{message} [raised on {group_name} rank {failed[0]}{also}; every rank of the group raises this]"
-        exc = _ERROR_TYPES[name](text)
-        raise exc from error
-    _raise_disagreement(records, group_name)
+    channel = _channel(group)
+    try:
+        values = _exchange(channel, data, call, group_name)
+    except dist.DistNetworkError as exc:  # the store's host exited (it raised, or was killed)
+        if error is not None:
+            raise error  # what this rank carries from an earlier group is the verdict every rank raises
+        raise _store_lost(call, group_name, exc) from exc
+    try:
+        records = [pickle.loads(v) for v in values]
+        _verdict(records, group_name, error)
+    except Exception:
+        _acknowledge(channel)
+        raise
     return records
 
 

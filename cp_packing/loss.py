@@ -252,7 +252,8 @@ def packed_cross_entropy(
             labels, and its batch and layout against the other ranks'; it also lets the loss see segment ends.
         num_items_in_batch: optional int or integer scalar tensor (HF's name): the number of valid labels over all
             micro-batches of the optimizer step and all CP x DP ranks. Replaces the count all-reduce: the share is
-            ``local sum / num_items_in_batch``; every rank must pass the same value (checked), at least its own count.
+            ``local sum / num_items_in_batch``; every rank must pass the same value, at least its own count (compared
+            across ``group`` / ``dp_group`` when given; without them the loss is local math and compares nothing).
         input_ids: optional integer, the shape of ``labels``: this rank's input ids, used only to warn when the
             labels equal them (unshifted labels).
         ignore_index: the label value to ignore.

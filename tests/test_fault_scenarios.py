@@ -3,20 +3,22 @@
 The project's issue listed these mistakes (hangs, gloo aborts, silently wrong answers), tried on real gloo groups of
 2, 3 and 4 ranks. One parametrized test per family:
 
-* ``hangs``: a rank whose group argument differs from its peers' (or that leaves a call out);
+* ``hangs``: a rank whose group argument differs from its peers' (twin groups with the same ranks included), that
+  leaves a call out, or that reaches a step after its peer gave up on it;
 * ``aborts``: a rank whose calls differ from its peers' inside a step (an extra layer, a missing backward, another
   head count), which made collectives of different sizes meet and gloo abort ("Received data size doesn't match");
 * ``silent_wrong``: metadata that is wrong but looks right.
 
 Every case runs ``cp_packing.testing.run_ranks`` with a hard timeout, each rank with the agreement timeout at 5 s
-(``agreement.set_agreement_timeout``), so a rank that never arrives is resolved by the bounded wait in seconds. A
+(``agreement.set_agreement_timeout``; the late-rank case sets 2 s), so a rank that never arrives is resolved by the bounded wait in seconds. A
 case passes when every rank that takes part raises a Python exception of the expected class whose message names
 the problem (the call, the ranks or groups, the field), and every bystander (a rank of another CP group) finishes;
 a rank killed by a signal (a gloo abort) or past the hard timeout comes back in ``RankResult.error`` and fails it.
 An ``AgreementTimeout`` expected on a rank means "resolved by the bounded wait", an ``AgreementError`` "found
 within seconds". A few cases expect ``ok``: the mistake of the issue is no longer one (the rank asserts its output
 against a dense reference). Where the library cannot meet the promise today the case is a strict xfail whose
-reason says what happens; docs/troubleshooting.md ("One rank's mistake") keeps the tally.
+reason says what happens. docs/troubleshooting.md ("One rank's mistake") shows the tally and every strict xfail with
+its reason, generated from ``CASES`` (``python tests/test_fault_scenarios.py --write``) and checked by a test here.
 """
 
 from __future__ import annotations
@@ -338,6 +340,50 @@ def user_exception_between_two_calls_cp3(rank, world):
     _layers(_step(sharded, dist.group.WORLD), *_local_qkv(sharded), 2)
 
 
+# Two group objects with the same ranks (dist.new_group called twice): the agreement's channel is the process group
+# (torch's group name, the same on all its ranks), so rank 0 in one and rank 1 in the other find the crossing.
+_TWINS = r"passed different groups.*same ranks \(dist.new_group called twice\) are two different groups"
+
+
+def _twin_groups(rank: int):
+    """``a = new_group([0, 1]); b = new_group([0, 1])`` on every rank; rank 0's is a, rank 1's is b."""
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    return a if rank == 0 else b
+
+
+@case("hangs", 2, {r: ("AgreementError", _TWINS) for r in (0, 1)})
+def twin_groups_in_attention(rank, world):
+    sharded = _shard(world, rank)
+    context_parallel_attention(*_local_qkv(sharded), sharded, group=_twin_groups(rank), backend="allgather")
+
+
+@case("hangs", 2, {r: ("AgreementError", _TWINS) for r in (0, 1)})
+def twin_groups_in_the_loss(rank, world):
+    sharded = _shard(world, rank)
+    logits = torch.randn(sharded.num_local_tokens, VOCAB)
+    packed_cross_entropy(logits, sharded.shard(_batch()["labels"]), group=_twin_groups(rank), sharded=sharded)
+
+
+# A rank that reaches a step after its peer gave up on it: the step was abandoned (marked in the store), so it raises
+# at once, naming the peer and how long ago, instead of passing the agreement into an all-gather nobody joins.
+_LATE_TIMEOUT, _LATE_DELAY = 2.0, 3.0
+
+
+@case("hangs", 2, {0: ("AgreementTimeout", r"context_parallel_attention: rank 1 of the CP group \(global 1\) did not "
+                                           r"arrive within 2 s"),
+                   1: ("AgreementTimeout", r"context_parallel_attention: this rank \(global rank 1\) arrived too late: "
+                                           r"global rank 0 of its CP group gave up waiting for it in "
+                                           r"context_parallel_attention \d+\.\d s ago, after 2 s")})
+def late_rank_reaches_a_step_its_peer_gave_up_on(rank, world):
+    import time
+
+    agreement.set_agreement_timeout(_LATE_TIMEOUT)
+    sharded = _shard(world, rank)
+    if rank == 1:
+        time.sleep(_LATE_DELAY)  # e.g. a long save on this rank only, past the agreement timeout
+    context_parallel_attention(*_local_qkv(sharded), sharded, group=dist.group.WORLD, backend="allgather")
+
+
 # ------------------------------------------------------------------------------------------------ aborts
 # A rank whose calls differ from its peers' inside a step. Inside the checked steps (the first CHECKED_STEPS of a
 # group, check_layers=None) every layer and every backward call is agreed: the desync is raised on every rank.
@@ -638,3 +684,67 @@ def test_aborts_call_desync(name):
 def test_silent_wrong_metadata(name):
     """Metadata that is wrong but looks right: refused on every rank."""
     _run(name)
+
+
+# ------------------------------------------------------------------------------------------------ the docs' tally
+
+_FAMILIES = {"hangs": "hangs (group mismatch, a missing call, a late rank)",
+             "aborts": "aborts (a call desync in a step)",
+             "silent_wrong": "silent wrong (well-formed, wrong metadata)"}
+_TALLY_BEGIN = "<!-- fault-tally:begin (generated: python tests/test_fault_scenarios.py --write) -->\n"
+_TALLY_END = "\n<!-- fault-tally:end -->"
+_DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+
+
+def _how(spec: Case) -> str:
+    """How a passing case ends: every rank runs right, raises within seconds, or some rank waits out the bound."""
+    kinds = {spec.expect.get(r, ("ok", None))[0] for r in range(spec.world)}
+    if kinds == {"ok"}:
+        return "runs right"
+    return "through the bounded wait on some rank" if "AgreementTimeout" in kinds else "raised within seconds"
+
+
+def tally_markdown() -> str:
+    """docs/troubleshooting.md's tally of these cases and the list of the strict xfails, from ``CASES``."""
+    lines = [f"**Tally of `tests/test_fault_scenarios.py`** ({len(CASES)} cases; gloo, 2 to 4 ranks, agreement timeout "
+             f"{AGREEMENT_TIMEOUT:g} s):", "", "| family | cases | pass | strict xfail |", "|---|---|---|---|"]
+    for family, title in _FAMILIES.items():
+        cases = [c for c in CASES.values() if c.family == family]
+        passing = [c for c in cases if c.xfail is None]
+        hows: dict[str, int] = {}
+        for c in passing:
+            hows[_how(c)] = hows.get(_how(c), 0) + 1
+        detail = ", ".join(f"{n} {how}" for how, n in sorted(hows.items(), key=lambda kv: -kv[1]))
+        if len(hows) == 1:
+            detail = f"all {next(iter(hows))}"
+        lines.append(f"| {title} | {len(cases)} | {len(passing)}{': ' + detail if detail else ''} | "
+                     f"{len(cases) - len(passing)} |")
+    lines += ["", "The strict xfails (what happens instead, and why the library cannot catch it):", ""]
+    lines += [f"- `{c.name}` ({c.family}, {c.world} ranks): {c.xfail}" for c in CASES.values() if c.xfail]
+    return "\n".join(lines)
+
+
+def _tally_in_docs(text: str) -> tuple[int, int]:
+    begin, end = text.find(_TALLY_BEGIN), text.find(_TALLY_END)
+    assert begin >= 0 and end > begin, f"{_DOCS} lacks the markers {_TALLY_BEGIN.strip()} ... {_TALLY_END.strip()}"
+    return begin + len(_TALLY_BEGIN), end
+
+
+def test_the_troubleshooting_tally_is_generated_from_the_cases():
+    """docs/troubleshooting.md's tally (counts, and every strict xfail with its reason) is these cases' own."""
+    text = _DOCS.read_text()
+    begin, end = _tally_in_docs(text)
+    assert text[begin:end] == tally_markdown(), (
+        "docs/troubleshooting.md's fault tally is out of date: run PYTHONPATH=. python tests/test_fault_scenarios.py "
+        "--write")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_fault_scenarios.py --write  (regenerates docs/troubleshooting.md's tally)")
+    text = _DOCS.read_text()
+    begin, end = _tally_in_docs(text)
+    _DOCS.write_text(text[:begin] + tally_markdown() + text[end:])
+    print(f"wrote the tally of {len(CASES)} cases to {_DOCS}")
