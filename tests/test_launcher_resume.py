@@ -287,3 +287,18 @@ def test_a_full_disk_is_named_with_the_directory_on_every_rank(tmp_path, monkeyp
     err = capfd.readouterr().err
     _one_line_on_every_rank(err, f"failed on rank 0: no space left on the device while writing {out}")
     assert f"free space in {out} or pass another --output-dir" in err and os.listdir(out) == [], err
+
+
+def test_a_sigterm_while_the_module_entry_point_imports_torch_stops_cleanly(tmp_path):
+    """``python -m cp_packing train`` catches SIGTERM from the package's first line, before torch is imported (it
+    was killed by the signal, -15, which a shell shows as 143: the status documented for "after writing a
+    checkpoint"): a signal during the imports ends the run with status 3 and says so."""
+    hook = tmp_path / "sitecustomize.py"  # runs before the package's imports: signal ourselves once they start
+    hook.write_text("import os, signal, threading\n"
+                    "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-m", "cp_packing", "train", "--nproc", "2", "--seq-len", "32",
+                           "--layers", "1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "SIGTERM before the first step" in proc.stdout
