@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cp_packing import STARTUP_SIGTERMS  # SIGTERMs while `train` imported torch: handed to its flag (see there)
-
 RANK_COMMANDS = ("verify", "train")  # commands with their own parser, run on every rank
 
 
@@ -45,6 +43,7 @@ def main(argv=None) -> int:
             from cp_packing.tools.verify import main as verify
 
             return verify(argv[1:])
+        from cp_packing import STARTUP_SIGTERMS  # SIGTERMs while the package imported torch: requests to stop
         from cp_packing.tools.train import main as train
 
         return train(argv[1:], early_signals=STARTUP_SIGTERMS)

@@ -302,3 +302,42 @@ def test_a_sigterm_while_the_module_entry_point_imports_torch_stops_cleanly(tmp_
                            "--layers", "1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
     assert "SIGTERM before the first step" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_torchrun_leaves_a_checkpoint_when_the_ranks_host_the_store(tmp_path):
+    """torchrun's agent hosts the c10d store by default: ``kill -9`` of torchrun takes it along, and the ranks die
+    on their next store read (DistNetworkError, no checkpoint). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what
+    ``run.sh`` exports) rank 0 hosts it, so the ranks' watchdog stop (after their step) writes a checkpoint that
+    ``--resume`` finds."""
+    out = tmp_path / "out"
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.join(ROOT, "launch", "train.py"), "--steps", "100000", "--seq-len", "32", "--layers", "1",
+            "--log-every", "1", "--save-timeout", "20", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the run ended before the kill"
+            if line.startswith("step    2/"):
+                break
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [r for r in ranks if _alive(r)], "ranks still running after their launcher died"
+        found = find_checkpoint(str(out))
+        assert found is not None and os.path.basename(found).startswith("checkpoint-"), os.listdir(out)
+        assert {"optimizer.pt", "rng-rank0.pt", "rng-rank1.pt", "trainer_state.json"} <= set(os.listdir(found))
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
