@@ -57,3 +57,20 @@ def test_a_prepared_step_refuses_uint8_labels_instead_of_counting_fewer():
     q = torch.randn(shard.num_local_tokens, 2, 8)
     with pytest.raises(ValueError, match="uint8 labels cannot hold ignore_index=-100"):
         context_parallel_attention(q, q, q, step)
+
+
+@pytest.mark.xfail(strict=True, reason="lead: attention/plan.py _count_labels counts with labels.valid_label_mask")
+def test_a_prepared_step_counts_a_shard_without_segment_ends_as_the_loss_does():
+    """A rank whose shard holds no segment end (the middle of a long document) has nothing for the shifted-labels
+    check to refuse: its uint8 label 156 is a real class to the loss (int64), so the step's count must include it
+    (it counted 3 of 4: the loss then divides by too few, or raises "num_items_in_batch ... smaller")."""
+    from cp_packing.attention import prepare_attention
+    from cp_packing.sharding import shard_packed_seq_params
+
+    doc = torch.ones(1, 8, dtype=torch.long)  # one document: rank 0 of 2 holds tokens 0-3, none a segment end
+    labels = torch.tensor([[156, 1, 2, 3, 4, 5, 6, -100]])
+    shard = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=0, layout="contiguous")
+    local = shard.shard(labels).to(torch.uint8)
+    step = prepare_attention(shard, labels=local)
+    assert step.plan.pending is None
+    assert step.plan.local_items == int((local.long() != -100).sum()) == 4
