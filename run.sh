@@ -36,5 +36,8 @@ fi
 # Every option, the model directory, the data and the output directory checked once, as rank 0 of a world of NPROC
 # would: a usage error is one line and exit 2 here (torchrun reports any failed rank as its own exit 1).
 WORLD_SIZE=$NPROC RANK=0 LOCAL_RANK=0 .venv/bin/python launch/train.py --dry-run ${ARGS[@]+"${ARGS[@]}"} >/dev/null
+# Rank 0 hosts the c10d store, not torchrun's agent: a SIGKILLed torchrun then leaves the ranks their store, and
+# they stop after their step with a checkpoint (docs/launcher.md, "SIGTERM and orphans").
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" --shutdown-timeout "$SAVE_TIMEOUT" \
     launch/train.py ${ARGS[@]+"${ARGS[@]}"}

@@ -7,7 +7,28 @@ Importing ``cp_packing`` imports torch and numpy only; ``cp_packing.hf`` is the 
 explicitly), and flash_attn / ring_flash_attn are imported inside the functions that need them.
 """
 
-from cp_packing.attention import context_parallel_attention, prepare_attention
+import signal as _signal
+import sys as _sys
+
+STARTUP_SIGTERMS: list = []
+"""SIGTERMs caught while ``python -m cp_packing train`` (or ``cp-packing train``) imports torch, before the
+launcher's own handler: ``cp_packing.__main__`` hands them on as a request to stop (exit 3), not a kill."""
+
+
+def _startup_train() -> bool:
+    """Whether this process is ``python -m cp_packing train`` (``sys.argv[0]`` is ``-m`` while the package imports)
+    or the ``cp-packing train`` script."""
+    if _sys.argv[0] == "-m":
+        argv = getattr(_sys, "orig_argv", [])  # the interpreter's own command line
+        at = argv.index("-m") if "-m" in argv else -1
+        return at >= 0 and argv[at + 1:at + 3] == ["cp_packing", "train"]
+    return _sys.argv[0].endswith("cp-packing") and _sys.argv[1:2] == ["train"]
+
+
+if _startup_train():  # before torch is imported below (a second or more)
+    _signal.signal(_signal.SIGTERM, lambda signum, frame: STARTUP_SIGTERMS.append(signum))
+
+from cp_packing.attention import context_parallel_attention, prepare_attention  # noqa: E402
 from cp_packing.cost import choose_layout, layout_cost
 from cp_packing.distributed import distribute_batch, distribute_packed_seq_params
 from cp_packing.formats import (

@@ -15,12 +15,7 @@ Bad input exits with status 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-
-_sigterm: list = []  # a SIGTERM while `train` imports torch and transformers: handed to its flag (see there)
-if __name__ == "__main__" and sys.argv[1:2] == ["train"]:
-    signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.append(signum))
 
 RANK_COMMANDS = ("verify", "train")  # commands with their own parser, run on every rank
 
@@ -48,9 +43,10 @@ def main(argv=None) -> int:
             from cp_packing.tools.verify import main as verify
 
             return verify(argv[1:])
+        from cp_packing import STARTUP_SIGTERMS  # SIGTERMs while the package imported torch: requests to stop
         from cp_packing.tools.train import main as train
 
-        return train(argv[1:], early_signals=_sigterm)
+        return train(argv[1:], early_signals=STARTUP_SIGTERMS)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

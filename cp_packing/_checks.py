@@ -18,6 +18,7 @@ __all__ = [
     "IGNORE_INDEX",
     "INTEGER_DTYPES",
     "INT32_MAX",
+    "MAX_SOFTMAX_SCALE",
     "check_bool",
     "check_weighted_cost_tokens",
     "check_windows",
@@ -29,6 +30,7 @@ __all__ = [
     "check_ignore_index",
     "check_int",
     "check_number",
+    "check_softmax_scale",
     "check_tensor",
     "is_int",
 ]
@@ -264,6 +266,30 @@ def check_softcap(softcap: Any) -> float | None:
     return value
 
 
+MAX_SOFTMAX_SCALE = 1e6
+"""The largest ``softmax_scale`` taken: ``1 / sqrt(head_dim)`` is below 1, and a scale far above it makes the scores
+``scale * q.k`` overflow to inf (NaN outputs, silently)."""
+
+
+def check_softmax_scale(scale: Any, name: str = "softmax_scale") -> float | None:
+    """``scale`` (attention scores are ``scale * q.k``) as a float in ``(0, MAX_SOFTMAX_SCALE]``, or ``None`` (the
+    default ``1 / sqrt(head_dim)``).
+
+    >>> check_softmax_scale(0.125), check_softmax_scale(None)
+    (0.125, None)
+    """
+    if scale is None:
+        return None
+    value = check_number(scale, name)
+    if not 0.0 < value <= MAX_SOFTMAX_SCALE:
+        raise ValueError(
+            f"{name} must be a finite number in (0, {MAX_SOFTMAX_SCALE:g}] (scores are {name} * q.k; a larger or "
+            f"infinite scale overflows them to NaN outputs), got {scale!r}; pass the model's scaling (HF's "
+            "module.scaling, typically 1/sqrt(head_dim)), or None for 1/sqrt(head_dim)"
+        )
+    return value
+
+
 def check_window(window: Any, causal: Any = True, name: str = "window") -> int | None:
     """``window`` (sliding-window attention: a query at in-document position ``p`` attends keys at positions
     ``p - window < k <= p``, HF's ``sliding_window``) as an int >= 1, or ``None`` (no window). A window needs
@@ -274,7 +300,9 @@ def check_window(window: Any, causal: Any = True, name: str = "window") -> int |
     """
     if window is None:
         return None
-    window = check_int(window, name, min=1, hint="pass the model's sliding_window (>= 1), or None for full attention")
+    window = check_int(window, name, min=1, max=INT32_MAX, hint="pass the model's sliding_window (>= 1; a window of "
+                       f"{INT32_MAX} tokens or more covers any stream int32 cu_seqlens index), or None for full "
+                       "attention")
     if causal is not True:
         raise ValueError(
             f"{name}={window} needs causal=True (a query attends the {window} keys ending at itself); call with "

@@ -16,7 +16,8 @@ import torch
 from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_doc_ids, check_ignore_index, check_tensor
 from cp_packing.packed_seq import PackedSeqParams
 
-__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "next_token_labels", "segment_ends"]
+__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "next_token_labels", "segment_ends",
+           "valid_label_mask"]
 
 
 UNSHIFTED_FIX = ("HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted "
@@ -36,6 +37,31 @@ def _warn_once(kind: str, message: str, stacklevel: int) -> None:
     if kind not in _warned:
         _warned.add(kind)
         warnings.warn(f"{message} (warned once per process)", LabelsWarning, stacklevel=stacklevel + 1)
+
+
+def valid_label_mask(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """bool like ``labels``: the labels that are not ``ignore_index``, compared as int64 values, as the loss does.
+
+    Why: ``labels != -100`` in the labels' own dtype wraps, e.g. ``-100`` is ``156`` in ``uint8``, so a real class
+    156 would be ignored by the count but trained by the loss. A dtype that cannot hold ``ignore_index`` has no
+    ignored label.
+
+    >>> valid_label_mask(torch.tensor([156, 1], dtype=torch.uint8)).tolist()
+    [True, True]
+    >>> valid_label_mask(torch.tensor([5, -100])).tolist()
+    [True, False]
+    """
+    if not _holds(labels.dtype, ignore_index):  # e.g. -100 in an unsigned dtype: never equal
+        return torch.ones_like(labels, dtype=torch.bool)
+    return labels != ignore_index
+
+
+def _holds(dtype: torch.dtype, value: int) -> bool:
+    """Whether an integer ``dtype`` holds ``value`` (float and bool dtypes: True, compared as they are)."""
+    if dtype.is_floating_point or dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
 
 
 def check_same_batch(x: object, name: str, like: torch.Tensor, like_name: str, shape: str) -> torch.Tensor:
@@ -157,7 +183,7 @@ def check_labels_shifted(labels: torch.Tensor, *, input_ids: torch.Tensor | None
     ValueError: the labels equal input_ids at every valid position: they look unshifted, and would train each token to predict itself. HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted on the global stream: convert them before sharding with cp_packing.next_token_labels(input_ids, doc_ids, labels=hf_labels)
     """
     labels = labels.reshape(-1)
-    valid = labels != ignore_index
+    valid = valid_label_mask(labels, ignore_index)
     zero = torch.zeros((), dtype=torch.bool, device=labels.device)
     end = valid & segment_end.reshape(-1) if segment_end is not None else None
     stats = [zero, torch.zeros((), dtype=torch.int64, device=labels.device)] if end is None else \
@@ -174,6 +200,11 @@ def check_labels_shifted(labels: torch.Tensor, *, input_ids: torch.Tensor | None
     if looks_unshifted:
         raise ValueError(f"the labels equal input_ids at every valid position: they look unshifted, and would train "
                          f"each token to predict itself. {UNSHIFTED_FIX}")
+    if has_end and not _holds(labels.dtype, ignore_index):
+        raise ValueError(f"label {int(labels[end_at])} at local position {end_at} sits on the last token of its "
+                         f"segment, and {labels.dtype} labels cannot hold ignore_index={ignore_index} (converting "
+                         f"wrapped it to another value, a real class); keep the labels int64 (labels.long()), as "
+                         f"next_token_labels returns them")
     if has_end:
         raise ValueError(f"label {int(labels[end_at])} at local position {end_at} sits on the last token of its "
                          f"segment, where next_token_labels always puts ignore_index={ignore_index} (the next token "

@@ -20,7 +20,7 @@ from cp_packing.agreement import digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
 from cp_packing.labels import (LabelsWarning, check_same_batch, check_labels_shifted, next_token_labels,
-                               segment_ends)
+                               segment_ends, valid_label_mask)
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = [
@@ -469,7 +469,7 @@ def count_valid_labels(
             shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
             fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
                       "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
-            local = sum(int((x != ignore_index).sum()) for x in items)  # this rank's count (host syncs)
+            local = sum(int(valid_label_mask(x, ignore_index).sum()) for x in items)  # this rank's count (host syncs)
             agreement.fields = fields
             if shards and local > 0:  # equal on every CP rank: whole batches, not shards
                 agreement.payload = digest(*items)

@@ -189,7 +189,7 @@ class DocumentPacker:
         self.long_documents = check_choice(long_documents, "long_documents", LONG_DOCUMENTS)
         self.buffer_tokens, self.buffer_size = _check_buffer(buffer_tokens, buffer_size,
                                                              self.rows * self.dp_size * self.seq_len)
-        self.seed = check_int(seed, "seed")
+        self.seed = check_int(seed, "seed", min=0, hint="the packer's NumPy generator takes a seed >= 0, e.g. 0")
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", min=0, max=2**63 - 1)
         self.drop_last = check_bool(drop_last, "drop_last")
         self.attention_weight = check_number(attention_weight, "attention_weight", min=0.0)

@@ -46,8 +46,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hf", "trainer"),
     ("report",),
     ("testing",),
-    ("tools", "__main__"),
+    ("tools",),
     ("__init__",),
+    ("__main__",),  # `python -m cp_packing` imports the package first (its early SIGTERM list: STARTUP_SIGTERMS)
 )
 """The units, bottom to top (DESIGN.md section 6): a unit may import its own layer and those below it."""
 

@@ -178,7 +178,8 @@ def test_a_rank_that_cannot_write_its_part_fails_the_save_on_every_rank(tmp_path
                        "--output-dir", str(out)])
     err = capfd.readouterr().err
     assert code == 1, err
-    assert "No space left on device" in err and "failed on rank 1" in err, err  # rank 1's cause, rank 0's echo
+    assert "No space left on device" in err and "failed on rank 1" in err, err  # rank 1's cause, on every rank
+    _one_line_on_every_rank(err, "failed on rank 1: no space left on the device while writing")
     assert os.listdir(out) == []
 
 
@@ -196,3 +197,147 @@ def test_a_sigterm_while_the_torchrun_entry_point_imports_torch_stops_cleanly(tm
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
     assert "SIGTERM before the first step" in proc.stdout
+
+
+# checkpoint faults: one line, the same on every rank, naming the file (issue 26)
+
+SMALL = ["--nproc", "2", "--seq-len", "32", "--layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """A run's checkpoint after step 1 of 2 (copied by each test before it damages it)."""
+    out = tmp_path_factory.mktemp("saved") / "out"
+    assert train.main([*SMALL, "--steps", "2", "--save-every", "1", "--output-dir", str(out),
+                       "--inject-fault", "sigterm@1"]) == train.EXIT_SIGTERM
+    return str(out / "checkpoint-1")
+
+
+def _copy(saved: str, tmp_path) -> str:
+    import shutil
+
+    return str(shutil.copytree(saved, tmp_path / "out" / "checkpoint-1"))
+
+
+def _one_line_on_every_rank(err: str, message: str) -> None:
+    """Each rank printed ``error on rank r of 2: <message...>`` once, the same text, and no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("error on rank")]
+    assert sorted(line.split(":", 1)[0] for line in lines) == ["error on rank 0 of 2", "error on rank 1 of 2"], err
+    assert len({line.split(":", 1)[1] for line in lines}) == 1 and message in lines[0], err
+    assert "Traceback" not in err and "Connection closed" not in err, err
+
+
+@pytest.mark.parametrize("step, shown", [(-3, "-3"), ("four", "'four'"), (True, "True")])
+def test_a_step_that_is_not_a_count_in_the_saved_state_is_refused_naming_the_file(saved, tmp_path, capfd, step,
+                                                                                 shown):
+    """``"step": -3`` trained 9 steps, ``"step": "four"`` was a TypeError traceback: both are one usage line."""
+    path = _copy(saved, tmp_path)
+    state_file = os.path.join(path, "trainer_state.json")
+    with open(state_file) as f:
+        state = json.load(f)
+    with open(state_file, "w") as f:
+        json.dump({**state, "step": step}, f)
+    assert train.main([*SMALL, "--steps", "2", "--resume", path]) == 2
+    err = capfd.readouterr().err
+    assert f"{state_file}: 'step' is {shown}, not a count (an int >= 0)" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate optimizer.pt", "optimizer.pt does not load"),
+    ("garble optimizer.pt", "optimizer.pt does not load"),
+    ("remove rng-rank1.pt", "rng-rank1.pt is missing: the checkpoint is incomplete"),
+    ("truncate rng-rank1.pt", "rng-rank1.pt does not load"),
+])
+def test_a_damaged_checkpoint_file_is_one_line_on_every_rank_naming_it(saved, tmp_path, capfd, damage, message):
+    """A corrupt optimizer.pt was a raw traceback on resume; a missing or truncated RNG file of rank 1 left rank 0 with
+    gloo's "Connection closed". Now every rank exits 1 with the same line naming the file."""
+    path = _copy(saved, tmp_path)
+    action, name = damage.split()
+    target = os.path.join(path, name)
+    if action == "remove":
+        os.remove(target)
+    else:
+        with open(target, "rb") as f:
+            data = f.read()
+        with open(target, "wb") as f:
+            f.write(data[: len(data) // 2] if action == "truncate" else b"\0" * len(data))
+    assert train.main([*SMALL, "--steps", "2", "--resume", path]) == 1
+    _one_line_on_every_rank(capfd.readouterr().err, f"resuming from {path} failed")
+    capfd.readouterr()
+
+
+@pytest.mark.parametrize("fault", ["ENOSPC", "unexpected pos"])
+def test_a_full_disk_is_named_with_the_directory_on_every_rank(tmp_path, monkeypatch, capfd, fault):
+    """A full disk while rank 0 writes optimizer.pt (``OSError(ENOSPC)``, or torch's zip writer's "unexpected pos"):
+    every rank exits 1 with one line that names the lack of space and the directory; no checkpoint is left."""
+    import errno
+
+    save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            if fault == "ENOSPC":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4544 vs 4432")
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)  # the forked ranks inherit it
+    out = tmp_path / "out"
+    assert train.main([*SMALL, "--steps", "1", "--save-every", "1", "--output-dir", str(out)]) == 1
+    err = capfd.readouterr().err
+    _one_line_on_every_rank(err, f"failed on rank 0: no space left on the device while writing {out}")
+    assert f"free space in {out} or pass another --output-dir" in err and os.listdir(out) == [], err
+
+
+def test_a_sigterm_while_the_module_entry_point_imports_torch_stops_cleanly(tmp_path):
+    """``python -m cp_packing train`` catches SIGTERM from the package's first line, before torch is imported (it
+    was killed by the signal, -15, which a shell shows as 143: the status documented for "after writing a
+    checkpoint"): a signal during the imports ends the run with status 3 and says so."""
+    hook = tmp_path / "sitecustomize.py"  # runs before the package's imports: signal ourselves once they start
+    hook.write_text("import os, signal, threading\n"
+                    "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-m", "cp_packing", "train", "--nproc", "2", "--seq-len", "32",
+                           "--layers", "1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "SIGTERM before the first step" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_torchrun_leaves_a_checkpoint_when_the_ranks_host_the_store(tmp_path):
+    """torchrun's agent hosts the c10d store by default: ``kill -9`` of torchrun takes it along, and the ranks die
+    on their next store read (DistNetworkError, no checkpoint). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what
+    ``run.sh`` exports) rank 0 hosts it, so the ranks' watchdog stop (after their step) writes a checkpoint that
+    ``--resume`` finds."""
+    out = tmp_path / "out"
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.join(ROOT, "launch", "train.py"), "--steps", "100000", "--seq-len", "32", "--layers", "1",
+            "--log-every", "1", "--save-timeout", "20", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the run ended before the kill"
+            if line.startswith("step    2/"):
+                break
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [r for r in ranks if _alive(r)], "ranks still running after their launcher died"
+        found = find_checkpoint(str(out))
+        assert found is not None and os.path.basename(found).startswith("checkpoint-"), os.listdir(out)
+        assert {"optimizer.pt", "rng-rank0.pt", "rng-rank1.pt", "trainer_state.json"} <= set(os.listdir(found))
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)

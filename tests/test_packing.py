@@ -274,6 +274,7 @@ def test_dp_balance_within_2_percent_on_long_tailed_lengths():
     ({"seq_len": 2**20, "rows": 2**11}, ValueError, "more than int32 cu_seqlens can index"),
     ({"long_documents": "drop"}, ValueError, "unknown long_documents 'drop'"),
     ({"drop_last": 1}, TypeError, "drop_last must be True or False"),
+    ({"seed": -1}, ValueError, r"seed must be >= 0, got -1; the packer's NumPy generator takes a seed >= 0"),
 ])
 def test_bad_arguments_raise_at_the_call(kwargs, exc, match):
     args = {"seq_len": 8, "rows": 1, **kwargs}

@@ -188,7 +188,10 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
     ``position_ids``.
 
     CPU: one NumPy ``cumsum`` over a buffer of ones with a jump at each run start (about one pass over the output).
-    Other devices: ``arange + repeat_interleave`` (no host sync: ``total`` is given).
+    Other devices: ``arange + repeat_interleave`` (no host sync: ``total`` is given, and trusted).
+
+    Raises:
+        ValueError (CPU): a negative run length, or lengths that do not sum to ``total``.
 
     >>> expand_runs(torch.tensor([5, 0]), torch.tensor([2, 3]), 5)
     tensor([5, 6, 0, 1, 2])
@@ -201,6 +204,10 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
         )
     starts = run_start.numpy().astype(np.int64, copy=False)
     lens = run_len.numpy().astype(np.int64, copy=False)
+    if (lens.size and lens.min() < 0) or int(lens.sum()) != total:  # runs must tile [0, total) end to end
+        raise ValueError(f"expand_runs: the run lengths {lens[:8].tolist()}{'...' if lens.size > 8 else ''} must be "
+                         f">= 0 and sum to total={total} (each output position in exactly one run), got sum "
+                         f"{int(lens.sum())}; pass total=int(run_len.sum())")
     if lens.size and lens.min() <= 0:  # empty runs would collide at one output position
         keep = lens > 0
         starts, lens = starts[keep], lens[keep]

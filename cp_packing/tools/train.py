@@ -63,7 +63,7 @@ from cp_packing.options import AttentionOptions
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.testing import rank_device, under_torchrun
 from cp_packing.tools import finite_float, launch, nonnegative_int, positive_int, rank0_parser
-from cp_packing.tools.checkpoint import load_checkpoint, save_checkpoint
+from cp_packing.tools.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cp_packing.tools.data import batch_stream, eval_batches, lay_out, synthetic_batch
 from cp_packing.tools.lifecycle import PREEMPTION, watch_parent
 from cp_packing.tools.train_setup import (DTYPES, PRESET_SIZES, PRESETS, Setup, UsageError, backend_layouts, finish,
@@ -613,6 +613,9 @@ def _run(setup: Setup, rank: int, world: int) -> int:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
+        except CheckpointError as e:  # a checkpoint fault: one line, the same on every rank
+            print(f"error on rank {rank} of {world}: {e}\n", end="", file=sys.stderr, flush=True)  # one write
+            return 1
         except Exception:  # noqa: BLE001 - any other error (a library ValueError too): on the rank that raised it
             print(f"error on rank {rank} of {world}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             return 1
