@@ -337,7 +337,10 @@ def test_not_run_and_known_broken_entries_match_a_block():
 
 # Imports that go UP the layers of scripts/gen_module_table.py (LAYERS) today, each reported to the lead: the test
 # fails on any other (a new upward import), and on one of these once it is gone (remove the entry then).
-KNOWN_UPWARD: dict = {}  # (module, imported module) -> why, for an upward import accepted on purpose (none today)
+KNOWN_UPWARD: dict = {  # (module, imported module) -> why, for an upward import accepted on purpose
+    ("cp_packing.groups", "cp_packing.gradients"): "CPMesh.sum_gradients delegates to cp_packing.sum_gradients (inside "
+                                                   "the method: the mesh type stays at the bottom)",
+}
 
 
 def test_module_table_is_current():
