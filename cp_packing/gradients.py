@@ -68,23 +68,30 @@ def _groups(mesh_or_group: Any) -> list[tuple[dist.ProcessGroup, str]]:
     return [(g, name) for g, name in pairs if g is not None and dist.get_world_size(g) > 1]
 
 
-def _check_param(name: str, p: torch.Tensor, groups: list[tuple[dist.ProcessGroup, str]]) -> None:
-    """Refuse what this sum cannot reduce right: FSDP2 DTensors, sparse gradients, a device the group cannot move."""
+def _check_param(name: str, p: torch.Tensor) -> None:
+    """Refuse what this sum cannot reduce right: FSDP2 DTensors, sparse gradients."""
     if hasattr(p, "full_tensor") or hasattr(p.grad, "full_tensor"):
         raise TypeError(
             f"{name} is a DTensor (FSDP2 fully_shard): FSDP2 reduce-scatters its gradients over its own mesh in "
             "backward, so no sum is needed; shard over the flattened DP x CP mesh with set_gradient_divide_factor"
             "(1.0) (docs/integration.md) and do not call sum_gradients"
         )
-    if p.grad is None:
-        return
-    if p.grad.is_sparse:
+    if p.grad is not None and p.grad.is_sparse:
         raise TypeError(f"{name} has a sparse gradient; sum_gradients reduces dense gradients only")
+
+
+def _check_devices(named: list[tuple[str, torch.Tensor]], groups: list[tuple[dist.ProcessGroup, str]]) -> None:
+    """Raise a ValueError for a gradient on a device type a group's backend does not move (CUDA on gloo-only)."""
+    first = {}
+    for name, p in named:
+        if p.grad is not None:
+            first.setdefault(p.grad.device.type, (name, p.grad.device))
     for group, group_name in groups:
         config = backend_config(group)
-        if backend_for_device(config, p.grad.device.type) == "":
-            raise ValueError(f"{name}'s gradient is on {p.grad.device}, but the {group_name}'s backend ({config}) "
-                             f"moves no {p.grad.device.type} tensors; move the model to the group's device")
+        for device_type, (name, device) in first.items():
+            if backend_for_device(config, device_type) == "":
+                raise ValueError(f"{name}'s gradient is on {device}, but the {group_name}'s backend ({config}) "
+                                 f"moves no {device_type} tensors; move the model to the group's device")
 
 
 def _has_grad_field(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -139,7 +146,8 @@ def _agree(model_or_params: Any, groups: list[tuple[dist.ProcessGroup, str]], mi
                             "(docs/loss.md)")
         named = [(n, p) for n, p in _named_params(model_or_params) if p.requires_grad]
         for name, p in named:
-            _check_param(name, p, groups)
+            _check_param(name, p)
+        _check_devices(named, groups)
         agreement.fields = {
             "parameter shapes and dtypes": digest(*[f"{tuple(p.shape)}{p.dtype}" for _, p in named]),
             "missing": missing,
