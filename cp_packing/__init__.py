@@ -39,6 +39,7 @@ from cp_packing.formats import (
 )
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loader import cp_dataloader
+from cp_packing.gradients import param_digest, sum_gradients
 from cp_packing.groups import CPMesh
 from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.options import AttentionOptions
@@ -80,4 +81,6 @@ __all__ = [
     "packed_cross_entropy",
     "count_valid_labels",
     "reduce_loss_for_logging",
+    "sum_gradients",
+    "param_digest",
 ]

@@ -215,8 +215,8 @@ class CPMesh:
 
     Gradient convention (one for the whole library, docs/distributed.md): the loss of every rank is its SHARE of the
     global mean (local sum / global count of valid labels), so the gradients are SUMMED over all ``dp_size *
-    cp_size`` ranks, never averaged. FSDP2 / DDP, which average by default, get a divide factor of 1 (or the loss is
-    multiplied by the world size where the divisor cannot be set).
+    cp_size`` ranks, never averaged: :meth:`sum_gradients` in your own loop. FSDP2 / DDP, which average by default,
+    get a divide factor of 1 (or the loss is multiplied by the world size where the divisor cannot be set).
 
     Attributes:
         dp_rank, dp_size: this process's data-parallel replica and the number of replicas.
@@ -253,6 +253,13 @@ class CPMesh:
     def global_rank(self) -> int:
         """``dp_rank * cp_size + cp_rank`` (the rank in a world laid out replica after replica)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    def sum_gradients(self, model: Any, **kwargs: Any) -> None:
+        """SUM every gradient of ``model`` over this mesh's CP group, then its DP group: a shortcut for
+        :func:`cp_packing.sum_gradients(model, self, **kwargs) <cp_packing.gradients.sum_gradients>`."""
+        from cp_packing.gradients import sum_gradients
+
+        sum_gradients(model, self, **kwargs)
 
     def __getstate__(self) -> dict:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "cp_rank": self.cp_rank, "cp_size": self.cp_size}

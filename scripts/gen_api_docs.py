@@ -41,6 +41,7 @@ SECTIONS = [
     ("cp_packing.distributed", "Over torch.distributed"),
     ("cp_packing.labels", "Labels on the global stream"),
     ("cp_packing.loss", "Loss"),
+    ("cp_packing.gradients", "The gradient sum and the parameter digest"),
     ("cp_packing.attention.kernels", "Varlen kernels"),
     ("cp_packing.attention.comm", "Token and head collectives of the backends"),
     ("cp_packing.attention.plan", "The step plan"),

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("attention",),
     ("loss",),
     ("packing", "loader"),
-    ("distributed",),
+    ("distributed", "gradients"),
     ("hf", "trainer"),
     ("report",),
     ("testing",),

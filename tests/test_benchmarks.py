@@ -28,3 +28,9 @@ def test_trace_step_quick_counts_calls_and_times_the_layer():
 def test_bench_scale_quick_prices_every_layout():
     out = _quick("bench_scale.py", "--layouts", "contiguous", "balanced")
     assert out.count("| contiguous |") == 2 and out.count("| balanced |") == 2 and "token order" in out
+
+
+@pytest.mark.distributed
+def test_bench_gradients_quick_times_the_sum_and_the_digest():
+    out = _quick("bench_gradients.py")
+    assert "| per-parameter loop |" in out and "| sum_gradients |" in out and "param_digest" in out

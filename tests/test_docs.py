@@ -337,7 +337,10 @@ def test_not_run_and_known_broken_entries_match_a_block():
 
 # Imports that go UP the layers of scripts/gen_module_table.py (LAYERS) today, each reported to the lead: the test
 # fails on any other (a new upward import), and on one of these once it is gone (remove the entry then).
-KNOWN_UPWARD: dict = {}  # (module, imported module) -> why, for an upward import accepted on purpose (none today)
+KNOWN_UPWARD: dict = {  # (module, imported module) -> why, for an upward import accepted on purpose
+    ("cp_packing.groups", "cp_packing.gradients"): "CPMesh.sum_gradients delegates to cp_packing.sum_gradients (inside "
+                                                   "the method: the mesh type stays at the bottom)",
+}
 
 
 def test_module_table_is_current():
@@ -374,14 +377,14 @@ def _readme_hf_example(rank: int, world: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import cp_packing
     from cp_packing.hf import cp_model_inputs
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.findall(r"```python\n(.*?)```", readme, re.S)[1]
-    assert "distribute_batch" in block and "cp_model_inputs" in block and 'sharded=inputs["cp_sharded"]' in block
+    assert "distribute_batch" in block and "sum_gradients(model, cp_group)" in block and "optimizer.step()" in block
     torch.manual_seed(0)
     doc_ids = torch.tensor([[1] * 10 + [2] * 14 + [0] * 8, [1] * 20 + [2] * 12])  # documents cross shard edges
     namespace = {
@@ -394,12 +397,13 @@ def _readme_hf_example(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     exec(block, namespace)  # noqa: S102 - our own README
     model, loss = namespace["model"], namespace["loss"]
-    grads = [p.grad.clone() for p in model.parameters()]
-    for g in grads:
-        dist.all_reduce(g)  # the README's "then all-reduce (SUM) the gradients over the CP group"
+    grads = [p.grad.clone() for p in model.parameters()]  # summed over the group by the block's sum_gradients
     cp_loss = float(cp_packing.reduce_loss_for_logging(loss, group=dist.group.WORLD))
 
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model)  # the block's initial weights (same seed), without its optimizer step
+    torch.manual_seed(1)
+    ref.load_state_dict(AutoModelForCausalLM.from_config(namespace["config"]).state_dict())
+    assert not any(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))  # the step ran
     ref.zero_grad(set_to_none=True)
     params = cp_packing.packed_seq_params_from_doc_ids(doc_ids)
     labels = cp_packing.next_token_labels(namespace["input_ids"], doc_ids).reshape(-1)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from cp_packing._checks import IGNORE_INDEX
 from cp_packing.cost import layout_cost
 from cp_packing.distributed import distribute_batch
+from cp_packing.gradients import sum_gradients
 from cp_packing.groups import CPMesh
 from cp_packing.hf import cp_model_inputs, model_windows, register_cp_attention
 from cp_packing.layouts import LAYOUTS
@@ -107,22 +108,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _flat_grads(model) -> torch.Tensor:
     return torch.cat([_full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                       for p in model.parameters()])
-
-
-def _all_reduce_grads(model, groups) -> None:
-    """SUM every gradient over each group in turn (CP, then DP): ONE flat all-reduce per group."""
-    groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not groups or not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    for g in groups:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
 
 
 def reference_loss(ref_model, batches: list[dict]) -> torch.Tensor:
@@ -233,7 +218,7 @@ def _cp_step(model, micro: list[tuple[dict, str]], args, mesh: CPMesh, device: t
         share.backward()
         loss += float(reduce_loss_for_logging(share, group=_cp_group(mesh), dp_group=mesh.dp_group))
     if not args.fsdp and args.inject_fault != "grad-reduction":  # (the fault: a trainer that forgets it)
-        _all_reduce_grads(model, [_cp_group(mesh), mesh.dp_group])  # the loss contract: SUM over CP (and DP)
+        sum_gradients(model, mesh)  # the loss contract: SUM over CP (and DP)
     return loss
 
 
