@@ -610,8 +610,8 @@ def check_cp_model(model: torch.nn.Module) -> Any:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (an HF model), got {type(model).__name__}")
     model = _unwrapped(model)
+    features = _features_of(model.config)  # the family first: Falcon cannot switch to any registered attention
     _check_implementation(model)
-    features = _features_of(model.config)
     if getattr(model, _GUARDED, None) is None:
         handles = (
             model.register_forward_pre_hook(_guard_pre_forward, with_kwargs=True),

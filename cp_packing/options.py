@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cp_packing._checks import check_bool, check_int, check_number, check_softcap, check_windows
+from cp_packing._checks import check_bool, check_int, check_softcap, check_softmax_scale, check_windows
 from cp_packing.capabilities import BACKENDS, KERNELS
 
 __all__ = ["AttentionOptions", "CHECKED_STEPS"]
@@ -86,7 +86,7 @@ class AttentionOptions:
         check_bool(self.causal, "causal")
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
         check_bool(self.sinks, "sinks")
-        object.__setattr__(self, "scale", check_number(self.scale, "softmax_scale", allow_none=True))
+        object.__setattr__(self, "scale", check_softmax_scale(self.scale))
         check_bool(self.overlap, "overlap")
         if self.heads_k_stride is not None:
             check_int(self.heads_k_stride, "heads_k_stride", min=1)

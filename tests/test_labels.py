@@ -46,31 +46,38 @@ def test_uint8_labels_on_a_segment_end_are_refused_naming_the_dtype():
 
 def test_a_prepared_step_refuses_uint8_labels_instead_of_counting_fewer():
     """``prepare_attention(labels=)`` counted uint8 labels in their own dtype (156 as ignored): the prepared step's
-    count differed from the loss's. Now the step raises at its first attention call, naming the dtype."""
-    from cp_packing.attention import context_parallel_attention, prepare_attention
+    count differed from the loss's. Now preparing the step raises (on every rank, by its agreement), naming the
+    dtype."""
+    from cp_packing.attention import prepare_attention
     from cp_packing.sharding import shard_packed_seq_params
 
     doc = torch.tensor([[1, 1, 1, 2, 2, 2]])
     labels = torch.tensor([[5, 6, -100, 7, 8, -100]]).to(torch.uint8)  # -100 wraps to 156
     shard = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=1, cp_rank=0, layout="contiguous")
-    step = prepare_attention(shard, labels=shard.shard(labels))
-    q = torch.randn(shard.num_local_tokens, 2, 8)
     with pytest.raises(ValueError, match="uint8 labels cannot hold ignore_index=-100"):
-        context_parallel_attention(q, q, q, step)
+        prepare_attention(shard, labels=shard.shard(labels))
 
 
-@pytest.mark.xfail(strict=True, reason="lead: attention/plan.py _count_labels counts with labels.valid_label_mask")
-def test_a_prepared_step_counts_a_shard_without_segment_ends_as_the_loss_does():
-    """A rank whose shard holds no segment end (the middle of a long document) has nothing for the shifted-labels
-    check to refuse: its uint8 label 156 is a real class to the loss (int64), so the step's count must include it
-    (it counted 3 of 4: the loss then divides by too few, or raises "num_items_in_batch ... smaller")."""
+def _count_worker(rank: int, world_size: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
     from cp_packing.attention import prepare_attention
     from cp_packing.sharding import shard_packed_seq_params
 
     doc = torch.ones(1, 8, dtype=torch.long)  # one document: rank 0 of 2 holds tokens 0-3, none a segment end
     labels = torch.tensor([[156, 1, 2, 3, 4, 5, 6, -100]])
-    shard = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=0, layout="contiguous")
-    local = shard.shard(labels).to(torch.uint8)
-    step = prepare_attention(shard, labels=local)
-    assert step.plan.pending is None
-    assert step.plan.local_items == int((local.long() != -100).sum()) == 4
+    shard = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=2, cp_rank=rank, layout="contiguous")
+    local = shard.shard(labels)
+    step = prepare_attention(shard, group=dist.group.WORLD, labels=local.to(torch.uint8) if rank == 0 else local)
+    return step.plan.local_items, step.plan.num_items
+
+
+@pytest.mark.distributed
+def test_a_prepared_step_counts_a_shard_without_segment_ends_as_the_loss_does():
+    """A rank whose shard holds no segment end (the middle of a long document) has nothing for the shifted-labels
+    check to refuse: its uint8 label 156 is a real class to the loss (int64), so the step's count must include it
+    (it counted 3 of 4: the loss then divides by too few, or raises "num_items_in_batch ... smaller")."""
+    from cp_packing.testing import run_distributed
+
+    (mine, total), (theirs, total1) = run_distributed(_count_worker, 2)
+    assert mine == 4 and theirs == 3 and total == total1 == 7

@@ -26,7 +26,6 @@ def _scale_refused(scale: float) -> str:
             r"1/sqrt\(head_dim\)")
 
 
-@pytest.mark.xfail(strict=True, reason="the lead wires check_softmax_scale into attention/plan.py and options.py")
 @pytest.mark.parametrize("where", ["call", "options"])
 def test_attention_refuses_an_infinite_softmax_scale_on_the_call_and_in_the_options(where):
     from cp_packing.attention import context_parallel_attention, prepare_attention
@@ -115,8 +114,6 @@ def test_falcon_picks_its_attention_class_from_a_fixed_table_so_a_registered_nam
         check_cp_supported(_falcon_config())  # the pre-check a caller (or the launcher) can run first
 
 
-@pytest.mark.xfail(strict=True, reason="lead wires in hf.py: check_cp_model checks the family before the "
-                                       "implementation name")
 def test_check_cp_model_names_falcon_rather_than_asking_to_switch_its_implementation():
     """A Falcon built with sdpa (the only way it builds): ``check_cp_model`` said "runs 'sdpa', not cp_packing's ...
     set model.set_attn_implementation(...)", a fix that cannot work for Falcon. It must name the family."""
@@ -130,7 +127,6 @@ def test_check_cp_model_names_falcon_rather_than_asking_to_switch_its_implementa
         check_cp_model(model)
 
 
-@pytest.mark.xfail(strict=True, reason="lead: the launcher checks the family (check_cp_supported) before from_config")
 def test_the_launcher_refuses_a_falcon_directory_as_a_usage_error(tmp_path, capfd):
     """``python -m cp_packing train --model <falcon dir>``: the dry run passed and the run died with
     ``KeyError: 'cp_packing'`` tracebacks on every rank. It must be a usage line naming the family (exit 2)."""
@@ -145,22 +141,31 @@ def test_the_launcher_refuses_a_falcon_directory_as_a_usage_error(tmp_path, capf
     assert code == 2 and "falcon" in err and "AttentionInterface" in err and "Traceback" not in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="lead wires in hf.py / model_features.py: MLA's v head dim")
-def test_deepseek_v3_with_mla_head_sizes_is_refused_naming_the_family_and_the_head_dims():
+@pytest.mark.distributed
+def test_deepseek_v3_with_mla_head_sizes_matches_its_documents_alone():
     """DeepSeek-V3's multi-head latent attention with its real head sizes (q/k head dim qk_nope + qk_rope = 12, v
-    head dim 8) got "k and v must have the same shape" at the first forward, naming neither MLA nor a fix.
-    ``check_cp_model`` must refuse it (or cp_attention_forward pad v to 12 and crop the output, as HF's
-    flash-attention integration does; then this test becomes a parity test)."""
+    head dim 8) got "k and v must have the same shape" at the first forward. The attention now pads v to the q/k
+    head dim and crops the output (as HF's flash-attention integration does; exact: the weights do not depend on
+    v): CP at cp 2, eager and compiled, equals HF's eager model run on each document alone."""
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
-    from cp_packing.hf import check_cp_model, register_cp_attention
+    from tests.test_model_features import _sweep_module
 
+    from cp_packing.hf import register_cp_attention
+
+    sweep = _sweep_module()
     config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                               first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                              topk_group=1)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_cp_attention())
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM.*v_head_dim=8.*12"):
-        check_cp_model(model)
+                              topk_group=1, attention_dropout=0.0)
+    eager, model = sweep.build(config, "eager"), sweep.build(config, register_cp_attention())
+    case = sweep.make_case(64)
+    ref = sweep.documents_alone(eager, case)
+    job = {"dsv3": {"model": model, "case": case, "ref": ref, "guard": True}}
+    for compiled in (False, True):
+        kind, value = sweep.run_cp(job, 2, "contiguous", 120, compiled=compiled)["dsv3"]
+        assert kind == "ok", value
+        d_loss, d_grad, ok = sweep.compare(*value, *ref)
+        assert ok and d_loss < 1e-5, (compiled, d_loss, d_grad)

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_number,
-                                check_softcap, check_window)
+from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_softcap,
+                                check_softmax_scale, check_window)
 from cp_packing._imports import try_import
 from cp_packing.agreement import AgreementError, digest, fail_together, next_step
 from cp_packing.capabilities import backend_refusal
@@ -386,9 +386,7 @@ def _check_layer_args(q, causal, window, softcap, sinks, scale) -> None:
     from cp_packing.attention import kernels
 
     check_bool(causal, "causal")
-    scale = check_number(scale, "softmax_scale", allow_none=True)
-    if scale is not None and not (0.0 < scale < float("inf")):
-        raise ValueError(f"softmax_scale={scale!r} must be a finite number > 0 (None: 1/sqrt(head_dim))")
+    check_softmax_scale(scale)
     check_window(window, causal)
     if softcap is not None:
         check_softcap(softcap)
@@ -440,19 +438,19 @@ def _warn_late_table(key: LayerKey, fix: str) -> None:
 def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: int) -> int:
     """This rank's valid labels, checked: integer, one per local token, shifted on the global stream (a valid label
     on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``).
-    Compared in int64, so an unsigned dtype cannot wrap ``ignore_index``."""
-    from cp_packing.labels import check_labels_shifted, segment_ends
+    Compared as int64 values (``labels.valid_label_mask``), as the loss does."""
+    from cp_packing.labels import check_labels_shifted, segment_ends, valid_label_mask
 
     if not isinstance(labels, torch.Tensor) or labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must be an integer tensor (this rank's shifted labels), got "
                         f"{type(labels).__name__ if not isinstance(labels, torch.Tensor) else labels.dtype}")
-    flat = labels.reshape(-1).to(torch.int64)
+    flat = labels.reshape(-1)
     if flat.numel() != sharded.num_local_tokens:
         raise ValueError(f"labels hold {flat.numel()} tokens but this rank holds T_local={sharded.num_local_tokens}; "
                          "pass this rank's shard of the labels")
     segment_end = segment_ends(sharded.global_params.cu_seqlens, sharded.token_index.to(flat.device))
     check_labels_shifted(flat, segment_end=segment_end, ignore_index=ignore_index)
-    return int((flat != ignore_index).sum())
+    return int(valid_label_mask(flat, ignore_index).sum())
 
 
 def _layer_keys(options: AttentionOptions, features: Any) -> tuple[LayerKey, ...]:

@@ -107,6 +107,12 @@ def model_dir_config(path: str, option: str = "--model") -> tuple[Any, Any]:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, OSError, KeyError, ... on a bad config
         raise UsageError(f"{option} {path!r}: its config.json does not load ({type(exc).__name__}: {exc})") from None
+    from cp_packing.model_features import check_cp_supported
+
+    try:  # a family CP cannot run (Falcon: attention inside the model, not through AttentionInterface) is one line
+        check_cp_supported(config)
+    except ValueError as exc:
+        raise UsageError(f"{option} {path!r}: {exc}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception:  # noqa: BLE001 - no tokenizer files (OSError/ValueError/TypeError by version): token ids only
