@@ -4,13 +4,14 @@ Run:  PYTHONPATH=. .venv/bin/python benchmarks/trace_step.py            (2 gloo 
       PYTHONPATH=. .venv/bin/python benchmarks/trace_step.py --quick    (fewer timing repeats)
 
 Part 1 (2 ranks, gloo): one training step of a tiny Llama (``--layers`` decoder layers) on a lognormal packed batch,
-``balanced`` layout, all-gather attention: the batch is distributed (``distribute_batch``), the model inputs are
-prepared (``cp_model_inputs(..., model=model)``), then forward, loss (``packed_cross_entropy``) and backward. A
+``balanced`` layout, the backend ``auto`` picks (the exchange or the all-gather): the batch is distributed
+(``distribute_batch``), the step is prepared and agreed (``cp_model_inputs(..., model=model)``), then forward, loss
+(``packed_cross_entropy``) and backward. A
 ``sys.setprofile`` hook counts every call of a function defined in ``cp_packing/`` (per phase; the forward and
 backward phases divided by the number of layers give the per-layer figures), and names the busiest functions.
 Two steps are traced: the second (a checked step: the first ``CHECKED_STEPS`` steps of a group make a small
-agreement per layer) and the fourth (a later step: layers only read the step plan); step one pays imports and
-first use. The reference kernel's own helpers (``attention/kernels.py``) are counted apart: they are the kernel.
+agreement per layer) and the fourth (a later step: layers only read the step plan, prepared before the model call,
+so layer 1 costs what the others cost); step one pays imports and first use. The reference kernel's own helpers (``attention/kernels.py``) are counted apart: they are the kernel.
 
 Part 2 (one process, cp = 1): the Python overhead of one attention layer's forward as HF calls it
 (``cp_packing.hf.cp_attention_forward``) with the varlen kernel replaced by a do-nothing kernel (it returns its
@@ -136,8 +137,8 @@ def overhead_us(repeats: int, tokens: int = 64) -> tuple[float, float]:
     from cp_packing.attention import kernels
     from cp_packing.hf import cp_attention_forward, cp_model_inputs
 
-    def noop(q, k, v, *args, **kwargs):
-        return q, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+    def noop(q, k, v, *args, **kwargs):  # a fresh output, as a kernel's (an op's output never aliases its input)
+        return torch.empty_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
 
     doc_ids = torch.tensor([[1] * (tokens // 2) + [2] * (tokens // 2)])
     params = cp_packing.packed_seq_params_from_doc_ids(doc_ids)
@@ -217,6 +218,11 @@ def main(argv=None) -> int:
     print("| function | calls |\n|---|---|")
     for name, n in merged.most_common(args.top):
         print(f"| `{name}` | {n} |")
+    later = steps["later"]
+    in_model = sum(c for phase in ("forward, layer 1", "forward, layers 2..", "backward")
+                   for f, c in later.get(phase, {}).items() if not f.startswith(KERNEL))
+    print(f"\ncp-packing calls per attention layer inside the model call (forward + backward, the later step, "
+          f"without the kernel's): {in_model / args.layers:.1f}")
     layer, kernel = overhead_us(args.repeats)
     print(f"\nPer-layer Python overhead at cp=1 (do-nothing kernel): {layer - kernel:.1f} us "
           f"(layer call {layer:.1f} us, kernel alone {kernel:.1f} us, median of {args.repeats} x 20 calls)")

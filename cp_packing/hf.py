@@ -445,8 +445,18 @@ def cp_model_inputs(
     labels = local_batch.get(labels_key) if isinstance(local_batch, Mapping) else None
     step = prepare_attention(inputs["cp_sharded"], group=inputs["cp_group"], options=options, features=features,
                              labels=labels if isinstance(labels, torch.Tensor) else None,
-                             device=inputs[input_key].device, **shapes)
+                             device=inputs[input_key].device, weights_digest=_weights_digest(model), **shapes)
     return inputs | {"cp_sharded": step}
+
+
+def _weights_digest(model: torch.nn.Module | None):
+    """The weights' digest the checked steps compare across the CP ranks (``None``: no model, or FSDP2 DTensors,
+    whose CP ranks hold different shards)."""
+    if model is None or any(hasattr(p, "to_local") for p in model.parameters()):
+        return None
+    from cp_packing.gradients import param_digest
+
+    return lambda: param_digest(model)
 
 
 def _model_step_options(model: torch.nn.Module, options: Any, device: torch.device) -> tuple[Any, dict]:

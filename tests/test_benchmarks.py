@@ -34,3 +34,9 @@ def test_bench_scale_quick_prices_every_layout():
 def test_bench_gradients_quick_times_the_sum_and_the_digest():
     out = _quick("bench_gradients.py")
     assert "| per-parameter loop |" in out and "| sum_gradients |" in out and "param_digest" in out
+
+
+@pytest.mark.distributed
+def test_bench_compile_quick_compiles_without_graph_breaks():
+    out = _quick("bench_compile.py")
+    assert "| allgather |" in out and "| exchange |" in out  # its exit status says: no graph break

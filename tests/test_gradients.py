@@ -209,3 +209,52 @@ def test_param_digest_tells_equal_weights_from_drifted_ones():
     assert param_digest(a) != param_digest(b.to(torch.bfloat16))  # the dtype counts
     with pytest.raises(ValueError, match="sample must be >= 1"):
         param_digest(a, sample=0)
+
+
+# ------------------------------------------------------------------------------------- the drifted-weights guard
+
+
+def _loop_worker(rank: int, world_size: int, summed: bool) -> tuple[str, float]:
+    import time
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from cp_packing import distribute_batch, next_token_labels, packed_cross_entropy, packed_seq_params_from_doc_ids
+    from cp_packing.hf import cp_model_inputs, register_cp_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, attention_dropout=0.0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_cp_attention())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    group = dist.group.WORLD
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            doc = torch.tensor([[1] * 5 + [2] * 7 + [3] * 4])
+            ids = torch.randint(0, 64, doc.shape, generator=torch.Generator().manual_seed(step))
+            local, sharded = distribute_batch({"input_ids": ids, "labels": next_token_labels(ids, doc)},
+                                              packed_seq_params_from_doc_ids(doc), group=group, layout="contiguous")
+            start = time.monotonic()
+            inputs = cp_model_inputs(local, sharded, group=group, model=model)
+            loss = packed_cross_entropy(model(**inputs).logits[0], local["labels"][0], sharded=inputs["cp_sharded"])
+            loss.backward()
+            if summed:
+                cp_packing.sum_gradients(model, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "ok", time.monotonic() - start
+
+
+@pytest.mark.distributed
+def test_a_loop_that_skips_the_gradient_sum_is_stopped_on_every_rank():
+    """Without ``sum_gradients`` the CP ranks' weights drift apart after the first optimizer step (each rank stepped
+    on its own shard's gradient) and training would go on silently; the next checked step's agreement compares a
+    digest of the weights and raises on every rank within seconds, naming the fix. With the sum, three steps run."""
+    pytest.importorskip("transformers")
+    for message, seconds in run_distributed(_loop_worker, 2, False):
+        assert message.startswith("AgreementError") and "weights differ" in message, message
+        assert "cp_packing.sum_gradients(model, cp_group)" in message and seconds < 30, (message, seconds)
+    assert [m for m, _ in run_distributed(_loop_worker, 2, True)] == ["ok", "ok"]

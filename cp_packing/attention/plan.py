@@ -540,6 +540,22 @@ def _check_previous_traces(records: list) -> None:
         "AttentionOptions(check_layers=True) to find the layer")
 
 
+def _check_weights(records: list) -> None:
+    """Raise (on every rank: every rank reads the same records) when the CP ranks' weights differ."""
+    digests = [r.payload[2] for r in records]
+    if any(d is None for d in digests) or len(set(digests)) == 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, d in enumerate(digests):
+        groups.setdefault(d, []).append(rank)
+    listed = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in groups.items())
+    raise AgreementError(
+        f"context_parallel_attention: the model's weights differ between the ranks of the CP group ({listed}): every "
+        "CP rank must hold the same weights. The gradients were not summed over the CP group after backward (call "
+        "cp_packing.sum_gradients(model, cp_group) - or the DP x CP mesh - before the optimizer step), or were "
+        "summed over another group, or the ranks loaded different checkpoints")
+
+
 def prepare_attention(
     sharded: ShardedPackedSeqParams,
     *,
@@ -554,6 +570,7 @@ def prepare_attention(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     error: BaseException | None = None,
+    weights_digest: Any = None,
     **option_kwargs: Any,
 ) -> ShardedPackedSeqParams:
     """This step's shard with its frozen :class:`StepPlan` attached (``result.plan``), agreed over the group.
@@ -576,6 +593,9 @@ def prepare_attention(
             :data:`DEFAULT_SHAPES`) and ``dtype`` decides whether auto may pick ring-flash-attn.
         device: where the tables go (default ``sharded.token_index``'s device).
         error: the caller's own failure on this rank (raised on every rank by the agreement).
+        weights_digest: a callable returning a digest of the model's weights (``cp_packing.param_digest``;
+            ``cp_model_inputs(model=)`` passes it): in the checked steps the ranks compare it, so weights that drifted
+            apart (gradients not summed over the CP group) raise on every rank, naming the fix.
 
     Returns:
         A copy of ``sharded`` whose ``plan`` is this step's. Costs one agreement over the group (none at
@@ -637,11 +657,13 @@ def prepare_attention(
             "check_layers": check_layers, "labels counted": local_items is not None,
             "attention layers": None if features is None else len(features.attention_layers),
         }
-        agreement.payload = (local_items, _previous_trace(resolved))
+        weights = weights_digest() if weights_digest is not None and check_layers else None
+        agreement.payload = (local_items, _previous_trace(resolved), weights)
     records = agreement.records.get("CP group", [])
     num_items = local_items
     if len(records) > 1:
         _check_previous_traces(records)
+        _check_weights(records)
         if local_items is not None:
             num_items = sum(r.payload[0] for r in records)
     plan = StepPlan(
