@@ -260,8 +260,8 @@ def _refused_arguments(trainer: Any) -> Iterator[tuple[str, Any, str]]:
     if args.torch_compile:
         yield "torch_compile", True, (
             "accelerate would compile the wrapped model, whose CP attention needs each step's plan prepared before "
-            "the call; pass torch_compile=False (a compiled CP model: your own loop with cp_model_inputs(..., "
-            "compiled=True), docs/compile.md)")
+            "the call; pass torch_compile=False (a compiled CP model: your own loop with torch.compile(model) and "
+            "cp_model_inputs(..., model=model), docs/compile.md)")
     if args.neftune_noise_alpha is not None:
         yield "neftune_noise_alpha", args.neftune_noise_alpha, (
             "NEFTune scales its embedding noise by the length of the sequence it sees (this rank's shard [1, "
