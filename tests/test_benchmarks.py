@@ -28,3 +28,9 @@ def test_trace_step_quick_counts_calls_and_times_the_layer():
 def test_bench_scale_quick_prices_every_layout():
     out = _quick("bench_scale.py", "--layouts", "contiguous", "balanced")
     assert out.count("| contiguous |") == 2 and out.count("| balanced |") == 2 and "token order" in out
+
+
+def test_bench_loss_quick_measures_every_loss():
+    out = _quick("bench_loss.py")
+    for name in ("F.cross_entropy", "packed_cross_entropy", "packed_linear_cross_entropy"):
+        assert out.count(f"| {name} |") == 2, out  # fp32 and bf16
