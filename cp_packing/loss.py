@@ -155,13 +155,14 @@ def _check_linear_and_labels(hidden: object, weight: object, bias: object, label
 
 def default_chunk_size(num_tokens: int, hidden_size: int, vocab: int) -> int:
     """The chunked loss's default tokens per chunk: a power of two near ``T * D / V``, so one chunk's logits
-    ``[C, V]`` hold about as many numbers as the hidden states ``[T, D]`` (Liger-Kernel's rule), at most ``T``.
+    ``[C, V]`` hold about as many numbers as the hidden states ``[T, D]`` (Liger-Kernel's rule), but at least 256
+    (every chunk reads the whole weight again: fewer rows make its matmuls memory-bound), at most ``T``.
 
-    >>> default_chunk_size(4096, 512, 32768)
-    64
+    >>> default_chunk_size(4096, 512, 32768), default_chunk_size(32768, 4096, 131072)
+    (256, 1024)
     """
     chunk = -(-num_tokens // -(-vocab // max(hidden_size, 1)))  # ceil(T / ceil(V / D))
-    return max(1, min(num_tokens, 1 << max(chunk - 1, 0).bit_length()))
+    return max(1, min(num_tokens, max(256, 1 << max(chunk - 1, 0).bit_length())))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

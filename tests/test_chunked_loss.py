@@ -126,9 +126,10 @@ def test_other_ignore_index():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(4096, 512, 32768) == 64  # ceil(4096 / 64) rounded up to a power of two
+    assert default_chunk_size(32768, 4096, 131072) == 1024  # ceil(32768 / 32): [C, V] as large as [T, D]
+    assert default_chunk_size(40000, 4096, 131072) == 2048  # rounded up to a power of two
+    assert default_chunk_size(4096, 512, 32768) == 256  # at least 256 rows per matmul
     assert default_chunk_size(10, 8, 5) == 10  # never more than T
-    assert default_chunk_size(4096, 4096, 131072) == 128
 
 
 @pytest.mark.parametrize("change, error, match", [
