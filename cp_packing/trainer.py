@@ -377,7 +377,8 @@ def _refused_arguments(trainer: Any) -> Iterator[tuple[str, Any, str]]:
     if args.use_liger_kernel:
         yield "use_liger_kernel", True, (
             "Liger patches the model's forward and loss (its fused linear cross-entropy computes HF's loss on this "
-            "rank's shard); pass use_liger_kernel=False")
+            "rank's shard); pass use_liger_kernel=False (CPTrainer's own loss never builds the logits either: "
+            "chunked_loss=True, the default)")
     if optim in ("lomo", "adalomo") or optim.endswith("layerwise"):
         yield "optim", optim, (
             "it updates each parameter inside backward, from this rank's share of the gradient, before DDP / FSDP2 "
