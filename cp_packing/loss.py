@@ -93,7 +93,7 @@ def _check_label_smoothing(label_smoothing: object) -> float:
 
 def _check_logits_and_labels(logits: object, labels: object, ignore_index: int,
                              label_smoothing: object = 0.0) -> tuple[_Scores, torch.Tensor]:
-    """Dtypes, shapes and device (the label values are checked by :func:`_inspect`)."""
+    """Dtypes, shapes, device and ``label_smoothing`` (the label values are checked by :func:`_inspect`)."""
     check_tensor(logits, "logits", "[T_local, V]")
     eps = _check_label_smoothing(label_smoothing)
     if not logits.is_floating_point():

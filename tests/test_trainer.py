@@ -220,8 +220,8 @@ def test_cp_trainer_equals_one_process_trainer():
     loss and gradient norm of every step, the final weights and the eval loss after training. dp 2 x cp 2 without
     token averaging (``average_tokens_across_devices=False``: each replica's own mean) against the plain Trainer on
     2 DDP processes. The chunked loss (the default) and the loss on the logits (``chunked_loss=False``) at cp 2 both
-    equal the reference, so each other. One test, so the references run once (pytest-xdist would run a shared fixture in every
-    worker)."""
+    equal the reference, so each other. One test, so the references run once (pytest-xdist would run a shared
+    fixture in every worker)."""
     cp = 2
     reference = run_distributed(_reference, 1, (1, 2))[0]
     reference["replica_mean"] = run_distributed(_plain_ddp, 2)[0]
