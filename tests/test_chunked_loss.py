@@ -196,3 +196,44 @@ def _cp_worker(rank, world_size):
 def test_cp_and_dp_shares_sum_to_the_non_cp_loss_and_gradients():
     results = run_distributed(_cp_worker, 2)
     assert results[0] == results[1]
+
+
+# ------------------------------------------------------------------------------- HF models: hidden states, no logits
+
+
+def _hf_model(kind: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "gemma2": lambda: transformers.Gemma2Config(head_dim=8, final_logit_softcapping=2.0, **common),
+              "cohere": lambda: transformers.CohereConfig(logit_scale=0.25, **common)}[kind]()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+@pytest.mark.parametrize("kind, softcap", [("llama", None), ("gemma2", 2.0)])
+def test_hf_model_loss_from_hidden_states_equals_the_loss_on_its_logits(kind, softcap):
+    from cp_packing.trainer import forward_hidden, output_projection
+
+    model = _hf_model(kind)
+    projection, why = output_projection(model)
+    assert why == "" and projection.softcap == softcap
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    labels = next_token_labels(ids, torch.tensor([[1] * 12 + [2] * 8]))[0]
+    outputs, hidden = forward_hidden(model, projection, {"input_ids": ids})
+    assert outputs.logits.shape == (1, 0, 64) and hidden.shape == (20, 32)  # the model built no logits
+    loss = projection.loss(hidden, labels, chunk_size=6)
+    ref = packed_cross_entropy(model(input_ids=ids).logits[0], labels)  # the model's own (soft-capped) logits
+    assert abs(_f(loss) - _f(ref)) <= RTOL * abs(_f(ref))
+    params = list(model.parameters())
+    _assert_close_rel(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params), rtol=1e-4)
+
+
+def test_a_model_that_changes_its_logits_after_the_projection_is_refused():
+    from cp_packing.trainer import output_projection
+
+    projection, why = output_projection(_hf_model("cohere"))  # logits * logit_scale
+    assert projection is None and "logit_scale" in why and "CohereForCausalLM" in why
+    projection, why = output_projection(torch.nn.Linear(4, 4))
+    assert projection is None and "no nn.Linear output projection" in why
