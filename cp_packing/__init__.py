@@ -41,7 +41,8 @@ from cp_packing.layouts import LAYOUTS
 from cp_packing.loader import cp_dataloader
 from cp_packing.gradients import param_digest, sum_gradients
 from cp_packing.groups import CPMesh
-from cp_packing.loss import count_valid_labels, next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.loss import (count_valid_labels, next_token_labels, packed_cross_entropy, packed_linear_cross_entropy,
+                             reduce_loss_for_logging)
 from cp_packing.options import AttentionOptions
 from cp_packing.packing import pack_documents
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids, to_flash_attention_kwargs
@@ -79,6 +80,7 @@ __all__ = [
     "context_parallel_attention",
     "next_token_labels",
     "packed_cross_entropy",
+    "packed_linear_cross_entropy",
     "count_valid_labels",
     "reduce_loss_for_logging",
     "sum_gradients",

@@ -8,14 +8,16 @@ stream by ``cp_packing.labels.next_token_labels``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_packing._checks import INTEGER_DTYPES, check_choice, check_ignore_index, check_tensor, is_int
+from cp_packing._checks import (INTEGER_DTYPES, check_choice, check_ignore_index, check_int, check_number,
+                               check_tensor, is_int)
 from cp_packing.agreement import digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
@@ -28,7 +30,9 @@ __all__ = [
     "count_valid_labels",
     "document_cross_entropy",
     "next_token_labels",
+    "default_chunk_size",
     "packed_cross_entropy",
+    "packed_linear_cross_entropy",
     "reduce_loss_for_logging",
 ]
 
@@ -42,34 +46,191 @@ _REDUCTIONS = ("token", "document")
 
 
 @dataclass(frozen=True)
+class _Scores:
+    """What scores this rank's tokens: dense logits, or the final hidden states and the output projection (chunked,
+    :class:`_LinearCrossEntropy`). ``ce(labels, ignore_index)`` is the float32 CE per token ``[T_local]``, exactly 0
+    at ignored positions (still connected to the inputs)."""
+
+    vocab: int
+    dtype: torch.dtype  # the logits' dtype (the hidden states' for the chunked loss)
+    device: torch.device
+    ce: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class _Local:
     """This rank's checked inputs."""
 
-    logits: torch.Tensor  # [T_local, V] floating
+    scores: _Scores
     labels: torch.Tensor  # int64 [T_local], each ignore_index or in [0, V)
     segment: torch.Tensor | None  # int64 [T_local], global segment of each local token (document reduction)
     num_segments: int
     num_items: int | None  # num_items_in_batch, read on the host
 
 
-def _check_logits_and_labels(logits: object, labels: object, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dtypes, shapes and device (the label values are checked by :func:`_inspect`)."""
-    check_tensor(logits, "logits", "[T_local, V]")
+def _check_labels(labels: object, ignore_index: int, tokens: torch.Tensor, what: str) -> torch.Tensor:
+    """Integer ``labels`` with one entry per row of ``tokens`` (``[T_local, ...]`` or ``[1, T_local, ...]``), on its
+    device; returns them flat int64 ``[T_local]``."""
     check_tensor(labels, "labels", "[T_local]")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor [T_local, V], got dtype {logits.dtype}")
     if labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must have an integer dtype (class index, {ignore_index} = ignored), got "
                         f"{labels.dtype}; build them with cp_packing.next_token_labels(...) or use labels.long()")
+    if tokens.dim() < 2 or tuple(labels.shape) != tuple(tokens.shape[:-1]):
+        raise ValueError(f"{what} shape {tuple(tokens.shape)} does not match labels shape {tuple(labels.shape)}; "
+                         f"expected {what} [T_local, {'V' if what == 'logits' else 'D'}] with labels [T_local] (or "
+                         f"[1, T_local, ...] with [1, T_local])")
+    if labels.device != tokens.device:
+        raise ValueError(f"labels are on {labels.device} but {what} on {tokens.device}; move them to one device")
+    return labels.reshape(-1).to(torch.int64)
+
+
+def _check_label_smoothing(label_smoothing: object) -> float:
+    eps = check_number(label_smoothing, "label_smoothing", min=0.0)
+    if eps > 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1] (HF's label_smoothing_factor), got {label_smoothing!r}")
+    return eps
+
+
+def _check_logits_and_labels(logits: object, labels: object, ignore_index: int,
+                             label_smoothing: object = 0.0) -> tuple[_Scores, torch.Tensor]:
+    """Dtypes, shapes, device and ``label_smoothing`` (the label values are checked by :func:`_inspect`)."""
+    check_tensor(logits, "logits", "[T_local, V]")
+    eps = _check_label_smoothing(label_smoothing)
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [T_local, V], got dtype {logits.dtype}")
     if logits.dim() >= 1 and logits.shape[-1] == 0:
         raise ValueError(f"logits have a vocabulary of 0 classes (shape {tuple(logits.shape)}); pass the model's "
                          "logits [T_local, V] with V >= 1")
-    if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match labels shape {tuple(labels.shape)}; "
-                         "expected logits [T_local, V] with labels [T_local] (or [1, T_local, V] with [1, T_local])")
-    if labels.device != logits.device:
-        raise ValueError(f"labels are on {labels.device} but logits on {logits.device}; move them to one device")
-    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(torch.int64)
+    labels1d = _check_labels(labels, ignore_index, logits, "logits")
+    logits2d = logits.reshape(-1, logits.shape[-1])  # [T_local, V]
+
+    def ce(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        return F.cross_entropy(logits2d.float(), labels, ignore_index=ignore_index, reduction="none",
+                               label_smoothing=eps)
+
+    return _Scores(int(logits2d.shape[-1]), logits2d.dtype, logits2d.device, ce), labels1d
+
+
+def _check_linear_and_labels(hidden: object, weight: object, bias: object, labels: object, ignore_index: int,
+                             label_smoothing: object, softcap: object, chunk_size: object
+                             ) -> tuple[_Scores, torch.Tensor]:
+    """The chunked loss's inputs: ``hidden`` ``[T_local, D]``, ``weight`` ``[V, D]``, ``bias`` ``[V]`` or ``None``, one
+    floating dtype and device; the options."""
+    check_tensor(hidden, "hidden", "[T_local, D] (the final hidden states)")
+    check_tensor(weight, "weight", "[V, D] (the output projection, e.g. model.lm_head.weight)")
+    eps = _check_label_smoothing(label_smoothing)
+    cap = None if softcap is None else check_number(softcap, "final_logit_softcapping")
+    if cap is not None and not 0.0 < cap < float("inf"):
+        raise ValueError(f"final_logit_softcapping must be a finite number > 0 (logits become cap * tanh(logits / "
+                         f"cap)), got {softcap!r}; pass the model config's final_logit_softcapping, or None")
+    chunk = None if chunk_size is None else check_int(chunk_size, "chunk_size", min=1,
+                                                      hint="tokens per chunk, or None for the default")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"hidden and weight must be floating-point tensors, got {hidden.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be the output projection [V, D] with V >= 1, got shape {tuple(weight.shape)}; "
+                         "pass model.get_output_embeddings().weight")
+    if hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden shape {tuple(hidden.shape)} does not end in the weight's D = {weight.shape[1]} "
+                         f"(weight [V, D] = {tuple(weight.shape)}); pass the final hidden states [T_local, D] (after "
+                         "the final norm) and the output projection [V, D]")
+    if bias is not None:
+        check_tensor(bias, "bias", "[V]")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match the weight's V = {weight.shape[0]}")
+    others = [("weight", weight)] + ([] if bias is None else [("bias", bias)])
+    for name, x in others:
+        if x.dtype != hidden.dtype or x.device != hidden.device:
+            raise ValueError(f"{name} is {x.dtype} on {x.device} but hidden {hidden.dtype} on {hidden.device}; the "
+                             "output projection runs in one dtype on one device (cast hidden, as the model's lm_head "
+                             "would see it)")
+    labels1d = _check_labels(labels, ignore_index, hidden, "hidden")
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])  # [T_local, D]
+
+    def ce(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        return _LinearCrossEntropy.apply(hidden2d, weight, bias, labels, ignore_index, eps, cap, chunk)
+
+    return _Scores(int(weight.shape[0]), hidden2d.dtype, hidden2d.device, ce), labels1d
+
+
+def default_chunk_size(num_tokens: int, hidden_size: int, vocab: int) -> int:
+    """The chunked loss's default tokens per chunk: a power of two near ``T * D / V``, so one chunk's logits
+    ``[C, V]`` hold about as many numbers as the hidden states ``[T, D]`` (Liger-Kernel's rule), but at least 256
+    (every chunk reads the whole weight again: fewer rows make its matmuls memory-bound), at most ``T``.
+
+    >>> default_chunk_size(4096, 512, 32768), default_chunk_size(32768, 4096, 131072)
+    (256, 1024)
+    """
+    chunk = -(-num_tokens // -(-vocab // max(hidden_size, 1)))  # ceil(T / ceil(V / D))
+    return max(1, min(num_tokens, max(256, 1 << max(chunk - 1, 0).bit_length())))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token CE ``[T]`` of ``logits = cap * tanh((hidden @ weight.T + bias) / cap)`` without ``[T, V]``: chunks of
+    tokens, each chunk's logits in float32; backward recomputes each chunk's logits from the saved inputs and the
+    float32 log-sum-exp ``[T]`` (docs/loss.md, "A loss without the logits")."""
+
+    @staticmethod
+    def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 ``[C, V]`` logits of one chunk (the projection in the weight's dtype, as the model's lm_head), and
+        with ``cap`` the tanh ``[C, V]`` (for the gradient)."""
+        z = F.linear(h, weight, bias).to(torch.promote_types(h.dtype, torch.float32))  # [C, V]
+        if cap is None:
+            return z, None
+        t = z.div_(cap).tanh_()
+        return t * cap, t
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, eps, cap, chunk):
+        T, V = hidden.shape[0], weight.shape[0]
+        chunk = chunk or default_chunk_size(T, hidden.shape[1], V)
+        valid = labels != ignore_index  # [T]
+        target = torch.where(valid, labels, 0)  # [T]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32 (float64 stays float64)
+        lse = torch.empty(T, dtype=acc, device=hidden.device)  # [T]
+        ce = torch.empty(T, dtype=acc, device=hidden.device)  # [T]
+        for s in range(0, T, chunk):
+            z, _ = _LinearCrossEntropy._logits(hidden[s:s + chunk], weight, bias, cap)  # [C, V]
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            loss = lse[s:s + chunk] - z.gather(1, target[s:s + chunk, None])[:, 0]  # nll, [C]
+            if eps:
+                loss = (1 - eps) * loss + eps * (lse[s:s + chunk] - z.mean(dim=-1))  # mean over v of -log p_v
+            ce[s:s + chunk] = loss
+        ce.masked_fill_(~valid, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, target, valid, lse)
+        ctx.options = (eps, cap, chunk)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce):
+        hidden, weight, bias, target, valid, lse = ctx.saved_tensors
+        eps, cap, chunk = ctx.options
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g = grad_ce.to(lse.dtype) * valid  # [T]
+        grad_h = torch.empty_like(hidden) if need_h else None  # rows are disjoint per chunk
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) \
+            if need_b and bias is not None else None
+        V = weight.shape[0]
+        for s in range(0, hidden.shape[0], chunk):
+            h, gs = hidden[s:s + chunk], g[s:s + chunk, None]  # [C, D], [C, 1]
+            z, t = _LinearCrossEntropy._logits(h, weight, bias, cap)  # [C, V]
+            dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(gs)  # softmax * g, in place
+            dz.scatter_add_(1, target[s:s + chunk, None], -(1 - eps) * gs)
+            if eps:
+                dz.sub_(gs * (eps / V))
+            if t is not None:
+                dz.mul_(t.square_().neg_().add_(1))  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+            if grad_h is not None:
+                grad_h[s:s + chunk] = dz.to(weight.dtype) @ weight
+            if grad_w is not None:
+                grad_w.addmm_(dz.t(), h.to(dz.dtype))
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _check_num_items(num_items: object, reduction: str) -> torch.Tensor | int | None:
@@ -148,13 +309,16 @@ def _inspect(labels: torch.Tensor, vocab: int, ignore_index: int,
     return None if num_items is None else n
 
 
-def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | None, dp: CPGroup | None,
+_Read = Callable[[int], tuple[_Scores, torch.Tensor]]  # ignore_index -> (scores, labels [T_local]), checked
+
+
+def _check_local(read: _Read, labels: object, sharded: object, cp: CPGroup | None, dp: CPGroup | None,
                  reduction: object, ignore_index: object, input_ids: object = None,
                  num_items: object = None) -> tuple[_Local, dict[str, object]]:
     """Every rank-local check (no communication); returns the inputs and the fields every rank must share."""
     reduction = check_choice(reduction, "reduction", _REDUCTIONS)
     ignore_index = check_ignore_index(ignore_index)
-    logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
+    scores, labels1d = read(ignore_index)
     num_items = _check_num_items(num_items, reduction)
     ids = None
     if input_ids is not None:
@@ -163,25 +327,25 @@ def _check_local(logits: object, labels: object, sharded: object, cp: CPGroup | 
     shard = _check_shard(sharded, cp, labels, labels1d.numel(), reduction)
     segment, num_segments, segment_end, next_known = None, 0, None, None
     if shard:
-        cu, token_index = (t.to(device=logits2d.device, dtype=torch.int64) for t in shard)
+        cu, token_index = (t.to(device=scores.device, dtype=torch.int64) for t in shard)
         segment = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
         num_segments = int(cu.numel()) - 1
         segment_end = token_index == cu[segment + 1] - 1  # [T_local]: the last token of its global segment
         next_known = token_index[1:] == token_index[:-1] + 1  # [T_local - 1]: local neighbours are global ones
     elif ids is not None:  # no metadata: the labels are the whole stream without CP, unknown order with CP
         next_known = torch.full((max(labels1d.numel() - 1, 0),), cp is None or cp.size == 1, device=ids.device)
-    num_items = _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, num_items)
+    num_items = _inspect(labels1d, scores.vocab, ignore_index, num_items)
     if segment_end is not None or ids is not None:
         check_labels_shifted(labels1d, input_ids=ids, segment_end=segment_end, next_known=next_known,
                              ignore_index=ignore_index)
     fields: dict[str, object] = {
-        "reduction": reduction, "vocab size": int(logits2d.shape[-1]), "logits dtype": str(logits2d.dtype),
+        "reduction": reduction, "vocab size": scores.vocab, "logits dtype": str(scores.dtype),
         "ignore_index": ignore_index, "cp size": 1 if cp is None else cp.size,
         "dp size": None if dp is None else dp.size, "num_items_in_batch": num_items,
         "layout": getattr(sharded, "layout", None), "global segments": len(shard[0]) - 1 if shard else None,
         "global cu_seqlens (digest)": digest(shard[0]) if shard else None,
     }
-    return _Local(logits2d, labels1d, segment if reduction == "document" else None, num_segments, num_items), fields
+    return _Local(scores, labels1d, segment if reduction == "document" else None, num_segments, num_items), fields
 
 
 _DP_FIELDS = ("reduction", "vocab size", "logits dtype", "ignore_index", "cp size", "num_items_in_batch")
@@ -193,13 +357,13 @@ def _groups(cp: CPGroup | None, dp: CPGroup | None) -> tuple:
     return (None if cp is None else cp.group, "CP group"), (None if dp is None else dp.group, "DP group")
 
 
-def _checked(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object,
+def _checked(read: _Read, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object,
              reduction: object, ignore_index: object, input_ids: object = None,
              num_items: object = None) -> tuple[_Local, CPGroup | None, CPGroup | None]:
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
     with fail_together(_CALL, *_groups(cp, dp)) as agreement:
-        local, fields = _check_local(logits, labels, sharded, cp, dp, reduction, ignore_index, input_ids, num_items)
+        local, fields = _check_local(read, labels, sharded, cp, dp, reduction, ignore_index, input_ids, num_items)
         agreement.fields = fields
         agreement.group_fields["DP group"] = {k: fields[k] for k in _DP_FIELDS if k in fields}
     return local, cp, dp
@@ -212,8 +376,8 @@ def _all_reduce_sum(t: torch.Tensor, group: CPGroup | None) -> torch.Tensor:
 
 
 def _cross_entropy(local: _Local, ignore_index: int) -> torch.Tensor:
-    """float32 CE per local token ``[T_local]``; exactly 0 at ignored positions (still connected to the logits)."""
-    return F.cross_entropy(local.logits.float(), local.labels, ignore_index=ignore_index, reduction="none")
+    """float32 CE per local token ``[T_local]``; exactly 0 at ignored positions (still connected to the inputs)."""
+    return local.scores.ce(local.labels, ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,6 +396,7 @@ def packed_cross_entropy(
     input_ids: torch.Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "token",
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Token-mean cross-entropy of this rank's tokens over the GLOBAL count of valid labels: this rank's share.
 
@@ -258,6 +423,8 @@ def packed_cross_entropy(
             labels equal them (unshifted labels).
         ignore_index: the label value to ignore.
         reduction: ``"token"``; ``"document"`` is :func:`document_cross_entropy` (kept for compatibility).
+        label_smoothing: ``eps`` in ``[0, 1]``, ``F.cross_entropy``'s (and HF's ``label_smoothing_factor``): each
+            token's CE is ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``.
 
     Returns:
         float32 scalar on ``logits.device``; 0 (not NaN, still differentiable) when no label is valid.
@@ -278,38 +445,100 @@ def packed_cross_entropy(
     >>> round(float(packed_cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]), num_items_in_batch=6)), 4)
     0.5493
     """
+    read = functools.partial(_check_logits_and_labels, logits, labels, label_smoothing=label_smoothing)
+    return _loss(read, labels, group=group, dp_group=dp_group, sharded=sharded, num_items=num_items_in_batch,
+                 input_ids=input_ids, ignore_index=ignore_index, reduction=reduction)
+
+
+def packed_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    group: GroupLike = None,
+    dp_group: GroupLike = None,
+    sharded: ShardedPackedSeqParams | PackedSeqParams | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "token",
+    label_smoothing: float = 0.0,
+    final_logit_softcapping: float | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`packed_cross_entropy` of ``logits = hidden @ weight.T (+ bias)`` without building the ``[T, V]`` logits.
+
+    The output projection and the cross-entropy run over chunks of ``chunk_size`` tokens (a custom autograd
+    function: each chunk's logits are made in the weight's dtype, as the model's ``lm_head`` does, and scored in
+    float32; backward recomputes them chunk by chunk from the saved log-sum-exp), so the loss holds one chunk's
+    ``[C, V]`` at a time. Same share, count rules, checks and agreement as :func:`packed_cross_entropy`
+    (docs/loss.md, "A loss without the logits"). Pure torch: it runs on CPU and any GPU.
+
+    Args:
+        hidden: floating ``[T_local, D]`` (or ``[1, T_local, D]``): the final hidden states (after the final norm),
+            this rank's tokens.
+        weight: the output projection ``[V, D]`` (``model.get_output_embeddings().weight``), ``hidden``'s dtype.
+        labels, group, dp_group, sharded, num_items_in_batch, input_ids, ignore_index, reduction, label_smoothing:
+            as :func:`packed_cross_entropy`.
+        bias: the projection's bias ``[V]``, or ``None``.
+        final_logit_softcapping: ``cap`` > 0 (Gemma 2's config value): the logits become ``cap * tanh(logits /
+            cap)``, per chunk; ``None``: none.
+        chunk_size: tokens per chunk; ``None``: :func:`default_chunk_size` (one chunk's logits about the size of
+            ``hidden``).
+
+    Returns:
+        float32 scalar on ``hidden.device``: this rank's share (0, still differentiable, when no label is valid).
+
+    Raises:
+        TypeError / ValueError (on every rank of the groups, as :func:`packed_cross_entropy`): also a weight that is
+        not ``[V, D]`` with ``hidden``'s ``D``, dtype and device, a label outside ``[0, V)``, ``chunk_size < 1``.
+
+    >>> hidden, weight = torch.zeros(4, 2), torch.zeros(3, 2)  # every logit 0
+    >>> round(float(packed_linear_cross_entropy(hidden, weight, torch.tensor([0, 2, -100, 1]))), 4)  # ln 3
+    1.0986
+    """
+    read = functools.partial(_check_linear_and_labels, hidden, weight, bias, labels, label_smoothing=label_smoothing,
+                             softcap=final_logit_softcapping, chunk_size=chunk_size)
+    return _loss(read, labels, group=group, dp_group=dp_group, sharded=sharded, num_items=num_items_in_batch,
+                 input_ids=input_ids, ignore_index=ignore_index, reduction=reduction)
+
+
+def _loss(read: _Read, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object, num_items: object,
+          input_ids: object, ignore_index: object, reduction: object) -> torch.Tensor:
+    """The token (or document) loss of ``read``'s scores: the count rules of :func:`packed_cross_entropy`."""
     plan = sharded.plan if isinstance(sharded, ShardedPackedSeqParams) else None
     if reduction == "token" and group is None and dp_group is None and (
-            num_items_in_batch is not None or (plan is not None and plan.num_items is not None)):
-        return _local_loss(logits, labels, plan, num_items_in_batch, input_ids, ignore_index, sharded)
+            num_items is not None or (plan is not None and plan.num_items is not None)):
+        return _local_loss(read, labels, plan, num_items, input_ids, ignore_index, sharded)
     if plan is not None:
         plan.check_ran()
         if group is None and plan.group is not None:
             group = plan.group  # the step was prepared without labels: count them over its group
     if reduction == "document":
-        return _document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
-                                       ignore_index=ignore_index, input_ids=input_ids, num_items=num_items_in_batch)
-    local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction=reduction,
-                             ignore_index=ignore_index, input_ids=input_ids, num_items=num_items_in_batch)
+        return _document_cross_entropy(read, labels, group=group, dp_group=dp_group, sharded=sharded,
+                                       ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
+    local, cp, dp = _checked(read, labels, group=group, dp_group=dp_group, sharded=sharded, reduction=reduction,
+                             ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
     if local.num_items is None:
         count = (local.labels != ignore_index).sum().to(torch.int64).reshape(1)  # this rank's tokens, counted once
         denominator = _all_reduce_sum(_all_reduce_sum(count, cp), dp).clamp_min(1).to(torch.float32)[0]
     else:
-        denominator = torch.tensor(float(max(local.num_items, 1)), dtype=torch.float32, device=local.logits.device)
+        denominator = torch.tensor(float(max(local.num_items, 1)), dtype=torch.float32, device=local.scores.device)
     return _cross_entropy(local, ignore_index).sum() / denominator
 
 
-def _local_loss(logits, labels, plan, num_items, input_ids, ignore_index, sharded) -> torch.Tensor:
+def _local_loss(read, labels, plan, num_items, input_ids, ignore_index, sharded) -> torch.Tensor:
     """The loss as local math: this rank's CE sum over the step's count (no communication, no agreement)."""
     if plan is not None:
         plan.check_ran()
     ignore_index = check_ignore_index(ignore_index)
-    logits2d, labels1d = _check_logits_and_labels(logits, labels, ignore_index)
+    scores, labels1d = read(ignore_index)
     n = _check_num_items(num_items, "token")
     if n is None:
         n = plan.num_items
     if labels1d.device.type == "cpu":  # free on the host; on a GPU the kernel's device assert names a bad label
-        _inspect(labels1d, int(logits2d.shape[-1]), ignore_index, n)
+        _inspect(labels1d, scores.vocab, ignore_index, n)
     if input_ids is not None:
         ids = check_same_batch(input_ids, "input_ids", labels, "labels", "[T_local] (this rank's input ids)")
         segment_end = None
@@ -318,7 +547,7 @@ def _local_loss(logits, labels, plan, num_items, input_ids, ignore_index, sharde
         check_labels_shifted(labels1d, input_ids=ids, segment_end=segment_end, ignore_index=ignore_index,
                              next_known=None if sharded is None else (sharded.token_index[1:] ==
                                                                        sharded.token_index[:-1] + 1).to(ids.device))
-    total = F.cross_entropy(logits2d.float(), labels1d, ignore_index=ignore_index, reduction="sum")
+    total = scores.ce(labels1d, ignore_index).sum()
     if isinstance(n, torch.Tensor):
         return total / n.to(device=total.device, dtype=torch.float32).clamp_min(1).reshape(())
     return total / float(max(int(n), 1))
@@ -358,14 +587,15 @@ def document_cross_entropy(
     >>> round(float(document_cross_entropy(logits, torch.tensor([0, 1, -100, 0, -100]), sharded=params)), 4)
     0.3466
     """
-    return _document_cross_entropy(logits, labels, group=group, dp_group=dp_group, sharded=sharded,
+    read = functools.partial(_check_logits_and_labels, logits, labels)
+    return _document_cross_entropy(read, labels, group=group, dp_group=dp_group, sharded=sharded,
                                    ignore_index=ignore_index, input_ids=input_ids, num_items=None)
 
 
-def _document_cross_entropy(logits: object, labels: object, *, group: GroupLike, dp_group: GroupLike,
+def _document_cross_entropy(read: _Read, labels: object, *, group: GroupLike, dp_group: GroupLike,
                             sharded: object, ignore_index: object, input_ids: object,
                             num_items: object) -> torch.Tensor:
-    local, cp, dp = _checked(logits, labels, group=group, dp_group=dp_group, sharded=sharded, reduction="document",
+    local, cp, dp = _checked(read, labels, group=group, dp_group=dp_group, sharded=sharded, reduction="document",
                              ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
     valid = (local.labels != ignore_index).to(torch.int64)  # [T_local]
     counts = torch.zeros(local.num_segments, dtype=torch.int64, device=valid.device)  # [num_segments]

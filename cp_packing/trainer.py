@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
-from cp_packing._checks import IGNORE_INDEX, check_choice, check_int
+from cp_packing._checks import IGNORE_INDEX, check_bool, check_choice, check_int
 from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import CPMesh, device_for_backend
 from cp_packing.hf import (
@@ -34,7 +35,8 @@ from cp_packing.hf import (
     register_cp_attention,
 )
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loss import next_token_labels, packed_cross_entropy, reduce_loss_for_logging
+from cp_packing.loss import (next_token_labels, packed_cross_entropy, packed_linear_cross_entropy,
+                             reduce_loss_for_logging)
 from cp_packing.options import AttentionOptions
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
@@ -43,7 +45,8 @@ from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 check_transformers_version()
 from transformers import Trainer  # noqa: E402 - after the version check
 
-__all__ = ["CPMesh", "CPTrainer", "CPTrainerMixin", "cp_batch", "cp_mesh_from_world"]
+__all__ = ["CPMesh", "CPTrainer", "CPTrainerMixin", "OutputProjection", "cp_batch", "cp_mesh_from_world",
+           "forward_hidden", "output_projection"]
 
 logger = logging.getLogger("cp_packing")
 
@@ -231,6 +234,111 @@ def cp_mesh_from_world(cp_size: int) -> CPMesh:
     return CPMesh.from_world(cp_size)
 
 
+# ------------------------------------------------------------------------------------ the loss without the logits
+
+
+@dataclass(frozen=True)
+class OutputProjection:
+    """What :func:`cp_packing.loss.packed_linear_cross_entropy` needs of a causal LM: its decoder (whose output, the
+    final hidden states, feeds the projection), the projection ``nn.Linear`` ``[V, D]`` and the final-logit
+    soft-capping (Gemma 2's ``final_logit_softcapping``, else ``None``). Its weight is read at each loss call (FSDP2
+    swaps the registered parameter)."""
+
+    decoder: torch.nn.Module
+    linear: torch.nn.Linear
+    softcap: float | None
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``packed_linear_cross_entropy(hidden [T_local, D], self's weight and bias, labels, **kwargs)``."""
+        weight = self.linear.weight
+        if type(weight).__name__ == "DTensor":
+            raise ValueError("the output projection's weight is a sharded DTensor after the forward (FSDP2 with "
+                             "reshard_after_forward=True on the module that holds it): the chunked loss needs it "
+                             "whole; keep that module's parameters after forward, or turn the chunked loss off "
+                             "(chunked_loss=False / --no-chunked-loss)")
+        return packed_linear_cross_entropy(hidden, weight, labels, bias=self.linear.bias,
+                                           final_logit_softcapping=self.softcap, **kwargs)
+
+
+def output_projection(model: torch.nn.Module) -> tuple[OutputProjection | None, str]:
+    """``(projection, "")`` when the chunked loss can stand in for ``model``'s logits, else ``(None, why not)``.
+
+    ``model`` (an HF causal LM, unwrapped) must expose an ``nn.Linear`` output projection
+    (``get_output_embeddings()``), its decoder (``get_decoder()``) and take ``logits_to_keep``; then one probe: a
+    4-token forward (no grad, eval mode, eager attention for the call) whose logits must equal the projection
+    (soft-capped by the config's ``final_logit_softcapping``) of the decoder's output. A model that scales or masks
+    its logits after the projection (Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) fails it. The
+    probe is a pure function of the weights, so every rank decides alike.
+    """
+    name = type(model).__name__
+    get_out, get_decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
+    linear = get_out() if callable(get_out) else None
+    if not isinstance(linear, torch.nn.Linear):
+        return None, f"{name} exposes no nn.Linear output projection (get_output_embeddings())"
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        return None, f"{name} exposes no decoder (get_decoder()) whose output feeds the projection"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None, f"{name}.forward takes no logits_to_keep: it would build the logits anyway"
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    projection = OutputProjection(decoder, linear, float(softcap) if softcap else None)
+    why = _probe(model, projection)
+    return (None, f"{name}: {why}") if why else (projection, "")
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module, projection: OutputProjection) -> str | None:
+    """Why ``model``'s logits are not its projection of its decoder's output (``None``: they are)."""
+    weight = projection.linear.weight
+    ids = (torch.arange(4, device=weight.device) % weight.shape[0])[None]  # [1, 4]
+    implementation, training = getattr(model.config, "_attn_implementation", None), model.training
+    try:
+        if implementation not in (None, "eager"):
+            model.set_attn_implementation("eager")
+        model.eval()
+        outputs, hidden = forward_hidden(model, projection, {"input_ids": ids, "use_cache": False}, keep=0)
+    except Exception as exc:  # noqa: BLE001 - any model error: the loss then uses the logits
+        return f"the probe forward failed ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(training)
+        if implementation not in (None, "eager"):
+            model.set_attn_implementation(implementation)
+    ours = F.linear(hidden, weight, projection.linear.bias).float()  # [4, V]
+    if projection.softcap is not None:
+        ours = projection.softcap * torch.tanh(ours / projection.softcap)
+    theirs = outputs.logits.reshape(ours.shape).float()
+    diff, scale = float((ours - theirs).abs().max()), max(1.0, float(theirs.abs().max()))
+    if not diff <= max(8 * torch.finfo(weight.dtype).eps, 1e-4) * scale:
+        return (f"its logits are not its output projection of its decoder's output (max difference {diff:.3g}): it "
+                "scales or masks them after the projection (e.g. Cohere's logit_scale, Granite's logits_scaling)")
+    return None
+
+
+def forward_hidden(model: torch.nn.Module, projection: OutputProjection, inputs: Mapping[str, Any],
+                   keep: int | torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
+    """Run ``model`` (or its DDP / FSDP2 wrapper) on ``inputs`` without building the logits: ``(outputs, the final
+    hidden states [T_local, D])``.
+
+    The hidden states come from a forward hook on the decoder, and ``logits_to_keep`` (default an empty index) keeps
+    no position for the projection, so the model returns empty logits ``[1, 0, V]``; the call still goes through the
+    wrapper's forward (DDP's gradient hooks, FSDP2's all-gathers) and the model's guards.
+    """
+    captured: list[Any] = []
+    handle = projection.decoder.register_forward_hook(lambda module, args, out: captured.append(out))
+    if keep is None:
+        keep = torch.empty(0, dtype=torch.int64, device=projection.linear.weight.device)
+    try:
+        outputs = model(**inputs, logits_to_keep=keep)
+    finally:
+        handle.remove()
+    out = captured[0]
+    hidden = getattr(out, "last_hidden_state", None)
+    hidden = out[0] if hidden is None else hidden  # [1, T_local, D]
+    return outputs, hidden.reshape(-1, hidden.shape[-1])
+
+
 # ---------------------------------------------------------------------------------------------- the arguments
 
 
@@ -269,7 +377,8 @@ def _refused_arguments(trainer: Any) -> Iterator[tuple[str, Any, str]]:
     if args.use_liger_kernel:
         yield "use_liger_kernel", True, (
             "Liger patches the model's forward and loss (its fused linear cross-entropy computes HF's loss on this "
-            "rank's shard); pass use_liger_kernel=False")
+            "rank's shard); pass use_liger_kernel=False (CPTrainer's own loss never builds the logits either: "
+            "chunked_loss=True, the default)")
     if optim in ("lomo", "adalomo") or optim.endswith("layerwise"):
         yield "optim", optim, (
             "it updates each parameter inside backward, from this rank's share of the gradient, before DDP / FSDP2 "
@@ -328,8 +437,10 @@ class CPTrainerMixin:
     (module docstring)."""
 
     def __init__(self, *args: Any, cp_size: int = 1, layout: str = "auto", backend: str = "auto",
-                 kernel: str = "auto", ulysses_size: int | None = None, **kwargs: Any) -> None:
+                 kernel: str = "auto", ulysses_size: int | None = None, chunked_loss: bool = True,
+                 **kwargs: Any) -> None:
         self.cp_size = check_int(cp_size, "cp_size", min=1)
+        chunked_loss = check_bool(chunked_loss, "chunked_loss")
         self.cp_layout = check_choice(layout, "layout", _LAYOUT_CHOICES)
         self.cp_options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size)
         super().__init__(*args, **kwargs)  # builds the Accelerator: the process group exists after this
@@ -352,6 +463,7 @@ class CPTrainerMixin:
                 "without GPUs pass TrainingArguments(use_cpu=True), and launch with torchrun"
             )
         _check_arguments(self)
+        self.cp_projection = self._chunked_loss_projection() if chunked_loss else None
         self._use_cp_attention()
         self.loss_is_scaled_for_ga = True  # compute_loss divides by the whole step's count (num_items_in_batch)
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch (our override below)
@@ -368,6 +480,16 @@ class CPTrainerMixin:
                            current, name)
             model.set_attn_implementation(name)
         check_cp_model(model)
+
+    def _chunked_loss_projection(self) -> OutputProjection | None:
+        """The model's output projection for the chunked loss, or ``None`` (a ``compute_loss_func`` takes the
+        logits; a model that fails :func:`output_projection`: logged, the loss then uses the full logits)."""
+        if self.compute_loss_func is not None:
+            return None
+        projection, why = output_projection(self.model)
+        if projection is None:
+            logger.warning("CPTrainer: the loss uses the full logits (chunked_loss): %s", why)
+        return projection
 
     def get_cp_size(self) -> int:
         """The CP group size: the Trainer's ``dp_world_size = world_size // cp_size`` (batch-size bookkeeping)."""
@@ -492,12 +614,13 @@ class CPTrainerMixin:
             )
         return 1
 
-    def _cp_forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    def _cp_forward(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor], chunked: bool
                     ) -> tuple[Any, torch.Tensor, torch.Tensor, ShardedPackedSeqParams]:
         """Shard the global batch locally and run the model on this rank's tokens.
 
         Returns:
-            the model's outputs, this rank's logits ``[T_local, V]``, its labels ``[T_local]`` and its shard.
+            the model's outputs, this rank's logits ``[T_local, V]`` (``chunked``: its final hidden states
+            ``[T_local, D]``, the logits never built), its labels ``[T_local]`` and its shard.
         """
         mesh = self.cp_mesh
         doc, input_ids, labels = (batch[key] for key in ("doc_ids", "input_ids", "shift_labels"))
@@ -506,34 +629,34 @@ class CPTrainerMixin:
                                           window=model_windows(model))  # sliding layers: plan the windowed cost
         model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
                                        options=self.cp_options, model=model)
-        outputs = model(**model_inputs)
-        logits = outputs.logits[0]  # [T_local, V]
-        return outputs, logits, sharded.shard(labels).to(logits.device), sharded
+        if chunked:
+            outputs, scores = forward_hidden(model, self.cp_projection, model_inputs)
+        else:
+            outputs = model(**model_inputs)
+            scores = outputs.logits[0]  # [T_local, V]
+        return outputs, scores, sharded.shard(labels).to(scores.device), sharded
 
-    def _cp_share(self, outputs: Any, logits: torch.Tensor, labels: torch.Tensor, sharded: ShardedPackedSeqParams,
-                  num_items_in_batch: torch.Tensor) -> torch.Tensor:
+    def _cp_share(self, outputs: Any, scores: torch.Tensor, labels: torch.Tensor, sharded: ShardedPackedSeqParams,
+                  num_items_in_batch: torch.Tensor, chunked: bool) -> torch.Tensor:
         """This rank's share of the global loss: the shares of every DP x CP rank sum to it.
 
-        Cross-entropy SUM of this rank's labels / ``num_items_in_batch`` (``packed_cross_entropy``: checked, the
-        same count on every rank); label smoothing as HF's ``LabelSmoother`` on the global batch, written as a sum
-        ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``, over the same count; or the user's CP-aware
-        ``compute_loss_func``. Without ``average_tokens_across_devices`` each replica's loss is its own mean and the
-        global loss their mean (HF's meaning on plain DP processes): a further ``/ dp_size``.
+        Cross-entropy SUM of this rank's labels / ``num_items_in_batch`` (``packed_cross_entropy`` on the logits, or
+        with ``chunked`` ``packed_linear_cross_entropy`` on the hidden states: checked, the same count on every
+        rank), label smoothing as HF's ``LabelSmoother`` on the global batch (``(1 - eps) * nll + eps * mean over
+        the vocabulary of -log p`` per token, over the same count); or the user's CP-aware ``compute_loss_func``.
+        Without ``average_tokens_across_devices`` each replica's loss is its own mean and the global loss their mean
+        (HF's meaning on plain DP processes): a further ``/ dp_size``.
         """
         mesh, args = self.cp_mesh, self.args
         if self.compute_loss_func is not None:  # its signature was checked at construction
             share = self.compute_loss_func(outputs, None, num_items_in_batch=num_items_in_batch,
                                            shift_labels=labels[None])
         else:
-            share = packed_cross_entropy(logits, labels, group=mesh.cp_group,
-                                         dp_group=mesh.dp_group if args.average_tokens_across_devices else None,
-                                         sharded=sharded, num_items_in_batch=num_items_in_batch)
-            eps = float(args.label_smoothing_factor)
-            if eps:
-                smoothed = -torch.log_softmax(logits.float(), dim=-1).sum(-1)  # [T_local]
-                smoothed = smoothed.masked_fill(labels == IGNORE_INDEX, 0.0).sum()
-                count = torch.as_tensor(num_items_in_batch, device=logits.device).clamp_min(1).to(torch.float32)
-                share = (1 - eps) * share + eps * smoothed / (count * logits.shape[-1])
+            kwargs = dict(group=mesh.cp_group, dp_group=mesh.dp_group if args.average_tokens_across_devices else None,
+                          sharded=sharded, num_items_in_batch=num_items_in_batch,
+                          label_smoothing=float(args.label_smoothing_factor))
+            share = self.cp_projection.loss(scores, labels, **kwargs) if chunked else \
+                packed_cross_entropy(scores, labels, **kwargs)
         return share if args.average_tokens_across_devices else share / mesh.dp_size
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -541,15 +664,17 @@ class CPTrainerMixin:
         """This rank's share of the step's loss (:meth:`_cp_share`), times the number of ranks DDP / FSDP2 average
         the gradients over, so that the reduced gradient is the SUM of every rank's share.
 
-        ``inputs`` is the global batch of this DP replica (the same on every CP rank); sharded here, locally.
+        ``inputs`` is the global batch of this DP replica (the same on every CP rank); sharded here, locally. With
+        the chunked loss (the default where the model allows it) ``outputs.logits`` are empty (``[1, 0, V]``).
         """
         factor = self._gradient_average_factor(model)  # checked before any collective
         if any(key not in inputs for key in _BATCH_KEYS):
             inputs = cp_batch(inputs, cp_size=self.cp_size, layout=self.cp_layout)
-        outputs, logits, labels, sharded = self._cp_forward(model, inputs)
+        chunked = self.cp_projection is not None
+        outputs, scores, labels, sharded = self._cp_forward(model, inputs, chunked)
         if num_items_in_batch is None:  # a micro-batch on its own: its count over the DP replicas
-            num_items_in_batch = self._get_num_items_in_batch([inputs], logits.device)
-        loss = self._cp_share(outputs, logits, labels, sharded, num_items_in_batch) * factor
+            num_items_in_batch = self._get_num_items_in_batch([inputs], scores.device)
+        loss = self._cp_share(outputs, scores, labels, sharded, num_items_in_batch, chunked) * factor
         return (loss, outputs) if return_outputs else loss
 
     # ---- evaluation: the same sharded forward; the loss summed over every rank, the logits gathered over CP
@@ -569,8 +694,9 @@ class CPTrainerMixin:
         mesh = self.cp_mesh
         with torch.no_grad(), self.compute_loss_context_manager():
             num_items = self._get_num_items_in_batch([batch.tensors], self.args.device)
-            outputs, logits, labels, sharded = self._cp_forward(model, batch.tensors)
-            share = self._cp_share(outputs, logits, labels, sharded, num_items)
+            chunked = self.cp_projection is not None and prediction_loss_only  # predictions need the logits
+            outputs, logits, labels, sharded = self._cp_forward(model, batch.tensors, chunked)
+            share = self._cp_share(outputs, logits, labels, sharded, num_items, chunked)
             loss = reduce_loss_for_logging(share, group=mesh.cp_group, dp_group=mesh.dp_group)
         if prediction_loss_only:
             return loss, None, None
@@ -679,6 +805,10 @@ class CPTrainer(CPTrainerMixin, Trainer):
         layout: the CP layout (``"auto"``: per batch, ``cp_packing.choose_layout``; ``"contiguous"``,
             ``"balanced"``, ``"zigzag"``: documents padded to a multiple of ``2 * cp_size``).
         backend, kernel, ulysses_size: passed to ``context_parallel_attention`` (docs/attention.md).
+        chunked_loss: ``True`` (default): the loss never builds the ``[T_local, V]`` logits
+            (``cp_packing.packed_linear_cross_entropy`` on the decoder's hidden states and the output projection)
+            where :func:`output_projection` accepts the model and no ``compute_loss_func`` is given; ``False``:
+            ``packed_cross_entropy`` on the model's logits.
 
     The datasets hold packed rows (``input_ids`` with ``doc_ids``, or ``position_ids`` restarting per document,
     optional HF ``labels`` or shifted ``shift_labels``; see :func:`cp_batch`). Loss, gradients, every optimizer step,

@@ -40,3 +40,9 @@ def test_bench_gradients_quick_times_the_sum_and_the_digest():
 def test_bench_compile_quick_compiles_without_graph_breaks():
     out = _quick("bench_compile.py")
     assert "| allgather |" in out and "| exchange |" in out  # its exit status says: no graph break
+
+
+def test_bench_loss_quick_measures_every_loss():
+    out = _quick("bench_loss.py")
+    for name in ("F.cross_entropy", "packed_cross_entropy", "packed_linear_cross_entropy"):
+        assert out.count(f"| {name} |") == 2, out  # fp32 and bf16

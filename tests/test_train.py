@@ -77,7 +77,7 @@ def test_an_error_on_rank_1_is_printed_there_and_exits_1(monkeypatch, capfd):
         return original(logits, labels, **kwargs)
 
     monkeypatch.setattr(train, "packed_cross_entropy", loss_that_fails_on_rank_1)
-    code = train.main(["--nproc", "2", "--steps", "1", "--seq-len", "32", "--layers", "1"])
+    code = train.main(["--nproc", "2", "--steps", "1", "--seq-len", "32", "--layers", "1", "--no-chunked-loss"])
     err = capfd.readouterr().err
     assert code == 1, err
     assert "rank 1" in err and "ValueError: label 300 at local position 5 is outside [0, 256)" in err, err
@@ -233,6 +233,7 @@ def test_trains_on_parquet_token_ids_with_fsdp2(local, tmp_path, capfd):
     text = "".join(capfd.readouterr())
     assert code == 0, text
     assert "fsdp=on" in text and "from 'input_ids'" in text and "PASS" in text, text
+    assert "loss=chunked" in text, text  # the default: the loss never built the logits, and parity holds
     assert_trained(str(out), local["model"])
 
 
@@ -457,19 +458,22 @@ def _lines(out: str, prefix: str) -> list[str]:
 
 @not_under_torchrun
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp", ["2", "1"], ids=["cp2", "dp2"])
-def test_accumulation_clipping_and_schedule_keep_parity_and_follow_transformers(cp, capfd):
+@pytest.mark.parametrize("cp, loss", [("2", "chunked"), ("1", "logits")], ids=["cp2", "dp2-logits"])
+def test_accumulation_clipping_and_schedule_keep_parity_and_follow_transformers(cp, loss, capfd):
     """--grad-accum 2 (each micro-batch over the step's global count), --max-grad-norm (the global norm, after the
     CP / DP sums: a rank clipping its own partial gradient would break parity from step 2), a linear warmup
     schedule: the gradients equal those of one process on the union of every micro-batch of every replica for 3
-    steps, and the learning rate of each step is transformers.get_scheduler's."""
+    steps, and the learning rate of each step is transformers.get_scheduler's. cp 2 with the chunked loss (the
+    default), dp 2 with the loss on the logits (--no-chunked-loss)."""
     from transformers import get_scheduler
 
     code = train.main(["--nproc", "2", "--cp", cp, "--steps", "3", "--seq-len", "32", "--layers", "1",
                        "--log-every", "1", "--grad-accum", "2", "--max-grad-norm", "0.05", "--lr-scheduler", "linear",
-                       "--warmup-steps", "1", "--lr", "0.01", "--check-parity", "--parity-steps", "3"])
+                       "--warmup-steps", "1", "--lr", "0.01", "--check-parity", "--parity-steps", "3"]
+                      + (["--no-chunked-loss"] if loss == "logits" else []))
     out = capfd.readouterr().out
     assert code == 0 and "PASS" in out, out
+    assert f"loss={loss}" in out, out
     assert len(_lines(out, "parity step ")) == 3 and "MISMATCH" not in out, out
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)

@@ -158,7 +158,8 @@ def _plain_ddp(rank: int, world: int):
 def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
     """``mode``: "ddp"; "fsdp2" (FSDP2 through accelerate: fully_shard over the whole DP x CP world);
     "fsdp2_on_cpu" (FSDP2 asked for, which accelerate drops on CPU: a warning, and DDP); "ddp_replica_mean" (DDP,
-    ``average_tokens_across_devices=False``)."""
+    ``average_tokens_across_devices=False``); "ddp_full_logits" (DDP, ``chunked_loss=False``: the loss on the model's
+    logits; every other mode uses the default chunked loss, which never builds them)."""
     from cp_packing.groups import CPMesh
     from cp_packing.hf import CPTrainer
 
@@ -179,8 +180,8 @@ def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
         handler.emit = records.append
         logging.getLogger("cp_packing").addHandler(handler)
         try:
-            trainer = CPTrainer(model=make_model("sdpa"), args=args, train_dataset=packed_rows(),
-                                cp_size=cp, layout=layout)  # an sdpa model: CPTrainer switches it to cp_packing
+            trainer = CPTrainer(model=make_model("sdpa"), args=args, train_dataset=packed_rows(), cp_size=cp,
+                                layout=layout, chunked_loss=mode != "ddp_full_logits")  # an sdpa model: switched
         finally:
             logging.getLogger("cp_packing").removeHandler(handler)
         assert trainer.accelerator.is_fsdp2 == fsdp
@@ -189,6 +190,13 @@ def _cp_run(rank: int, world: int, cp: int, layout: str, mode: str):
         dropped = [r for r in records if "FSDP was requested" in r.getMessage()]
         assert len(dropped) == (mode == "fsdp2_on_cpu"), [r.getMessage() for r in records]
         result = _train_and_evaluate(trainer, packed_rows()[:EVAL_ROWS])
+        chunked = mode != "ddp_full_logits"
+        assert (trainer.cp_projection is not None) == chunked
+        if not fsdp:  # the chunked loss's model call built no logits: [1, 0, V]
+            with torch.no_grad():
+                batch = next(iter(trainer.get_train_dataloader()))
+                _, outputs = trainer.compute_loss(trainer.model_wrapped, batch, return_outputs=True)
+            assert outputs.logits.shape[1] == (0 if chunked else batch["input_ids"].numel() // cp)
         wrapper = torch.distributed.fsdp.FSDPModule if fsdp else torch.nn.parallel.DistributedDataParallel
         assert isinstance(trainer.model_wrapped, wrapper), type(trainer.model_wrapped)
         if fsdp:  # FSDP2 with a custom gradient divisor: CPTrainer's factor would be wrong, so it refuses
@@ -211,14 +219,15 @@ def test_cp_trainer_equals_one_process_trainer():
     documents padded in the collator) under DDP and under FSDP2 through accelerate, against the plain Trainer: the
     loss and gradient norm of every step, the final weights and the eval loss after training. dp 2 x cp 2 without
     token averaging (``average_tokens_across_devices=False``: each replica's own mean) against the plain Trainer on
-    2 DDP processes. One test, so the references run once (pytest-xdist would run a shared fixture in every
-    worker)."""
+    2 DDP processes. The chunked loss (the default) and the loss on the logits (``chunked_loss=False``) at cp 2 both
+    equal the reference, so each other. One test, so the references run once (pytest-xdist would run a shared
+    fixture in every worker)."""
     cp = 2
     reference = run_distributed(_reference, 1, (1, 2))[0]
     reference["replica_mean"] = run_distributed(_plain_ddp, 2)[0]
     init = make_model("sdpa").state_dict()
-    runs = ((2, "balanced", "fsdp2_on_cpu"), (4, "zigzag", "ddp"), (4, "zigzag", "fsdp2"),
-            (4, "zigzag", "ddp_replica_mean"))
+    runs = ((2, "balanced", "fsdp2_on_cpu"), (2, "balanced", "ddp_full_logits"), (4, "zigzag", "ddp"),
+            (4, "zigzag", "fsdp2"), (4, "zigzag", "ddp_replica_mean"))
     for world, layout, mode in runs:
         ref_logged, ref_weights, ref_eval = reference["replica_mean" if mode == "ddp_replica_mean" else world // cp]
         results = run_distributed(_cp_run, world, cp, layout, mode)

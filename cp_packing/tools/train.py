@@ -18,8 +18,10 @@ tokens are arithmetic progressions (something to learn).
 
 Each micro-batch, CP rank 0 of every DP replica ships each CP rank its tokens (``cp_packing.distribute_batch``);
 labels are shifted on the global stream; ``--layout auto`` picks per batch among the layouts ``--attn-backend`` runs.
-The loss of a micro-batch is ``cp_packing.packed_cross_entropy`` with ``num_items_in_batch`` = the valid labels of
-all ``--grad-accum`` micro-batches of all replicas (``cp_packing.count_valid_labels``); gradients are SUMmed over CP
+The loss of a micro-batch is ``cp_packing.packed_linear_cross_entropy`` on the decoder's hidden states and the output
+projection, which never builds the ``[T_local, V]`` logits (``--no-chunked-loss``, or a model it cannot run:
+``cp_packing.packed_cross_entropy`` on the logits), with ``num_items_in_batch`` = the valid labels of all
+``--grad-accum`` micro-batches of all replicas (``cp_packing.count_valid_labels``); gradients are SUMmed over CP
 and DP (``--fsdp``: FSDP2 over the DP x CP mesh with SUM reduction), clipped by their global norm
 (``--max-grad-norm``), and AdamW steps on a ``transformers.get_scheduler`` schedule (``--lr-scheduler``,
 ``--warmup-steps``). ``--eval-every K``: a CP evaluation (no grad) on ``--eval-data`` or a synthetic eval set.
@@ -201,9 +203,16 @@ def _share(model, batch: dict, layout: str, num_items: int, args, mesh: CPMesh, 
                                       layout=layout, window=getattr(args, "windows", None))
     inputs = cp_model_inputs(local, sharded, group=group,
                              options=AttentionOptions(backend=args.attn_backend, kernel=args.kernel))
-    logits = model(**inputs).logits[0]  # [T_local, V]
     # local math: the step's count over CP x DP (count_valid_labels, once per optimizer step) divides this rank's sum
-    return packed_cross_entropy(logits, local["labels"][0], sharded=inputs["cp_sharded"], num_items_in_batch=num_items)
+    count = {"sharded": inputs["cp_sharded"], "num_items_in_batch": num_items}
+    projection = getattr(args, "projection", None)
+    if projection is None:  # --no-chunked-loss, or a model the chunked loss cannot run
+        logits = model(**inputs).logits[0]  # [T_local, V]
+        return packed_cross_entropy(logits, local["labels"][0], **count)
+    from cp_packing.trainer import forward_hidden
+
+    _, hidden = forward_hidden(model, projection, inputs)  # [T_local, D]: no logits built
+    return projection.loss(hidden, local["labels"][0], **count)
 
 
 def _cp_step(model, micro: list[tuple[dict, str]], args, mesh: CPMesh, device: torch.device) -> float:
@@ -334,6 +343,13 @@ class Run:
         self.model = build_model(args, register_cp_attention(), DTYPES[args.dtype], setup.config,
                                  path=setup.resume).to(device).train()
         args.windows = model_windows(self.model.config)  # sliding layers: plan and report the windowed cost
+        args.projection = None
+        if not args.no_chunked_loss:  # before FSDP2 shards the model (its probe runs a 4-token forward)
+            from cp_packing.trainer import output_projection
+
+            args.projection, why = output_projection(self.model)
+            if why and self.is_main:
+                print(f"the loss uses the full logits: {why}", flush=True)
         self.parity = Parity(self.model, args, min(args.parity_steps, args.steps)) if args.check_parity else None
         if args.fsdp:
             shard_with_fsdp2(self.model, self.mesh, device)
@@ -451,6 +467,7 @@ def _describe(run: Run) -> str:
     return (f"cp-packing train: world={setup.world} dp={mesh.dp_size} cp={mesh.cp_size} layout={args.layout} "
             f"({'/'.join(args.layouts)} for attention backend {args.attn_backend}) device={run.device} "
             f"backend={dist.get_backend()} dtype={args.dtype} fsdp={'on' if args.fsdp else 'off'} "
+            f"loss={'chunked' if getattr(args, 'projection', None) is not None else 'logits'} "
             f"model={args.model} ({n_params / 1e6:.2f}M params) batch={args.batch}x{args.seq_len}x{args.grad_accum} "
             f"lr={args.lr:g} ({args.lr_scheduler}, {args.warmup_steps} warmup) data={data}{resumed}")
 
@@ -530,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="varlen attention kernel (default auto: the best one available)")
     g.add_argument("--local-data", action="store_true",
                    help="every CP rank shards the batch itself (default: CP rank 0 scatters it)")
+    g.add_argument("--no-chunked-loss", action="store_true",
+                   help="compute the loss on the model's [T_local, V] logits (default: the chunked loss, "
+                        "cp_packing.packed_linear_cross_entropy, which never builds them, where the model allows)")
     _training_options(p.add_argument_group("training"), pos, nonneg)
     g = p.add_argument_group("evaluation, checkpoints, signals")
     g.add_argument("--eval-every", type=nonneg, default=0, help="evaluate (CP, no grad) every K steps and after the "
