@@ -57,9 +57,9 @@ import torch
 
 from cp_packing._checks import check_cp, check_number
 from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs, plan_key
-from cp_packing.layouts.work import WindowWeights, range_cost
+from cp_packing.layouts.work import WindowWeights, head_cost, range_cost
 
-__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "MAX_FOLDS"]
+__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
 
 #: The knob: how far (a fraction of the ideal ``C / cp``) a rank may end from its target cost before a segment is
 #: folded to get it closer, and the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer
@@ -67,10 +67,10 @@ __all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_L
 TOLERANCE = 0.01
 #: Candidate plans start with every segment of at least this many ``T / cp`` folded (``None``: none).
 FOLD_LADDER = (None, 2.0, 1.0, 0.5)
-#: At most this many segments folded on demand per candidate (each fold redoes one pass over the ranks).
-MAX_FOLDS = 32
-#: A rank's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
-#: shifted head. The splits ``a`` first tried with a free head: this many either side of the best one.
+#: Rounds of on-demand folds per candidate: every boundary still off its target folds its culprit at once.
+FOLD_ROUNDS = 3
+#: A boundary's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
+#: shifted head. The splits ``a`` tried with a free head: this many either side of the bisection's.
 _EXACT, _WINDOW = 1e-6, 64
 
 _CACHE_SIZE = 16
@@ -79,8 +79,8 @@ _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
 
 
 class _Stream:
-    """The segments in ``S`` order (by length, then position): global starts, lengths, their stretches of ``S`` and
-    the cost of the whole segments before each."""
+    """The segments in ``S`` order (by length, then position): global starts, lengths, their stretches of ``S``,
+    their costs and the cost of the whole segments before each."""
 
     def __init__(self, cu: np.ndarray, weights: WindowWeights):
         start, length = cu[:-1], np.diff(cu)
@@ -91,213 +91,376 @@ class _Stream:
         self.end = np.cumsum(self.length)
         self.beg = self.end - self.length
         self.total = int(self.end[-1])
+        self.cost = head_cost(self.length, weights)
         self.base = np.zeros(self.length.size + 1, dtype=np.int64)
-        np.cumsum(range_cost(np.zeros_like(self.length), self.length, weights), out=self.base[1:])
+        np.cumsum(self.cost, out=self.base[1:])
         self.ideal = int(self.base[-1])
 
+    def seg(self, x: np.ndarray) -> np.ndarray:
+        """The segment holding S offset ``x`` (the last one for ``x = T``)."""
+        return np.minimum(np.searchsorted(self.end, x, side="right"), self.length.size - 1)
 
-class _Split:
-    """One pass over the ranks: every segment's state and the runs placed so far (see ``_solve``).
-
-    What is left of a segment is a *frame* ``[c, c + w)`` of positions laid on the first ``w`` tokens of its stretch
-    of ``S``: straight (S offset ``u`` is position ``c + u``) or folded (its first ``u`` tokens are
-    ``[c + m(u), c + m(u) + u)``, ``m(u) = (w - u) // 2``). A cut from the high end of ``S`` takes the outside of the
-    frame, a head of ``h`` tokens and the rest from its tail, and leaves the frame ``[c + h, c + h + v)``; a segment
-    cut otherwise (from the low end, or where the low end may reach it) keeps its frame from then on (``frozen``)."""
-
-    def __init__(self, stream: _Stream, fold: np.ndarray):
-        self.s, self.fold = stream, fold
-        self.c = np.zeros_like(stream.length)
-        self.w = stream.length.copy()
-        self.frozen = np.zeros(stream.length.size, dtype=bool)
-        self.runs: list[tuple[np.ndarray, ...]] = []  # (segment, pos0, len, rank) of the runs placed
-
-    def prefix(self, x: np.ndarray) -> np.ndarray:
-        """int64, shape of ``x``: the cost of ``S`` before ``x`` in the current frames (``x`` in what is left)."""
-        s = self.s
-        k = np.minimum(np.searchsorted(s.end, x, side="right"), s.length.size - 1)
-        u = x - s.beg[k]
-        head = self.c[k] + np.where(self.fold[k], (self.w[k] - u) // 2, 0)
-        return s.base[k] + range_cost(head, head + u, s.weights)
-
-    def head_cost(self, k: np.ndarray, v: np.ndarray, h: np.ndarray) -> np.ndarray:
-        """Cost of the frame ``[c + h, c + h + v)`` a high cut with head ``h`` leaves of segments ``k``."""
-        return range_cost(self.c[k] + h, self.c[k] + h + v, self.s.weights)
-
-    def place(self, a: int, b: int, rank: int) -> None:
-        """Give ``rank`` the stretch ``[a, b)`` of ``S`` in the current frames; a segment it cuts is frozen."""
-        if b <= a:
-            return
-        s = self.s
-        k = np.arange(np.searchsorted(s.end, a, side="right"), np.searchsorted(s.end, b - 1, side="right") + 1)
-        u0, u1 = np.maximum(a - s.beg[k], 0), np.minimum(b - s.beg[k], self.w[k])
-        self.frozen[k] |= (u0 > 0) | (u1 < self.w[k])
-        c, w, folded = self.c[k], self.w[k], self.fold[k]
-        whole = (u0 == 0) & (u1 == w)  # the whole frame: one run
-        m0, m1 = np.where(folded & ~whole, (w - u0) // 2, 0), np.where(folded & ~whole, (w - u1) // 2, 0)
-        left0, left1 = np.where(folded & ~whole, c + m1, c + u0), np.where(folded & ~whole, c + m0, c + u1)
-        right0 = c + m0 + u0
-        right1 = np.where(folded & ~whole, c + m1 + u1, right0)  # a straight piece has no right run
-        self._add(np.concatenate([k, k]), np.concatenate([left0, right0]),
-                  np.concatenate([left1 - left0, right1 - right0]), rank)
-
-    def cut(self, k: int, v: int, h: int, rank: int) -> None:
-        """Give ``rank`` the outside of segment ``k``'s frame, keeping ``[c + h, c + h + v)`` as its new frame."""
-        c, w = int(self.c[k]), int(self.w[k])
-        self._add(np.array([k, k]), np.array([c, c + h + v]), np.array([h, w - h - v]), rank)
-        self.c[k], self.w[k] = c + h, v
-
-    def _add(self, seg: np.ndarray, pos0: np.ndarray, length: np.ndarray, rank: int) -> None:
-        keep = length > 0
-        self.runs.append((seg[keep], pos0[keep], length[keep], np.full(int(keep.sum()), rank, dtype=np.int64)))
+    def prefix(self, x: np.ndarray, fold: np.ndarray) -> np.ndarray:
+        """int64, shape of ``x``: the cost of ``S[0, x)``, a folded segment's first ``u`` tokens its middle."""
+        k = self.seg(x)
+        u = x - self.beg[k]
+        m = np.where(fold[k], (self.length[k] - u) // 2, 0)
+        return self.base[k] + range_cost(m, m + u, self.weights)
 
 
-def _solve(split: _Split, cp: int, t: int, tol: float):
-    """Split ``S`` from the outside in: rank r takes ``a`` tokens from the low end of what is left and ``t - a``
-    from the high end, ``a`` and the head ``h`` of the segment the high bound cuts chosen so the cost is nearest the
-    mean of the ranks still to place (``_choose``). Returns ``(lo, hi)``: what was left of ``S`` when a rank first
-    ended farther than ``tol * C / cp`` from its target (``None`` if none did); the runs are in ``split``."""
-    total_cost = split.s.ideal
-    lo, hi, used, stuck = 0, split.s.total, 0, None
-    for r in range(cp - 1):
-        target = (total_cost - used) // (cp - r)  # the mean of the ranks still to place
-        a, k, v, h, cost = _choose(split, lo, hi, t, target, _EXACT * total_cost / cp)
-        if stuck is None and abs(cost - target) > tol * total_cost / cp:
-            stuck = (lo, hi)
-        used += cost
-        y = hi - (t - a)
-        split.place(lo, lo + a, r)
-        if k >= 0:
-            split.place(int(split.s.end[k]), hi, r)
-            split.cut(k, v, h, r)
-        else:
-            split.place(y, hi, r)
-        lo, hi = lo + a, y
-    split.place(lo, hi, cp - 1)
-    return stuck
-
-
-def _choose(split: _Split, lo: int, hi: int, t: int, target: int, exact: float):
-    """Rank's split of what is left, ``[lo, hi)``: ``(a, k, v, h, cost)``. Every ``a`` is priced at once; the
-    segment ``k`` the high bound cuts, where it may take a free head (not frozen, out of the low end's reach), is
-    given the head ``h`` that brings the cost nearest the target, its new frame keeping ``v`` tokens. Of the splits
-    within ``exact`` of the target the one with the least shifted head wins (then the ``a`` nearest the best one
-    without heads), else the nearest; ``k = -1`` where no free head is used. Heads are tried for the ``a`` within
-    ``_WINDOW`` of the best one, without a window 8 times further each time none is exact (a head for a token from
-    the low end moves the cost by that token's cost: fine steps, but maybe far from the best ``a``)."""
-    a = np.arange(t + 1, dtype=np.int64)
-    ends = split.prefix(np.array([lo, hi], dtype=np.int64))
-    cost = split.prefix(lo + a) - ends[0] + ends[1] - split.prefix(hi - t + a)  # [t + 1]
-    a0 = int(np.argmin(np.abs(cost - target)))
-    span = _WINDOW
+def _bisect(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.ndarray, lo: np.ndarray,
+            hi: np.ndarray) -> np.ndarray:
+    """For every boundary ``r``, the largest ``a`` in ``[lo, hi]`` whose outer set ``S[0, a) + S[a + T - r t, T)``
+    costs at least ``target`` (``lo`` if none): the cost falls, mostly, as ``a`` grows (a cheap low token for a
+    dense high one), so a bisection over ``a``, all boundaries at once, finds where it crosses the target."""
+    shift = s.total - r * t
     while True:
-        a, k, v, h, h0, free, off = _with_heads(split, lo, hi, t, np.arange(max(a0 - span, 0), min(a0 + span, t) + 1),
-                                                cost, target)
-        close = np.flatnonzero(np.abs(off) <= exact)
-        if close.size or span >= t or split.s.weights != _FULL:
-            break
-        span *= 8
-    if close.size:  # the least shifted head, then the a nearest a0 (|a - a0| <= t: one key)
-        best = close[np.argmin(np.abs(h - h0)[close] * (t + 2) + np.abs(a - a0)[close])]
-    else:
-        best = int(np.argmin(np.abs(off)))
-    return int(a[best]), int(k[best]) if free[best] else -1, int(v[best]), int(h[best]), int(off[best]) + target
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        ok = s.prefix(mid, fold) + s.ideal - s.prefix(mid + shift, fold) >= target
+        lo, hi = np.where(ok & open_, mid, lo), np.where(ok | ~open_, hi, mid - 1)
 
 
-def _with_heads(split: _Split, lo: int, hi: int, t: int, a: np.ndarray, cost: np.ndarray, target: int):
-    """The splits ``a`` with the best free heads (the largest whose cost is >= the target and the next one):
-    ``(a, k, v, h, h0, free, off)``, two entries per ``a``, ``off`` the cost minus the target (``h0``: the head
-    without freedom)."""
-    s = split.s
-    y = hi - t + a
-    k = np.minimum(np.searchsorted(s.end, y, side="right"), s.length.size - 1)
-    v, w = y - s.beg[k], split.w[k]
-    free = (v > 0) & ~split.frozen[k] & (s.beg[k] >= lo + a)
-    h0 = np.where(split.fold[k], (w - v) // 2, 0)
-    wanted = cost[a] + split.head_cost(k, v, h0) - target  # the new frame's cost that would hit the target
-    h_lo = _heads(split, k, v, np.where(free, w - v, 0), wanted)
-    h = np.concatenate([np.where(free, h_lo, h0), np.where(free, np.minimum(h_lo + 1, w - v), h0)])
-    a, k, v, free, h0, wanted = (np.concatenate([x, x]) for x in (a, k, v, free, h0, wanted))
-    return a, k, v, h, h0, free, wanted - split.head_cost(k, v, h)
+def _split_cost(s: _Stream, fold: np.ndarray, shift: np.ndarray, a: np.ndarray, frame) -> np.ndarray:
+    """Cost of the outer sets ``S[0, a) + S[a + shift, T)``, the segment the high bound cuts laid out by its
+    layout's head kept in ``frame`` (``(k, c, w)`` per element, the frame the boundary before left; ``k = -1``:
+    none)."""
+    y = a + shift
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    fk, fc, fw = frame
+    k = s.seg(y)
+    u = y - s.beg[k]
+    on = (k == fk) & (a <= s.beg[k]) & (u <= fw)
+    if on.any():
+        k, u, fc, fw = k[on], u[on], fc[on], fw[on]
+        h_pre = _first(s, fold, k, 0, s.length[k], u)
+        h = np.clip(h_pre, fc, fc + fw - u)
+        cost[on] += range_cost(h_pre, h_pre + u, s.weights) - range_cost(h, h + u, s.weights)
+    return cost
 
 
-def _heads(split: _Split, k: np.ndarray, v: np.ndarray, h_max: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """The largest head ``h`` in ``[0, h_max]`` whose new frame ``[c + h, c + h + v)`` of segments ``k`` costs at
-    most ``wanted`` (0 if none does): a frame costs more the further right it is. Without a window in closed form,
-    ``v (c + h) + v (v + 1) / 2``; else by bisection."""
-    c = split.c[k]
-    if split.s.weights == _FULL:
-        h = np.floor_divide(wanted - v * (v + 1) // 2, np.maximum(v, 1)) - c
+def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.ndarray, lo: np.ndarray,
+             hi: np.ndarray, frame) -> np.ndarray:
+    """For every boundary ``r``, the ``a`` in ``[lo, hi]`` whose outer set ``S[0, a) + S[a + T - r t, T)`` costs
+    nearest ``target`` (the smallest on a tie). The cost is piecewise linear in ``a`` between the points where the
+    low or the high bound crosses a segment start (about linear in a folded or windowed one), so it is evaluated at
+    those points and near the root of every piece that crosses the target: linear in the segments in the range."""
+    shift = s.total - r * t
+    parts = [(np.arange(r.size), lo), (np.arange(r.size), hi)]
+    for off in (np.zeros_like(shift), shift):  # segment starts crossed by the low, then the high bound
+        first = np.searchsorted(s.beg, lo + off, side="right")
+        count = np.maximum(np.searchsorted(s.beg, hi + off, side="left") - first, 0)
+        row = np.repeat(np.arange(r.size), count)
+        idx = np.arange(row.size) - np.repeat(np.cumsum(count) - count, count) + first[row]
+        parts.append((row, s.beg[idx] - off[row]))
+    row = np.concatenate([p[0] for p in parts])
+    a = np.concatenate([p[1] for p in parts])
+    o = np.lexsort((a, row))
+    row, a = row[o], a[o]
+    g = _split_cost(s, fold, shift[row], a, tuple(x[row] for x in frame)) - target[row]
+    cross = (row[1:] == row[:-1]) & ((g[1:] < 0) != (g[:-1] < 0))
+    i = np.flatnonzero(cross)
+    root = a[i] + (g[i] * (a[i + 1] - a[i])) // np.maximum(g[i] - g[i + 1], 1)
+    extra = np.clip(root[:, None] + np.arange(-2, 3), a[i, None], a[i + 1, None]).ravel()
+    e_row = np.repeat(row[i], 5)
+    row, a = np.concatenate([row, e_row]), np.concatenate([a, extra])
+    g = np.concatenate([g, _split_cost(s, fold, shift[e_row], extra, tuple(x[e_row] for x in frame))
+                        - target[e_row]])
+    o = np.lexsort((a, np.abs(g), row))
+    firsts = np.flatnonzero(np.r_[True, row[o][1:] != row[o][:-1]])
+    return a[o][firsts]
+
+
+def _inner_cost(s: _Stream, k: np.ndarray, u: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Cost of positions ``[h, h + u)`` of segments ``k``: what a high cut with head ``h`` leaves inside."""
+    return range_cost(h, h + u, s.weights)
+
+
+def _heads(s: _Stream, k: np.ndarray, u: np.ndarray, c: np.ndarray, h_max: np.ndarray,
+           wanted: np.ndarray) -> np.ndarray:
+    """The largest ``h`` in ``[0, h_max]`` whose inside ``[c + h, c + h + u)`` costs at most ``wanted`` (0 if none
+    does): it costs more the further right it is. Without a window in closed form, ``u (c + h) + u (u + 1) / 2``;
+    else by bisection."""
+    if s.weights == _FULL:
+        h = np.floor_divide(wanted - u * (u + 1) // 2, np.maximum(u, 1)) - c
         return np.clip(h, 0, h_max)
     h_lo, h_hi = np.zeros_like(h_max), h_max.copy()
     while np.any(h_lo < h_hi):
         mid = (h_lo + h_hi + 1) // 2
-        ok = split.head_cost(k, v, mid) <= wanted
+        ok = _inner_cost(s, k, u, c + mid) <= wanted
         h_lo, h_hi = np.where(ok, mid, h_lo), np.where(ok, h_hi, mid - 1)
     return h_lo
 
 
-def _culprit(stream: _Stream, fold: np.ndarray, lo: int, hi: int, t: int) -> int:
-    """The segment to fold where the split got stuck: the longest straight one (>= 3 tokens: folding a shorter one
-    changes nothing) overlapping the last ``t`` tokens left of ``S``, else the first ``t``; -1 if there is none.
-    ``S`` is sorted by length, so the longest is the last eligible one."""
-    for a, b in ((hi - t, hi), (lo, lo + t)):
-        first, last = np.searchsorted(stream.end, [a, b - 1], side="right")
-        k = np.arange(first, min(last + 1, fold.size))
-        k = k[~fold[k] & (stream.length[k] >= 3)]
-        if k.size:
-            return int(k[-1])
-    return -1
+def _first(s: _Stream, fold: np.ndarray, k: np.ndarray, c: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Where the first ``x`` S tokens of segment ``k``'s frame ``[c, c + w)`` start: ``c`` straight, ``c + (w - x) // 2``
+    folded (the frame's middle)."""
+    return c + np.where(fold[k], (w - x) // 2, 0)
 
 
-def _split(stream: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
-    """Solve the split with ``fold`` folded, folding one more segment where a rank got stuck (``_culprit``) until no
-    rank is, there is nothing left to fold there, or ``MAX_FOLDS`` are folded. Returns the runs
-    ``(start, len, rank, pos0, segment)`` (segment: its index in ``S``)."""
-    fold = fold.copy()
-    for folds in range(MAX_FOLDS + 1):
-        split = _Split(stream, fold)
-        stuck = _solve(split, cp, t, tol)
-        k = -1 if stuck is None or folds == MAX_FOLDS else _culprit(stream, fold, *stuck, t)
-        if k < 0:
-            break
-        fold[k] = True
-    seg, pos0, length, rank = (np.concatenate(x) for x in zip(*split.runs))
-    return stream.start[seg] + pos0, length, rank, pos0, seg
+def _with_heads(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, a: np.ndarray, target: np.ndarray, prev):
+    """Every boundary's splits ``a`` (``[B, m]``) with their best heads: ``(a, k, u, h, c, w, pref, off)``,
+    ``[B, 2m]``. ``k`` is the segment the high bound cuts, ``u`` its S tokens left inside, ``[c, c + w)`` its frame
+    (what the previous boundary cutting it left inside, ``prev``: that boundary's ``(a, k, u, h, c, w)`` per row,
+    ``k = -1`` for none; else the whole segment). A cut the low bound does not reach is *free*: the outside takes
+    ``[0, h) + [h + u, L)``, ``h`` anywhere in ``[c, c + w - u]``: the largest whose cost is >= the target and the
+    next one (the new frame is ``[h, h + u)``). Where the low bound reaches the segment too, the frame is kept and
+    the inside is S offsets ``[v, u)`` of it. ``pref`` is the layout's head kept in the frame, ``off`` the cost
+    minus the target (``inf`` where the split would not nest with ``prev``)."""
+    y = a + (s.total - r * t)[:, None]
+    k = s.seg(y)
+    u, length, beg = y - s.beg[k], s.length[k], s.beg[k]
+    pa, pk, pu, ph, pc, pw = (x[:, None] for x in prev)
+    framed = (k == pk) & (pu < s.length[np.maximum(pk, 0)])
+    c, w = np.where(framed, pc, 0), np.where(framed, pw, length)
+    bad = (pk >= 0) & ((a < pa) | (a > pa + t) | (k > pk) | (framed & (u > w)))
+    low = a > beg  # the low bound reaches the segment: its frame is kept
+    free = (u > 0) & (u < length) & ~low & ~bad
+    h_pre = _first(s, fold, k, 0, length, u)  # the layout's head (what the prefix costs assume)
+    pref = np.where(free, np.clip(h_pre, c, c + np.maximum(w - u, 0)), h_pre)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    # the frame kept: inside = S offsets [v, u) of it, where the prefix costs counted those of the whole segment
+    v = np.where(low, a - beg, 0)
+    uu = np.minimum(u, w)
+    f_u, f_v = _first(s, fold, k, c, w, uu), _first(s, fold, k, c, w, v)
+    d_v = _first(s, fold, k, 0, length, v)
+    kept = (range_cost(d_v, d_v + v, s.weights) - range_cost(h_pre, h_pre + u, s.weights)
+            - range_cost(f_v, f_v + v, s.weights) + range_cost(f_u, f_u + uu, s.weights))
+    cost = np.where(low, cost - kept, cost)
+    wanted = _inner_cost(s, k, u, h_pre) + cost - target[:, None]  # the inside that would hit the target
+    h_lo = c + _heads(s, k, u, c, np.where(free, w - u, 0), wanted)
+    h = np.concatenate([np.where(free, h_lo, pref), np.where(free, np.minimum(h_lo + 1, c + w - u), pref)], axis=1)
+    a, k, u, c, w, pref, wanted, bad, free, cost = (np.concatenate([x, x], axis=1)
+                                                    for x in (a, k, u, c, w, pref, wanted, bad, free, cost))
+    off = np.where(free, wanted - _inner_cost(s, k, u, h), cost - target[:, None]).astype(np.float64)
+    off[bad] = np.inf
+    return a, k, u, h, np.where(free, h, c), np.where(free, u, w), pref, off
 
 
-def _figures(rank, seg, pos0, length, cp: int, t: int, weights: WindowWeights) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's cost and remote keys (``[cp]`` int64 each) from its runs: the keys of a segment up to the
-    furthest token the rank holds there, summed over its segments, minus its ``t`` tokens."""
-    cost = np.zeros(cp, dtype=np.int64)
-    np.add.at(cost, rank, range_cost(pos0, pos0 + length, weights))
-    key = rank * (int(seg.max()) + 1) + seg
+def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, prev, lo, hi, a0, span: int):
+    """The split of every boundary ``r`` within ``span`` of ``a0`` (in ``[lo, hi]``) with the best head
+    (``_with_heads``): of those within ``_EXACT`` of the target ``r C / cp`` the least shifted head, then the ``a``
+    nearest ``a0``; else the nearest to the target. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
+    a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
+    a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, r * s.ideal // cp, prev)
+    close = np.abs(off) <= _EXACT * s.ideal / cp
+    key = np.where(close, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - a0[:, None]), np.iinfo(np.int64).max)
+    exact = close.any(axis=1)
+    best = np.where(exact, np.argmin(key, axis=1), np.argmin(np.abs(off), axis=1))
+    pick = (np.arange(r.size), best)
+    return [x[pick] for x in (a, k, u, h, c, w, off)], exact
+
+
+def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, prev, lo: np.ndarray, hi: np.ndarray,
+           a0: np.ndarray):
+    """Boundaries ``r`` (``prev``: the boundaries before them, for ``_with_heads``; ``a0``: the bisection's split):
+    the best split near ``a0`` (``_pick``); where none is exact (the head's range, the frame, too short there), a
+    second bisection over ``a`` on the cost with the best head finds where it can meet the target, and the best
+    split near that. Returns ``(a, k, u, h, c, w, off)`` per boundary."""
+    has = prev[1] >= 0  # nest with the boundary before: a grows by 0 .. t
+    lo, hi = np.where(has, np.maximum(lo, prev[0]), lo), np.where(has, np.minimum(hi, prev[0] + t), hi)
+    a0 = np.clip(a0, lo, hi)
+    out, exact = _pick(s, fold, cp, t, r, prev, lo, hi, a0, _WINDOW)
+    rows, span = np.flatnonzero(~exact), 8 * _WINDOW
+    sub = tuple(x[rows] for x in prev)
+    while rows.size and s.weights == _FULL and span <= 64 * _WINDOW:
+        again, exact = _pick(s, fold, cp, t, r[rows], sub, lo[rows], hi[rows], a0[rows], span)
+        for o, x in zip(out, again):
+            o[rows] = x
+        rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
+    if rows.size and s.weights == _FULL:
+        b_lo, b_hi = lo[rows], hi[rows]
+        while np.any(b_lo < b_hi):  # the largest a whose best cost is still >= the target
+            mid = (b_lo + b_hi + 1) // 2
+            off = _with_heads(s, fold, r[rows], t, mid[:, None], r[rows] * s.ideal // cp, sub)[-1]
+            ok = off[np.arange(rows.size), np.argmin(np.abs(off), axis=1)] >= 0
+            b_lo, b_hi = np.where(ok, mid, b_lo), np.where(ok, b_hi, mid - 1)
+        again, _ = _pick(s, fold, cp, t, r[rows], sub, lo[rows], hi[rows], b_lo, 8 * _WINDOW)
+        better = np.abs(again[-1]) < np.abs(out[-1][rows])
+        for o, x in zip(out, again):
+            o[rows[better]] = x[better]
+    return out
+
+
+def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int):
+    """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
+    ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
+    Boundaries are solved all at once (``_solve``) but for the heads of one segment, which must nest: those go in
+    rounds, the ``d``-th boundary cutting a segment in round ``d``. A boundary that still does not nest with the one
+    before (``a`` must grow by ``0 .. t``; the cost along ``S`` is not monotone everywhere, mostly near the middle)
+    is solved again within those bounds, one after the other. Returns ``(a, k, u, h, c, w, off)`` ``[cp - 1]``
+    each (``off``: cost minus target)."""
+    r = np.arange(1, cp, dtype=np.int64)
+    target = r * s.ideal // cp
+    none = np.full(r.size, -1, dtype=np.int64)
+    a0 = _bisect(s, fold, r, t, target, np.zeros_like(r), r * t)  # a first guess: where the costs cross
+    lo0 = np.r_[0, a0[:-1]]
+    a0 = _nearest(s, fold, r, t, target, lo0, np.minimum(lo0 + t, r * t), (none, none, none))
+    y0 = a0 + s.total - r * t
+    k0 = s.seg(y0)
+    inside = (y0 > s.beg[k0]) & (y0 < s.end[k0])
+    chain = np.r_[False, (k0[1:] == k0[:-1]) & inside[1:] & inside[:-1]]
+    first = np.flatnonzero(~chain)
+    depth = np.arange(r.size) - first[np.cumsum(~chain) - 1]
+    out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
+    for d in range(int(depth.max(initial=-1)) + 1):
+        rows = np.flatnonzero(depth == d)
+        lo, hi = np.zeros_like(rows), r[rows] * t
+        prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
+        if d:  # nearest the target with the frame the boundary before left
+            lo, hi = prev[0], np.minimum(prev[0] + t, hi)
+            a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
+        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], prev, lo, hi, a0[rows])):
+            o[rows] = x
+    a, k, c, w = out[0], out[1], out[4], out[5]
+    redo = False
+    for i in range(1, r.size):
+        framed = k[i] == k[i - 1]
+        if (redo and framed or not a[i - 1] <= a[i] <= a[i - 1] + t
+                or framed and not c[i - 1] <= c[i] <= c[i] + w[i] <= c[i - 1] + w[i - 1]):
+            one = np.array([i])
+            prev = tuple(x[one - 1] for x in out[:6])
+            lo, hi = a[one - 1], np.minimum(a[one - 1] + t, r[one] * t)
+            a1 = _nearest(s, fold, r[one], t, target[one], lo, hi, (prev[1], prev[4], prev[5]))
+            for o, x in zip(out, _solve(s, fold, cp, t, r[one], prev, lo, hi, a1)):
+                o[i] = x[0]
+            redo = True
+        else:
+            redo = False
+    return out
+
+
+def _pieces(s: _Stream, fold: np.ndarray, cp: int, t: int, a, k, u, h, c, w):
+    """The plan from the boundaries: every rank's whole segments (``whole`` ``[N]``: the rank, -1 for a cut one) and
+    the pieces of the cut segments ``(segment, pos0, len, rank)``, or None where the outer sets do not nest. A
+    token's rank is the number of outer sets ``O_1 .. O_{cp-1}`` it is not in; a segment no bound cuts lies in one
+    stretch of ``S`` (rank ``r``: the ``r``-th from each end, ``cp - 1`` the middle)."""
+    y = a + s.total - np.arange(1, cp, dtype=np.int64) * t
+    if np.any(np.diff(a) < 0) or np.any(np.diff(a) > t):
+        return None
+    points = np.concatenate([[0], a, y[::-1], [s.total]])
+    ranks = np.concatenate([np.arange(cp - 1), [cp - 1], np.arange(cp - 2, -1, -1)])
+    i = np.searchsorted(points, s.beg, side="right") - 1
+    whole = np.where(s.end <= points[np.minimum(i + 1, points.size - 1)], ranks[np.minimum(i, ranks.size - 1)], -1)
+    # the outer sets' pieces of the cut segments, disjoint per boundary
+    length = s.length[k]
+    high = (u > 0) & (u < length)
+    j = s.seg(a)
+    v = a - s.beg[j]
+    low = (v > 0) & (v < s.length[j])
+    kept = low & (j == k)  # both bounds in one segment: its frame [c, c + w) is kept
+    free = high & ~kept
+    lo_only = low & ~kept
+    z = np.zeros_like(a)
+    d0 = _first(s, fold, j, z, s.length[j], v)  # a low cut of a segment the high bound does not reach
+    f_v = _first(s, fold, k, c, w, np.where(kept, v, 0))
+    uu = np.minimum(u, w)
+    f_u = _first(s, fold, k, c, w, uu)
+    parts = [(j, d0, d0 + v, lo_only), (k, z, h, free), (k, h + u, length, free),  # [0, h) + [h + u, L)
+             (k, z, c, kept), (k, c + w, length, kept), (k, f_v, f_v + v, kept),  # outside, low part of the frame
+             (k, c, f_u, kept), (k, f_u + uu, c + w, kept)]  # the frame outside its first u tokens
+    seg = np.concatenate([p[0][p[3]] for p in parts])
+    p0 = np.concatenate([p[1][p[3]] for p in parts])
+    p1 = np.concatenate([p[2][p[3]] for p in parts])
+    cut = np.flatnonzero(whole < 0)
+    # per cut segment: the boundaries whose outer set misses it (O_r empty there) and those that cut it
+    n_low = np.searchsorted(a, s.beg[cut], side="right")  # a_r <= beg
+    n_high = np.searchsorted(-y, -s.end[cut], side="right")  # y_r >= end
+    n_cut = np.bincount(np.searchsorted(cut, np.concatenate([j[lo_only], k[high | kept]])), minlength=cut.size)
+    base = np.minimum(n_low, n_high) + n_cut
+    # sweep every cut segment's positions: +1 where an outer piece starts, -1 where it ends
+    keep = p1 > p0
+    cs = np.searchsorted(cut, seg[keep])
+    n = int(keep.sum())
+    ev_c = np.concatenate([cs, cs, np.arange(cut.size), np.arange(cut.size)])
+    ev_p = np.concatenate([p0[keep], p1[keep], np.zeros(cut.size, dtype=np.int64), s.length[cut]])
+    ev_d = np.concatenate([np.ones(n, dtype=np.int64), -np.ones(n, dtype=np.int64), np.zeros(2 * cut.size,
+                                                                                           dtype=np.int64)])
+    o = np.lexsort((ev_p, ev_c))
+    ev_c, ev_p, covered = ev_c[o], ev_p[o], np.cumsum(ev_d[o])
+    piece = (ev_c[:-1] == ev_c[1:]) & (ev_p[1:] > ev_p[:-1])
+    pc = ev_c[:-1][piece]
+    return whole, (cut[pc], ev_p[:-1][piece], (ev_p[1:] - ev_p[:-1])[piece], base[pc] - covered[:-1][piece])
+
+
+def _culprits(s: _Stream, fold: np.ndarray, t: int, a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The segments to fold where boundaries are stuck (``a``, ``y`` their bounds): the longest straight one
+    (>= 3 tokens: folding a shorter one changes nothing) within ``t`` of the high bound, else of the low bound."""
+    idx = np.arange(fold.size)
+    last_ok = np.maximum.accumulate(np.where(~fold & (s.length >= 3), idx, -1))
+    out = np.full(a.size, -1, dtype=np.int64)
+    for x in (a, y)[::-1]:
+        first, last = s.seg(np.maximum(x - t, 0)), s.seg(np.minimum(x + t, s.total - 1))
+        hit = last_ok[last]
+        out = np.where((out < 0) & (hit >= first), hit, out)
+    return np.unique(out[out >= 0])
+
+
+def _figures(s: _Stream, cp: int, t: int, whole: np.ndarray, pieces) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's cost and remote keys (``[cp]`` int64 each): the cost of its whole segments and pieces; per cut
+    segment, the keys up to the furthest token it holds there minus its tokens there (a whole segment needs none)."""
+    seg, pos0, length, rank = pieces
+    ok = whole >= 0
+    cost = np.bincount(whole[ok], weights=s.cost[ok], minlength=cp).astype(np.int64)
+    cost += np.bincount(rank, weights=range_cost(pos0, pos0 + length, s.weights), minlength=cp).astype(np.int64)
+    key = rank * (s.length.size + 1) + seg
     order = np.argsort(key, kind="stable")
     key, reach = key[order], (pos0 + length)[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    need = np.zeros(cp, dtype=np.int64)
-    np.add.at(need, key[first] // (int(seg.max()) + 1), np.maximum.reduceat(reach, first))
-    return cost, need - t
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else key
+    need = np.bincount(key[first] // (s.length.size + 1), weights=np.maximum.reduceat(reach, first) if key.size
+                       else None, minlength=cp).astype(np.int64)
+    need -= np.bincount(rank, weights=length, minlength=cp).astype(np.int64)
+    return cost, need
+
+
+def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
+    """One plan for the fold set ``fold``, folding the culprits of the boundaries still farther than half the
+    tolerance from their targets (``FOLD_ROUNDS`` times at most). Returns ``(whole, pieces)`` or None where the
+    boundaries do not make a partition."""
+    fold = fold.copy()
+    r = np.arange(1, cp, dtype=np.int64)
+    for rounds in range(FOLD_ROUNDS + 1):
+        a, k, u, h, c, w, off = _boundaries(s, fold, cp, t)
+        stuck = np.abs(off) > tol * s.ideal / cp / 2
+        culprits = _culprits(s, fold, t, a[stuck], (a + s.total - r * t)[stuck]) \
+            if stuck.any() and rounds < FOLD_ROUNDS else np.zeros(0, dtype=np.int64)
+        if not culprits.size:
+            break
+        fold[culprits] = True
+    plan = _pieces(s, fold, cp, t, a, k, u, h, c, w)
+    if plan is None:
+        return None
+    whole, (_, _, length, rank) = plan
+    tokens = np.bincount(whole[whole >= 0], weights=s.length[whole >= 0], minlength=cp)
+    if rank.size and (rank.min() < 0 or rank.max() >= cp):
+        return None
+    tokens += np.bincount(rank, weights=length, minlength=cp)
+    return plan if np.all(tokens == t) else None
 
 
 def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
     """Every rank's runs ``(offsets [cp + 1], run_start [R], run_len [R])``: the best candidate (module docstring)."""
     t = int(cu[-1]) // cp
-    stream = _Stream(cu, weights)
+    s = _Stream(cu, weights)
     candidates, seen = [], set()
     for ladder in FOLD_LADDER:
-        fold = np.zeros(stream.length.size, dtype=bool) if ladder is None else stream.length >= ladder * t
+        fold = np.zeros(s.length.size, dtype=bool) if ladder is None else s.length >= ladder * t
         if fold.tobytes() in seen:
             continue
         seen.add(fold.tobytes())
-        start, length, rank, pos0, seg = _split(stream, fold, cp, t, tol)
-        candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
+        plan = _candidate(s, fold, cp, t, tol)
+        if plan is not None:
+            candidates.append((plan, _figures(s, cp, t, *plan)))
     offsets, start, length = contiguous_plan_arrays(cu, cp)
     rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
-    seg = np.searchsorted(cu, start, side="right") - 1
-    pos0 = start - cu[seg]
-    candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
-    limit = (1.0 + tol) * stream.ideal / cp
+    by_pos = np.argsort(s.start)  # S indices in position order
+    seg = by_pos[np.searchsorted(s.start[by_pos], start, side="right") - 1]
+    pieces = (seg, start - s.start[seg], length, rank)
+    whole = np.full(s.length.size, -1, dtype=np.int64)
+    candidates.append(((whole, pieces), _figures(s, cp, t, whole, pieces)))
+    limit = (1.0 + tol) * s.ideal / cp
 
     def score(candidate):
         cost, need = candidate[1]
@@ -305,8 +468,10 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         return (0, int(need.max()), int(need.sum()), busiest) if within else (1, busiest, int(need.max()), 0)
 
     best = min(range(len(candidates)), key=lambda i: (score(candidates[i]), i))
-    (start, length, rank, pos0), _ = candidates[best]
-    return merge_runs(start, length, rank, pos0, cp)
+    (whole, (seg, pos0, length, rank)), _ = candidates[best]
+    ok = np.flatnonzero(whole >= 0)
+    return merge_runs(np.concatenate([s.start[ok], s.start[seg] + pos0]), np.concatenate([s.length[ok], length]),
+                      np.concatenate([whole[ok], rank]), np.concatenate([np.zeros(ok.size, dtype=np.int64), pos0]), cp)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
