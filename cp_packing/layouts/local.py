@@ -71,7 +71,7 @@ FOLD_LADDER = (None, 2.0, 1.0, 0.5)
 FOLD_ROUNDS = 3
 #: A boundary's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
 #: shifted head. The splits ``a`` tried with a free head: this many either side of the bisection's.
-_EXACT, _WINDOW = 1e-6, 64
+_EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
 
 _CACHE_SIZE = 16
 
@@ -239,12 +239,21 @@ def _with_heads(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, a: np.ndarr
     return a, k, u, h, np.where(free, h, c), np.where(free, u, w), pref, off
 
 
-def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, prev, lo, hi, a0, span: int):
+def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
     """The split of every boundary ``r`` within ``span`` of ``a0`` (in ``[lo, hi]``) with the best head
     (``_with_heads``): of those within ``_EXACT`` of the target ``r C / cp`` the least shifted head, then the ``a``
     nearest ``a0``; else the nearest to the target. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
     a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
-    a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, r * s.ideal // cp, prev)
+    if span > _WINDOW and s.weights == _FULL:  # keep the 2 _WINDOW splits nearest a0 that a head can make exact
+        y = a + (s.total - r * t)[:, None]
+        k = s.seg(y)
+        u = y - s.beg[k]
+        rest = s.prefix(a, fold) - s.prefix(y, fold) + (s.ideal - target)[:, None]
+        rest %= np.maximum(u, 1)  # a head moves the cost in steps of u
+        near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
+        order = np.argsort(np.where(near, np.abs(a - a0[:, None]), 2 * s.total), axis=1)[:, :2 * _WINDOW]
+        a = np.where(np.take_along_axis(near, order, axis=1), np.take_along_axis(a, order, axis=1), a0[:, None])
+    a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, target, prev)
     close = np.abs(off) <= _EXACT * s.ideal / cp
     key = np.where(close, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - a0[:, None]), np.iinfo(np.int64).max)
     exact = close.any(axis=1)
@@ -253,8 +262,8 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, prev, lo, hi, a0, sp
     return [x[pick] for x in (a, k, u, h, c, w, off)], exact
 
 
-def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, prev, lo: np.ndarray, hi: np.ndarray,
-           a0: np.ndarray):
+def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev, lo: np.ndarray,
+           hi: np.ndarray, a0: np.ndarray):
     """Boundaries ``r`` (``prev``: the boundaries before them, for ``_with_heads``; ``a0``: the bisection's split):
     the best split near ``a0`` (``_pick``); where none is exact (the head's range, the frame, too short there), a
     second bisection over ``a`` on the cost with the best head finds where it can meet the target, and the best
@@ -262,11 +271,11 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, prev, l
     has = prev[1] >= 0  # nest with the boundary before: a grows by 0 .. t
     lo, hi = np.where(has, np.maximum(lo, prev[0]), lo), np.where(has, np.minimum(hi, prev[0] + t), hi)
     a0 = np.clip(a0, lo, hi)
-    out, exact = _pick(s, fold, cp, t, r, prev, lo, hi, a0, _WINDOW)
+    out, exact = _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, _WINDOW)
     rows, span = np.flatnonzero(~exact), 8 * _WINDOW
     sub = tuple(x[rows] for x in prev)
-    while rows.size and s.weights == _FULL and span <= 64 * _WINDOW:
-        again, exact = _pick(s, fold, cp, t, r[rows], sub, lo[rows], hi[rows], a0[rows], span)
+    while rows.size and s.weights == _FULL and span <= _WIDEST * _WINDOW:
+        again, exact = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], a0[rows], span)
         for o, x in zip(out, again):
             o[rows] = x
         rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
@@ -274,17 +283,17 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, prev, l
         b_lo, b_hi = lo[rows], hi[rows]
         while np.any(b_lo < b_hi):  # the largest a whose best cost is still >= the target
             mid = (b_lo + b_hi + 1) // 2
-            off = _with_heads(s, fold, r[rows], t, mid[:, None], r[rows] * s.ideal // cp, sub)[-1]
+            off = _with_heads(s, fold, r[rows], t, mid[:, None], target[rows], sub)[-1]
             ok = off[np.arange(rows.size), np.argmin(np.abs(off), axis=1)] >= 0
             b_lo, b_hi = np.where(ok, mid, b_lo), np.where(ok, b_hi, mid - 1)
-        again, _ = _pick(s, fold, cp, t, r[rows], sub, lo[rows], hi[rows], b_lo, 8 * _WINDOW)
+        again, _ = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], b_lo, 8 * _WINDOW)
         better = np.abs(again[-1]) < np.abs(out[-1][rows])
         for o, x in zip(out, again):
             o[rows[better]] = x[better]
     return out
 
 
-def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int):
+def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarray):
     """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
     ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
     Boundaries are solved all at once (``_solve``) but for the heads of one segment, which must nest: those go in
@@ -293,7 +302,6 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int):
     is solved again within those bounds, one after the other. Returns ``(a, k, u, h, c, w, off)`` ``[cp - 1]``
     each (``off``: cost minus target)."""
     r = np.arange(1, cp, dtype=np.int64)
-    target = r * s.ideal // cp
     none = np.full(r.size, -1, dtype=np.int64)
     a0 = _bisect(s, fold, r, t, target, np.zeros_like(r), r * t)  # a first guess: where the costs cross
     lo0 = np.r_[0, a0[:-1]]
@@ -312,7 +320,7 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int):
         if d:  # nearest the target with the frame the boundary before left
             lo, hi = prev[0], np.minimum(prev[0] + t, hi)
             a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
-        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], prev, lo, hi, a0[rows])):
+        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a0[rows])):
             o[rows] = x
     a, k, c, w = out[0], out[1], out[4], out[5]
     redo = False
@@ -324,7 +332,7 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int):
             prev = tuple(x[one - 1] for x in out[:6])
             lo, hi = a[one - 1], np.minimum(a[one - 1] + t, r[one] * t)
             a1 = _nearest(s, fold, r[one], t, target[one], lo, hi, (prev[1], prev[4], prev[5]))
-            for o, x in zip(out, _solve(s, fold, cp, t, r[one], prev, lo, hi, a1)):
+            for o, x in zip(out, _solve(s, fold, cp, t, r[one], target[one], prev, lo, hi, a1)):
                 o[i] = x[0]
             redo = True
         else:
@@ -421,9 +429,22 @@ def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
     boundaries do not make a partition."""
     fold = fold.copy()
     r = np.arange(1, cp, dtype=np.int64)
+    target = r * s.ideal // cp
     for rounds in range(FOLD_ROUNDS + 1):
-        a, k, u, h, c, w, off = _boundaries(s, fold, cp, t)
-        stuck = np.abs(off) > tol * s.ideal / cp / 2
+        a, k, u, h, c, w, off = _boundaries(s, fold, cp, t, target)
+        err = np.r_[0, off, 0]  # every boundary's cost minus r C / cp
+        missed = np.abs(off) > _EXACT * s.ideal / cp
+        if np.abs(np.diff(err)).max() > _SPREAD * s.ideal / cp:  # spread what inexact boundaries miss over the ranks
+            # between them
+            err = np.interp(np.arange(cp + 1), np.r_[0, r[missed], cp], np.r_[0, off[missed], 0])
+            again = _boundaries(s, fold, cp, t, target + np.round(err[1:-1]).astype(np.int64))
+            err2 = np.r_[0, again[-1] + np.round(err[1:-1]), 0]
+            if np.abs(np.diff(err2)).max() < np.abs(np.diff(np.r_[0, off, 0])).max():
+                (a, k, u, h, c, w, _), err = again, err2
+            else:
+                err = np.r_[0, off, 0]
+        bad = np.abs(np.diff(err)) > max(tol / _STUCK, _EXACT) * s.ideal / cp  # ranks off their share
+        stuck = bad[:-1] | bad[1:]
         culprits = _culprits(s, fold, t, a[stuck], (a + s.total - r * t)[stuck]) \
             if stuck.any() and rounds < FOLD_ROUNDS else np.zeros(0, dtype=np.int64)
         if not culprits.size:
@@ -433,15 +454,17 @@ def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
     if plan is None:
         return None
     whole, (_, _, length, rank) = plan
-    tokens = np.bincount(whole[whole >= 0], weights=s.length[whole >= 0], minlength=cp)
     if rank.size and (rank.min() < 0 or rank.max() >= cp):
         return None
-    tokens += np.bincount(rank, weights=length, minlength=cp)
+    tokens = np.bincount(np.concatenate([whole[whole >= 0], rank]),
+                         weights=np.concatenate([s.length[whole >= 0], length]), minlength=cp)
     return plan if np.all(tokens == t) else None
 
 
 def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
     """Every rank's runs ``(offsets [cp + 1], run_start [R], run_len [R])``: the best candidate (module docstring)."""
+    if cp == 1:
+        return contiguous_plan_arrays(cu, cp)
     t = int(cu[-1]) // cp
     s = _Stream(cu, weights)
     candidates, seen = [], set()
