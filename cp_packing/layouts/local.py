@@ -10,41 +10,47 @@ together but is uneven. ``local`` lays the segments end to end as one stream ``S
           |-- 0 --|-- 1 --|--- 2 ---|---- 3 ----|--- 2 ---|--- 1 ---|-- 0 --|   the rank of each interval, cp = 4
           cheap tokens (short segments)                   dense tokens (long segments, late positions)
 
-From the outside in, rank ``r`` takes ``a`` tokens from the low end of what is left and ``T/cp - a`` from the high
-end: every split ``a`` is priced at once (the cost of ``S`` up to any point is a closed form of the segments), and
-the one nearest the mean cost of the ranks still to place wins; the last rank takes the middle. One more low token
-and one less high token costs less, so while the cost along ``S`` rises a split within one token's cost of the mean
-exists. A second freedom makes it exact: the segment the high bound cuts gives the rank its outside, the end of
-what is left of it and a head of ``h`` tokens from its start (by default none of a straight segment, half for a folded
-one, see below), and ``h`` is free. One token moved from that end to the head costs less by the width of what is
-left; traded for one more token from the low end, the cost moves by that cheap token's cost: fine steps. Of the
-splits within ``1e-6`` of the target, the one with the least shifted head wins (busiest / mean ``~1 + 1e-5``).
+The outer set of boundary ``r`` (what ranks ``< r`` hold) is ``S[0, a)`` and ``S[a + T - r t, T)``
+(``t = T / cp``): every boundary is solved on its own, all ``cp - 1`` at once, for a cost of ``r C / cp``, and rank
+``r`` holds what lies between boundaries ``r`` and ``r + 1``. The cost of a split ``a`` is a closed form (the cost
+of ``S`` up to any point, from the segments' prefix sums); it is piecewise linear in ``a`` between the points where
+a bound crosses a segment start, so a bisection gives a bracket and the pieces in it give the split nearest the
+target (``_nearest``). A second freedom makes it exact: the segment the high bound cuts gives the outside its tail
+and a head of ``h`` tokens from its start (by default none of a straight segment, half for a folded one, see below),
+and ``h`` is free; the splits within ``_WINDOW`` of the nearest one are priced with their best heads, and of those
+within ``1e-6`` of the target the one with the least shifted head wins (wider windows, filtered by what a head can
+make exact, where none is). Heads of one segment must nest (the inside a boundary leaves is the frame the next one
+cuts in), so the boundaries cutting one segment go in rounds, all segments at once; a boundary that does not nest
+with the one before (the cost along ``S`` is not monotone near the middle) is solved again within its bounds. What
+inexact boundaries still miss is spread over the ranks between them (their targets moved, solved again).
 
 Short segments stay whole and only the ``2cp - 2`` interval bounds cut segments: a low bound cuts a short segment
 (its second piece needs few keys); a high bound cuts a long one, where a late piece needs its segment's prefix, but
 only as far as the cost needs. A long segment laid straight puts its cheap head next to the dense tail of the one
-before it, and a rank that reaches it can find no split near the mean. Such a segment is *folded*: laid out from
-the middle outwards, so that every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval
-of a folded segment is its middle or a ring around it, at most two runs, and the ring ``[0, a) + [L - a, L)`` needs
-``L - 2a`` keys (``zigzag``'s pair, over as few ranks as the cost needs)::
+before it, where no split may come near the target. Such a segment is *folded*: laid out from the middle outwards,
+so that every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval of a folded segment is
+its middle or a ring around it, at most two runs, and the ring ``[0, a) + [L - a, L)`` needs ``L - 2a`` keys
+(``zigzag``'s pair, over as few ranks as the cost needs)::
 
     positions  0 1 2 3 4 5 6 7      S order, folded: 3 4 2 5 1 6 0 7
     split at 4 tokens: the low side gets the middle [2, 6), the high side the ring [0, 2) + [6, 8)
 
-The knob, ``TOLERANCE`` (a rank's distance from its target cost, as a fraction of ``C / cp``): nothing is folded at
-first; whenever a rank ends farther than that from its target, the longest straight segment at the end of ``S``
-where it got stuck is folded and the plan redone. A larger tolerance folds fewer segments (fewer remote keys, a
-less even cost). The candidates are that plan from nothing folded and from every segment of at least
-``FOLD_LADDER`` x ``T / cp`` tokens folded, and ``contiguous``; the plan is the one within the tolerance (busiest
-over mean cost ``<= 1 + tolerance``) with the fewest remote keys at the busiest rank (then in total, then the lower
-busiest cost); where none is within it, the one with the lowest busiest cost.
+The knob, ``TOLERANCE`` (a fraction of the ideal ``C / cp``): nothing is folded at first; where a rank ends
+farther than ``TOLERANCE / 20`` from its share, the longest straight segment near the boundary that missed is folded
+and the boundaries solved again (``FOLD_ROUNDS`` rounds at most). The candidates are that plan from nothing folded
+and from every segment of at least ``FOLD_LADDER`` x ``T / cp`` tokens folded, and ``contiguous``; the plan is the
+one within the tolerance (busiest over mean cost ``<= 1 + tolerance``) with the fewest remote keys at the busiest
+rank (then in total, then the lower busiest cost); where none is within it, the one with the lowest busiest cost.
+A larger tolerance lets an uneven candidate win for fewer remote keys.
 
 Runs: every run lies in one segment; a rank's runs are ordered by global position and touching pieces of one
 segment are merged. Under a sliding ``window`` every cost is ``sum min(p + 1, window)`` (``layouts/work.py``); the
-plan is the same construction. The plan is a function of the ``cu_seqlens`` values, ``cp``, the window and the
-tolerance only (integer costs, stable sorts), cached like ``balanced``'s with ``functools.lru_cache``. It runs in
-NumPy on the host, a pass over the ranks per candidate (and per fold), each pass linear in ``T`` (every rank prices
-its ``T/cp + 1`` splits); a CUDA ``cu_seqlens`` is copied (one host sync per call).
+plan is the same construction (heads by bisection). The plan is a function of the ``cu_seqlens`` values, ``cp``, the
+window and the tolerance only (integer costs, stable sorts), cached like ``balanced``'s with
+``functools.lru_cache``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
+work per boundary (no loop over the ranks of ``T / cp`` pricing each: time near-linear in the segments, about flat
+in ``cp``; a Python loop over boundaries only where they do not nest, and one round per boundary cutting the same
+segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is copied (one host sync per call).
 """
 
 from __future__ import annotations
@@ -61,16 +67,18 @@ from cp_packing.layouts.work import WindowWeights, head_cost, range_cost
 
 __all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
 
-#: The knob: how far (a fraction of the ideal ``C / cp``) a rank may end from its target cost before a segment is
-#: folded to get it closer, and the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer
-#: remote keys. Smaller: more even, more remote keys; larger: fewer (docs/balance.md has the trade, measured).
+#: The knob: the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer remote keys, and
+#: (over ``_STUCK``) how far a rank may end from its share before a segment is folded to get it closer. Smaller: more
+#: even, more remote keys; larger: fewer (docs/balance.md has the trade, measured).
 TOLERANCE = 0.01
 #: Candidate plans start with every segment of at least this many ``T / cp`` folded (``None``: none).
 FOLD_LADDER = (None, 2.0, 1.0, 0.5)
-#: Rounds of on-demand folds per candidate: every boundary still off its target folds its culprit at once.
+#: Rounds of on-demand folds per candidate: the culprits of every rank still off its share are folded at once.
 FOLD_ROUNDS = 3
 #: A boundary's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
-#: shifted head. The splits ``a`` tried with a free head: this many either side of the bisection's.
+#: shifted head. The splits ``a`` tried with their best heads: ``_WINDOW`` either side of the nearest one, then
+#: 8x wider up to ``_WIDEST`` times that where none is exact. A rank off its share by more than ``TOLERANCE /
+#: _STUCK`` folds a segment; inexact boundaries off by more than ``_SPREAD`` have their misses spread.
 _EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
 
 _CACHE_SIZE = 16
@@ -279,6 +287,8 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target:
         for o, x in zip(out, again):
             o[rows] = x
         rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
+    far = np.abs(out[-1][rows]) > _SPREAD * s.ideal / cp  # close enough: the misses are spread (_candidate)
+    rows, sub = rows[far], tuple(x[far] for x in sub)
     if rows.size and s.weights == _FULL:
         b_lo, b_hi = lo[rows], hi[rows]
         while np.any(b_lo < b_hi):  # the largest a whose best cost is still >= the target
@@ -423,15 +433,18 @@ def _figures(s: _Stream, cp: int, t: int, whole: np.ndarray, pieces) -> tuple[np
     return cost, need
 
 
-def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
-    """One plan for the fold set ``fold``, folding the culprits of the boundaries still farther than half the
-    tolerance from their targets (``FOLD_ROUNDS`` times at most). Returns ``(whole, pieces)`` or None where the
-    boundaries do not make a partition."""
+def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float, memo: dict):
+    """One plan for the fold set ``fold``, folding the culprits of the ranks still off their share by more than
+    ``tolerance / _STUCK`` (``FOLD_ROUNDS`` times at most; ``memo``: the boundaries of every fold set solved so far).
+    Returns ``(whole, pieces)`` or None where the boundaries do not make a partition."""
     fold = fold.copy()
     r = np.arange(1, cp, dtype=np.int64)
     target = r * s.ideal // cp
     for rounds in range(FOLD_ROUNDS + 1):
-        a, k, u, h, c, w, off = _boundaries(s, fold, cp, t, target)
+        key = fold.tobytes()
+        if key not in memo:
+            memo[key] = _boundaries(s, fold, cp, t, target)
+        a, k, u, h, c, w, off = memo[key]
         err = np.r_[0, off, 0]  # every boundary's cost minus r C / cp
         missed = np.abs(off) > _EXACT * s.ideal / cp
         if np.abs(np.diff(err)).max() > _SPREAD * s.ideal / cp:  # spread what inexact boundaries miss over the ranks
@@ -467,13 +480,13 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         return contiguous_plan_arrays(cu, cp)
     t = int(cu[-1]) // cp
     s = _Stream(cu, weights)
-    candidates, seen = [], set()
+    candidates, seen, memo = [], set(), {}
     for ladder in FOLD_LADDER:
         fold = np.zeros(s.length.size, dtype=bool) if ladder is None else s.length >= ladder * t
         if fold.tobytes() in seen:
             continue
         seen.add(fold.tobytes())
-        plan = _candidate(s, fold, cp, t, tol)
+        plan = _candidate(s, fold, cp, t, tol, memo)
         if plan is not None:
             candidates.append((plan, _figures(s, cp, t, *plan)))
     offsets, start, length = contiguous_plan_arrays(cu, cp)
