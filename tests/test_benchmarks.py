@@ -28,3 +28,9 @@ def test_trace_step_quick_counts_calls_and_times_the_layer():
 def test_bench_scale_quick_prices_every_layout():
     out = _quick("bench_scale.py", "--layouts", "contiguous", "balanced")
     assert out.count("| contiguous |") == 2 and out.count("| balanced |") == 2 and "token order" in out
+
+
+def test_bench_planner_quick_times_local_beside_the_metadata_and_the_min_heap():
+    out = _quick("bench_planner.py")
+    rows = [line for line in out.splitlines() if line.startswith("| lognormal") or line.startswith("| huge")]
+    assert len(rows) == 8 and all(len(row.split("|")) == 14 for row in rows), out

@@ -489,12 +489,14 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         plan = _candidate(s, fold, cp, t, tol, memo)
         if plan is not None:
             candidates.append((plan, _figures(s, cp, t, *plan)))
-    offsets, start, length = contiguous_plan_arrays(cu, cp)
-    rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
-    by_pos = np.argsort(s.start)  # S indices in position order
-    seg = by_pos[np.searchsorted(s.start[by_pos], start, side="right") - 1]
-    pieces = (seg, start - s.start[seg], length, rank)
-    whole = np.full(s.length.size, -1, dtype=np.int64)
+    first, last = s.start // t, (s.start + s.length - 1) // t  # contiguous: rank r holds [r t, (r + 1) t)
+    whole = np.where(first == last, first, -1)
+    cut = np.flatnonzero(whole < 0)
+    n = last[cut] - first[cut] + 1
+    seg = np.repeat(cut, n)
+    rank = np.arange(seg.size) - np.repeat(np.cumsum(n) - n, n) + first[seg]
+    lo, hi = np.maximum(rank * t, s.start[seg]), np.minimum((rank + 1) * t, s.start[seg] + s.length[seg])
+    pieces = (seg, lo - s.start[seg], hi - lo, rank)
     candidates.append(((whole, pieces), _figures(s, cp, t, whole, pieces)))
     limit = (1.0 + tol) * s.ideal / cp
 
