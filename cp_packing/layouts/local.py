@@ -272,10 +272,9 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
 
 def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev, lo: np.ndarray,
            hi: np.ndarray, a0: np.ndarray):
-    """Boundaries ``r`` (``prev``: the boundaries before them, for ``_with_heads``; ``a0``: the bisection's split):
-    the best split near ``a0`` (``_pick``); where none is exact (the head's range, the frame, too short there), a
-    second bisection over ``a`` on the cost with the best head finds where it can meet the target, and the best
-    split near that. Returns ``(a, k, u, h, c, w, off)`` per boundary."""
+    """Boundaries ``r`` (``target`` their costs; ``prev``: the boundaries before them, for ``_with_heads``; ``a0``:
+    the nearest split): the best split near ``a0`` (``_pick``), in windows 8x wider up to ``_WIDEST`` x ``_WINDOW``
+    where none is exact. Returns ``(a, k, u, h, c, w, off)`` per boundary."""
     has = prev[1] >= 0  # nest with the boundary before: a grows by 0 .. t
     lo, hi = np.where(has, np.maximum(lo, prev[0]), lo), np.where(has, np.minimum(hi, prev[0] + t), hi)
     a0 = np.clip(a0, lo, hi)
@@ -284,22 +283,10 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target:
     sub = tuple(x[rows] for x in prev)
     while rows.size and s.weights == _FULL and span <= _WIDEST * _WINDOW:
         again, exact = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], a0[rows], span)
-        for o, x in zip(out, again):
-            o[rows] = x
-        rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
-    far = np.abs(out[-1][rows]) > _SPREAD * s.ideal / cp  # close enough: the misses are spread (_candidate)
-    rows, sub = rows[far], tuple(x[far] for x in sub)
-    if rows.size and s.weights == _FULL:
-        b_lo, b_hi = lo[rows], hi[rows]
-        while np.any(b_lo < b_hi):  # the largest a whose best cost is still >= the target
-            mid = (b_lo + b_hi + 1) // 2
-            off = _with_heads(s, fold, r[rows], t, mid[:, None], target[rows], sub)[-1]
-            ok = off[np.arange(rows.size), np.argmin(np.abs(off), axis=1)] >= 0
-            b_lo, b_hi = np.where(ok, mid, b_lo), np.where(ok, b_hi, mid - 1)
-        again, _ = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], b_lo, 8 * _WINDOW)
-        better = np.abs(again[-1]) < np.abs(out[-1][rows])
+        better = exact | (np.abs(again[-1]) < np.abs(out[-1][rows]))  # the wide window keeps exact-able splits
         for o, x in zip(out, again):
             o[rows[better]] = x[better]
+        rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
     return out
 
 
