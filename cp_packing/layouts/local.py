@@ -154,7 +154,8 @@ def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.nda
     """For every boundary ``r``, the ``a`` in ``[lo, hi]`` whose outer set ``S[0, a) + S[a + T - r t, T)`` costs
     nearest ``target`` (the smallest on a tie). The cost is piecewise linear in ``a`` between the points where the
     low or the high bound crosses a segment start (about linear in a folded or windowed one), so it is evaluated at
-    those points and near the root of every piece that crosses the target: linear in the segments in the range."""
+    those points and every piece that crosses the target is bisected to the token: linear in the segments in the
+    range."""
     shift = s.total - r * t
     parts = [(np.arange(r.size), lo), (np.arange(r.size), hi)]
     for off in (np.zeros_like(shift), shift):  # segment starts crossed by the low, then the high bound
@@ -170,9 +171,14 @@ def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.nda
     g = _split_cost(s, fold, shift[row], a, tuple(x[row] for x in frame)) - target[row]
     cross = (row[1:] == row[:-1]) & ((g[1:] < 0) != (g[:-1] < 0))
     i = np.flatnonzero(cross)
-    root = a[i] + (g[i] * (a[i + 1] - a[i])) // np.maximum(g[i] - g[i + 1], 1)
-    extra = np.clip(root[:, None] + np.arange(-2, 3), a[i, None], a[i + 1, None]).ravel()
-    e_row = np.repeat(row[i], 5)
+    e_row, frame_i = row[i], tuple(x[row[i]] for x in frame)
+    p_lo, p_hi, sign = a[i], a[i + 1], g[i] < 0  # bisect every crossing piece to the token (kinks in a window)
+    while np.any(p_hi - p_lo > 1):
+        mid = (p_lo + p_hi) // 2
+        same = (_split_cost(s, fold, shift[e_row], mid, frame_i) - target[e_row] < 0) == sign
+        p_lo, p_hi = np.where(same, mid, p_lo), np.where(same, p_hi, mid)
+    extra = np.stack([p_lo, p_hi], axis=1).ravel()
+    e_row = np.repeat(e_row, 2)
     row, a = np.concatenate([row, e_row]), np.concatenate([a, extra])
     g = np.concatenate([g, _split_cost(s, fold, shift[e_row], extra, tuple(x[e_row] for x in frame))
                         - target[e_row]])
