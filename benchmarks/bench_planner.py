@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import statistics
 import time
 import tracemalloc
