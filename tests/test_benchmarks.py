@@ -46,3 +46,9 @@ def test_bench_loss_quick_measures_every_loss():
     out = _quick("bench_loss.py")
     for name in ("F.cross_entropy", "packed_cross_entropy", "packed_linear_cross_entropy"):
         assert out.count(f"| {name} |") == 2, out  # fp32 and bf16
+
+
+def test_bench_planner_quick_times_local_beside_the_metadata_and_the_min_heap():
+    out = _quick("bench_planner.py")
+    rows = [line for line in out.splitlines() if line.startswith("| lognormal") or line.startswith("| huge")]
+    assert len(rows) == 8 and all(len(row.split("|")) == 14 for row in rows), out

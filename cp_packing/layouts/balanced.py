@@ -324,7 +324,9 @@ def contiguous_plan_arrays(cu: np.ndarray, cp: int):
     """The contiguous placement as a plan: every segment cut at the rank boundaries."""
     total = int(cu[-1])
     bounds = np.arange(1, cp, dtype=np.int64) * (total // cp)
-    cuts = np.union1d(cu, bounds)
+    at = np.searchsorted(cu, bounds)
+    new = cu[np.minimum(at, cu.size - 1)] != bounds
+    cuts = np.insert(cu, at[new], bounds[new])  # cu is sorted: one pass, no hashing
     run_start, run_len = cuts[:-1], np.diff(cuts)
     keep = run_len > 0
     run_start, run_len = run_start[keep], run_len[keep]

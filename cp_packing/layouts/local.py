@@ -10,41 +10,47 @@ together but is uneven. ``local`` lays the segments end to end as one stream ``S
           |-- 0 --|-- 1 --|--- 2 ---|---- 3 ----|--- 2 ---|--- 1 ---|-- 0 --|   the rank of each interval, cp = 4
           cheap tokens (short segments)                   dense tokens (long segments, late positions)
 
-From the outside in, rank ``r`` takes ``a`` tokens from the low end of what is left and ``T/cp - a`` from the high
-end: every split ``a`` is priced at once (the cost of ``S`` up to any point is a closed form of the segments), and
-the one nearest the mean cost of the ranks still to place wins; the last rank takes the middle. One more low token
-and one less high token costs less, so while the cost along ``S`` rises a split within one token's cost of the mean
-exists. A second freedom makes it exact: the segment the high bound cuts gives the rank its outside, the end of
-what is left of it and a head of ``h`` tokens from its start (by default none of a straight segment, half for a folded
-one, see below), and ``h`` is free. One token moved from that end to the head costs less by the width of what is
-left; traded for one more token from the low end, the cost moves by that cheap token's cost: fine steps. Of the
-splits within ``1e-6`` of the target, the one with the least shifted head wins (busiest / mean ``~1 + 1e-5``).
+The outer set of boundary ``r`` (what ranks ``< r`` hold) is ``S[0, a)`` and ``S[a + T - r t, T)``
+(``t = T / cp``): every boundary is solved on its own, all ``cp - 1`` at once, for a cost of ``r C / cp``, and rank
+``r`` holds what lies between boundaries ``r`` and ``r + 1``. The cost of a split ``a`` is a closed form (the cost
+of ``S`` up to any point, from the segments' prefix sums); it is piecewise linear in ``a`` between the points where
+a bound crosses a segment start, so a bisection gives a bracket and the pieces in it give the split nearest the
+target (``_nearest``). A second freedom makes it exact: the segment the high bound cuts gives the outside its tail
+and a head of ``h`` tokens from its start (by default none of a straight segment, half for a folded one, see below),
+and ``h`` is free; the splits within ``_WINDOW`` of the nearest one are priced with their best heads, and of those
+within ``1e-6`` of the target the one with the least shifted head wins (wider windows, filtered by what a head can
+make exact, where none is). Heads of one segment must nest (the inside a boundary leaves is the frame the next one
+cuts in), so the boundaries cutting one segment go in rounds, all segments at once; a boundary that does not nest
+with the one before (the cost along ``S`` is not monotone near the middle) is solved again within its bounds. What
+inexact boundaries still miss is spread over the ranks between them (their targets moved, solved again).
 
 Short segments stay whole and only the ``2cp - 2`` interval bounds cut segments: a low bound cuts a short segment
 (its second piece needs few keys); a high bound cuts a long one, where a late piece needs its segment's prefix, but
 only as far as the cost needs. A long segment laid straight puts its cheap head next to the dense tail of the one
-before it, and a rank that reaches it can find no split near the mean. Such a segment is *folded*: laid out from
-the middle outwards, so that every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval
-of a folded segment is its middle or a ring around it, at most two runs, and the ring ``[0, a) + [L - a, L)`` needs
-``L - 2a`` keys (``zigzag``'s pair, over as few ranks as the cost needs)::
+before it, where no split may come near the target. Such a segment is *folded*: laid out from the middle outwards,
+so that every two tokens of it cost ``L + 1`` together (a flat cost along ``S``); an interval of a folded segment is
+its middle or a ring around it, at most two runs, and the ring ``[0, a) + [L - a, L)`` needs ``L - 2a`` keys
+(``zigzag``'s pair, over as few ranks as the cost needs)::
 
     positions  0 1 2 3 4 5 6 7      S order, folded: 3 4 2 5 1 6 0 7
     split at 4 tokens: the low side gets the middle [2, 6), the high side the ring [0, 2) + [6, 8)
 
-The knob, ``TOLERANCE`` (a rank's distance from its target cost, as a fraction of ``C / cp``): nothing is folded at
-first; whenever a rank ends farther than that from its target, the longest straight segment at the end of ``S``
-where it got stuck is folded and the plan redone. A larger tolerance folds fewer segments (fewer remote keys, a
-less even cost). The candidates are that plan from nothing folded and from every segment of at least
-``FOLD_LADDER`` x ``T / cp`` tokens folded, and ``contiguous``; the plan is the one within the tolerance (busiest
-over mean cost ``<= 1 + tolerance``) with the fewest remote keys at the busiest rank (then in total, then the lower
-busiest cost); where none is within it, the one with the lowest busiest cost.
+The knob, ``TOLERANCE`` (a fraction of the ideal ``C / cp``): nothing is folded at first; where a rank ends
+farther than ``TOLERANCE / 20`` from its share, the longest straight segment near the boundary that missed is folded
+and the boundaries solved again (``FOLD_ROUNDS`` rounds at most). The candidates are that plan from nothing folded
+and from every segment of at least ``FOLD_LADDER`` x ``T / cp`` tokens folded, and ``contiguous``; the plan is the
+one within the tolerance (busiest over mean cost ``<= 1 + tolerance``) with the fewest remote keys at the busiest
+rank (then in total, then the lower busiest cost); where none is within it, the one with the lowest busiest cost.
+A larger tolerance lets an uneven candidate win for fewer remote keys.
 
 Runs: every run lies in one segment; a rank's runs are ordered by global position and touching pieces of one
 segment are merged. Under a sliding ``window`` every cost is ``sum min(p + 1, window)`` (``layouts/work.py``); the
-plan is the same construction. The plan is a function of the ``cu_seqlens`` values, ``cp``, the window and the
-tolerance only (integer costs, stable sorts), cached like ``balanced``'s with ``functools.lru_cache``. It runs in
-NumPy on the host, a pass over the ranks per candidate (and per fold), each pass linear in ``T`` (every rank prices
-its ``T/cp + 1`` splits); a CUDA ``cu_seqlens`` is copied (one host sync per call).
+plan is the same construction (heads by bisection). The plan is a function of the ``cu_seqlens`` values, ``cp``, the
+window and the tolerance only (integer costs, stable sorts), cached like ``balanced``'s with
+``functools.lru_cache``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
+work per boundary (no loop over the ranks of ``T / cp`` pricing each: time near-linear in the segments, about flat
+in ``cp``; a Python loop over boundaries only where they do not nest, and one round per boundary cutting the same
+segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is copied (one host sync per call).
 """
 
 from __future__ import annotations
@@ -57,21 +63,23 @@ import torch
 
 from cp_packing._checks import check_cp, check_number
 from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs, plan_key
-from cp_packing.layouts.work import WindowWeights, range_cost
+from cp_packing.layouts.work import WindowWeights, head_cost, range_cost
 
-__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "MAX_FOLDS"]
+__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
 
-#: The knob: how far (a fraction of the ideal ``C / cp``) a rank may end from its target cost before a segment is
-#: folded to get it closer, and the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer
-#: remote keys. Smaller: more even, more remote keys; larger: fewer (docs/balance.md has the trade, measured).
+#: The knob: the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer remote keys, and
+#: (over ``_STUCK``) how far a rank may end from its share before a segment is folded to get it closer. Smaller: more
+#: even, more remote keys; larger: fewer (docs/balance.md has the trade, measured).
 TOLERANCE = 0.01
 #: Candidate plans start with every segment of at least this many ``T / cp`` folded (``None``: none).
 FOLD_LADDER = (None, 2.0, 1.0, 0.5)
-#: At most this many segments folded on demand per candidate (each fold redoes one pass over the ranks).
-MAX_FOLDS = 32
-#: A rank's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
-#: shifted head. The splits ``a`` first tried with a free head: this many either side of the best one.
-_EXACT, _WINDOW = 1e-6, 64
+#: Rounds of on-demand folds per candidate: the culprits of every rank still off its share are folded at once.
+FOLD_ROUNDS = 3
+#: A boundary's cost this close to its target (a fraction of ``C / cp``) is exact: the split then takes the least
+#: shifted head. The splits ``a`` tried with their best heads: ``_WINDOW`` either side of the nearest one, then
+#: 8x wider up to ``_WIDEST`` times that where none is exact. A rank off its share by more than ``TOLERANCE /
+#: _STUCK`` folds a segment; inexact boundaries off by more than ``_SPREAD`` have their misses spread.
+_EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
 
 _CACHE_SIZE = 16
 
@@ -79,8 +87,8 @@ _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
 
 
 class _Stream:
-    """The segments in ``S`` order (by length, then position): global starts, lengths, their stretches of ``S`` and
-    the cost of the whole segments before each."""
+    """The segments in ``S`` order (by length, then position): global starts, lengths, their stretches of ``S``,
+    their costs and the cost of the whole segments before each."""
 
     def __init__(self, cu: np.ndarray, weights: WindowWeights):
         start, length = cu[:-1], np.diff(cu)
@@ -91,213 +99,399 @@ class _Stream:
         self.end = np.cumsum(self.length)
         self.beg = self.end - self.length
         self.total = int(self.end[-1])
+        self.cost = head_cost(self.length, weights)
         self.base = np.zeros(self.length.size + 1, dtype=np.int64)
-        np.cumsum(range_cost(np.zeros_like(self.length), self.length, weights), out=self.base[1:])
+        np.cumsum(self.cost, out=self.base[1:])
         self.ideal = int(self.base[-1])
 
+    def seg(self, x: np.ndarray) -> np.ndarray:
+        """The segment holding S offset ``x`` (the last one for ``x = T``)."""
+        return np.minimum(np.searchsorted(self.end, x, side="right"), self.length.size - 1)
 
-class _Split:
-    """One pass over the ranks: every segment's state and the runs placed so far (see ``_solve``).
-
-    What is left of a segment is a *frame* ``[c, c + w)`` of positions laid on the first ``w`` tokens of its stretch
-    of ``S``: straight (S offset ``u`` is position ``c + u``) or folded (its first ``u`` tokens are
-    ``[c + m(u), c + m(u) + u)``, ``m(u) = (w - u) // 2``). A cut from the high end of ``S`` takes the outside of the
-    frame, a head of ``h`` tokens and the rest from its tail, and leaves the frame ``[c + h, c + h + v)``; a segment
-    cut otherwise (from the low end, or where the low end may reach it) keeps its frame from then on (``frozen``)."""
-
-    def __init__(self, stream: _Stream, fold: np.ndarray):
-        self.s, self.fold = stream, fold
-        self.c = np.zeros_like(stream.length)
-        self.w = stream.length.copy()
-        self.frozen = np.zeros(stream.length.size, dtype=bool)
-        self.runs: list[tuple[np.ndarray, ...]] = []  # (segment, pos0, len, rank) of the runs placed
-
-    def prefix(self, x: np.ndarray) -> np.ndarray:
-        """int64, shape of ``x``: the cost of ``S`` before ``x`` in the current frames (``x`` in what is left)."""
-        s = self.s
-        k = np.minimum(np.searchsorted(s.end, x, side="right"), s.length.size - 1)
-        u = x - s.beg[k]
-        head = self.c[k] + np.where(self.fold[k], (self.w[k] - u) // 2, 0)
-        return s.base[k] + range_cost(head, head + u, s.weights)
-
-    def head_cost(self, k: np.ndarray, v: np.ndarray, h: np.ndarray) -> np.ndarray:
-        """Cost of the frame ``[c + h, c + h + v)`` a high cut with head ``h`` leaves of segments ``k``."""
-        return range_cost(self.c[k] + h, self.c[k] + h + v, self.s.weights)
-
-    def place(self, a: int, b: int, rank: int) -> None:
-        """Give ``rank`` the stretch ``[a, b)`` of ``S`` in the current frames; a segment it cuts is frozen."""
-        if b <= a:
-            return
-        s = self.s
-        k = np.arange(np.searchsorted(s.end, a, side="right"), np.searchsorted(s.end, b - 1, side="right") + 1)
-        u0, u1 = np.maximum(a - s.beg[k], 0), np.minimum(b - s.beg[k], self.w[k])
-        self.frozen[k] |= (u0 > 0) | (u1 < self.w[k])
-        c, w, folded = self.c[k], self.w[k], self.fold[k]
-        whole = (u0 == 0) & (u1 == w)  # the whole frame: one run
-        m0, m1 = np.where(folded & ~whole, (w - u0) // 2, 0), np.where(folded & ~whole, (w - u1) // 2, 0)
-        left0, left1 = np.where(folded & ~whole, c + m1, c + u0), np.where(folded & ~whole, c + m0, c + u1)
-        right0 = c + m0 + u0
-        right1 = np.where(folded & ~whole, c + m1 + u1, right0)  # a straight piece has no right run
-        self._add(np.concatenate([k, k]), np.concatenate([left0, right0]),
-                  np.concatenate([left1 - left0, right1 - right0]), rank)
-
-    def cut(self, k: int, v: int, h: int, rank: int) -> None:
-        """Give ``rank`` the outside of segment ``k``'s frame, keeping ``[c + h, c + h + v)`` as its new frame."""
-        c, w = int(self.c[k]), int(self.w[k])
-        self._add(np.array([k, k]), np.array([c, c + h + v]), np.array([h, w - h - v]), rank)
-        self.c[k], self.w[k] = c + h, v
-
-    def _add(self, seg: np.ndarray, pos0: np.ndarray, length: np.ndarray, rank: int) -> None:
-        keep = length > 0
-        self.runs.append((seg[keep], pos0[keep], length[keep], np.full(int(keep.sum()), rank, dtype=np.int64)))
+    def prefix(self, x: np.ndarray, fold: np.ndarray) -> np.ndarray:
+        """int64, shape of ``x``: the cost of ``S[0, x)``, a folded segment's first ``u`` tokens its middle."""
+        k = self.seg(x)
+        u = x - self.beg[k]
+        m = np.where(fold[k], (self.length[k] - u) // 2, 0)
+        return self.base[k] + range_cost(m, m + u, self.weights)
 
 
-def _solve(split: _Split, cp: int, t: int, tol: float):
-    """Split ``S`` from the outside in: rank r takes ``a`` tokens from the low end of what is left and ``t - a``
-    from the high end, ``a`` and the head ``h`` of the segment the high bound cuts chosen so the cost is nearest the
-    mean of the ranks still to place (``_choose``). Returns ``(lo, hi)``: what was left of ``S`` when a rank first
-    ended farther than ``tol * C / cp`` from its target (``None`` if none did); the runs are in ``split``."""
-    total_cost = split.s.ideal
-    lo, hi, used, stuck = 0, split.s.total, 0, None
-    for r in range(cp - 1):
-        target = (total_cost - used) // (cp - r)  # the mean of the ranks still to place
-        a, k, v, h, cost = _choose(split, lo, hi, t, target, _EXACT * total_cost / cp)
-        if stuck is None and abs(cost - target) > tol * total_cost / cp:
-            stuck = (lo, hi)
-        used += cost
-        y = hi - (t - a)
-        split.place(lo, lo + a, r)
-        if k >= 0:
-            split.place(int(split.s.end[k]), hi, r)
-            split.cut(k, v, h, r)
-        else:
-            split.place(y, hi, r)
-        lo, hi = lo + a, y
-    split.place(lo, hi, cp - 1)
-    return stuck
-
-
-def _choose(split: _Split, lo: int, hi: int, t: int, target: int, exact: float):
-    """Rank's split of what is left, ``[lo, hi)``: ``(a, k, v, h, cost)``. Every ``a`` is priced at once; the
-    segment ``k`` the high bound cuts, where it may take a free head (not frozen, out of the low end's reach), is
-    given the head ``h`` that brings the cost nearest the target, its new frame keeping ``v`` tokens. Of the splits
-    within ``exact`` of the target the one with the least shifted head wins (then the ``a`` nearest the best one
-    without heads), else the nearest; ``k = -1`` where no free head is used. Heads are tried for the ``a`` within
-    ``_WINDOW`` of the best one, without a window 8 times further each time none is exact (a head for a token from
-    the low end moves the cost by that token's cost: fine steps, but maybe far from the best ``a``)."""
-    a = np.arange(t + 1, dtype=np.int64)
-    ends = split.prefix(np.array([lo, hi], dtype=np.int64))
-    cost = split.prefix(lo + a) - ends[0] + ends[1] - split.prefix(hi - t + a)  # [t + 1]
-    a0 = int(np.argmin(np.abs(cost - target)))
-    span = _WINDOW
+def _bisect(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.ndarray, lo: np.ndarray,
+            hi: np.ndarray) -> np.ndarray:
+    """For every boundary ``r``, the largest ``a`` in ``[lo, hi]`` whose outer set ``S[0, a) + S[a + T - r t, T)``
+    costs at least ``target`` (``lo`` if none): the cost falls, mostly, as ``a`` grows (a cheap low token for a
+    dense high one), so a bisection over ``a``, all boundaries at once, finds where it crosses the target."""
+    shift = s.total - r * t
     while True:
-        a, k, v, h, h0, free, off = _with_heads(split, lo, hi, t, np.arange(max(a0 - span, 0), min(a0 + span, t) + 1),
-                                                cost, target)
-        close = np.flatnonzero(np.abs(off) <= exact)
-        if close.size or span >= t or split.s.weights != _FULL:
-            break
-        span *= 8
-    if close.size:  # the least shifted head, then the a nearest a0 (|a - a0| <= t: one key)
-        best = close[np.argmin(np.abs(h - h0)[close] * (t + 2) + np.abs(a - a0)[close])]
-    else:
-        best = int(np.argmin(np.abs(off)))
-    return int(a[best]), int(k[best]) if free[best] else -1, int(v[best]), int(h[best]), int(off[best]) + target
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        ok = s.prefix(mid, fold) + s.ideal - s.prefix(mid + shift, fold) >= target
+        lo, hi = np.where(ok & open_, mid, lo), np.where(ok | ~open_, hi, mid - 1)
 
 
-def _with_heads(split: _Split, lo: int, hi: int, t: int, a: np.ndarray, cost: np.ndarray, target: int):
-    """The splits ``a`` with the best free heads (the largest whose cost is >= the target and the next one):
-    ``(a, k, v, h, h0, free, off)``, two entries per ``a``, ``off`` the cost minus the target (``h0``: the head
-    without freedom)."""
-    s = split.s
-    y = hi - t + a
-    k = np.minimum(np.searchsorted(s.end, y, side="right"), s.length.size - 1)
-    v, w = y - s.beg[k], split.w[k]
-    free = (v > 0) & ~split.frozen[k] & (s.beg[k] >= lo + a)
-    h0 = np.where(split.fold[k], (w - v) // 2, 0)
-    wanted = cost[a] + split.head_cost(k, v, h0) - target  # the new frame's cost that would hit the target
-    h_lo = _heads(split, k, v, np.where(free, w - v, 0), wanted)
-    h = np.concatenate([np.where(free, h_lo, h0), np.where(free, np.minimum(h_lo + 1, w - v), h0)])
-    a, k, v, free, h0, wanted = (np.concatenate([x, x]) for x in (a, k, v, free, h0, wanted))
-    return a, k, v, h, h0, free, wanted - split.head_cost(k, v, h)
+def _split_cost(s: _Stream, fold: np.ndarray, shift: np.ndarray, a: np.ndarray, frame) -> np.ndarray:
+    """Cost of the outer sets ``S[0, a) + S[a + shift, T)``, the segment the high bound cuts laid out by its
+    layout's head kept in ``frame`` (``(k, c, w)`` per element, the frame the boundary before left; ``k = -1``:
+    none)."""
+    y = a + shift
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    fk, fc, fw = frame
+    k = s.seg(y)
+    u = y - s.beg[k]
+    on = (k == fk) & (a <= s.beg[k]) & (u <= fw)
+    if on.any():
+        k, u, fc, fw = k[on], u[on], fc[on], fw[on]
+        h_pre = _first(s, fold, k, 0, s.length[k], u)
+        h = np.clip(h_pre, fc, fc + fw - u)
+        cost[on] += range_cost(h_pre, h_pre + u, s.weights) - range_cost(h, h + u, s.weights)
+    return cost
 
 
-def _heads(split: _Split, k: np.ndarray, v: np.ndarray, h_max: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """The largest head ``h`` in ``[0, h_max]`` whose new frame ``[c + h, c + h + v)`` of segments ``k`` costs at
-    most ``wanted`` (0 if none does): a frame costs more the further right it is. Without a window in closed form,
-    ``v (c + h) + v (v + 1) / 2``; else by bisection."""
-    c = split.c[k]
-    if split.s.weights == _FULL:
-        h = np.floor_divide(wanted - v * (v + 1) // 2, np.maximum(v, 1)) - c
+def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.ndarray, lo: np.ndarray,
+             hi: np.ndarray, frame) -> np.ndarray:
+    """For every boundary ``r``, the ``a`` in ``[lo, hi]`` whose outer set ``S[0, a) + S[a + T - r t, T)`` costs
+    nearest ``target`` (the smallest on a tie). The cost is piecewise linear in ``a`` between the points where the
+    low or the high bound crosses a segment start (about linear in a folded or windowed one), so it is evaluated at
+    those points and every piece that crosses the target is bisected to the token: linear in the segments in the
+    range."""
+    shift = s.total - r * t
+    parts = [(np.arange(r.size), lo), (np.arange(r.size), hi)]
+    for off in (np.zeros_like(shift), shift):  # segment starts crossed by the low, then the high bound
+        first = np.searchsorted(s.beg, lo + off, side="right")
+        count = np.maximum(np.searchsorted(s.beg, hi + off, side="left") - first, 0)
+        row = np.repeat(np.arange(r.size), count)
+        idx = np.arange(row.size) - np.repeat(np.cumsum(count) - count, count) + first[row]
+        parts.append((row, s.beg[idx] - off[row]))
+    row = np.concatenate([p[0] for p in parts])
+    a = np.concatenate([p[1] for p in parts])
+    o = np.lexsort((a, row))
+    row, a = row[o], a[o]
+    g = _split_cost(s, fold, shift[row], a, tuple(x[row] for x in frame)) - target[row]
+    cross = (row[1:] == row[:-1]) & ((g[1:] < 0) != (g[:-1] < 0))
+    i = np.flatnonzero(cross)
+    e_row, frame_i = row[i], tuple(x[row[i]] for x in frame)
+    p_lo, p_hi, sign = a[i], a[i + 1], g[i] < 0  # bisect every crossing piece to the token (kinks in a window)
+    while np.any(p_hi - p_lo > 1):
+        mid = (p_lo + p_hi) // 2
+        same = (_split_cost(s, fold, shift[e_row], mid, frame_i) - target[e_row] < 0) == sign
+        p_lo, p_hi = np.where(same, mid, p_lo), np.where(same, p_hi, mid)
+    extra = np.stack([p_lo, p_hi], axis=1).ravel()
+    e_row = np.repeat(e_row, 2)
+    row, a = np.concatenate([row, e_row]), np.concatenate([a, extra])
+    g = np.concatenate([g, _split_cost(s, fold, shift[e_row], extra, tuple(x[e_row] for x in frame))
+                        - target[e_row]])
+    o = np.lexsort((a, np.abs(g), row))
+    firsts = np.flatnonzero(np.r_[True, row[o][1:] != row[o][:-1]])
+    return a[o][firsts]
+
+
+def _inner_cost(s: _Stream, k: np.ndarray, u: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Cost of positions ``[h, h + u)`` of segments ``k``: what a high cut with head ``h`` leaves inside."""
+    return range_cost(h, h + u, s.weights)
+
+
+def _heads(s: _Stream, k: np.ndarray, u: np.ndarray, c: np.ndarray, h_max: np.ndarray,
+           wanted: np.ndarray) -> np.ndarray:
+    """The largest ``h`` in ``[0, h_max]`` whose inside ``[c + h, c + h + u)`` costs at most ``wanted`` (0 if none
+    does): it costs more the further right it is. Without a window in closed form, ``u (c + h) + u (u + 1) / 2``;
+    else by bisection."""
+    if s.weights == _FULL:
+        h = np.floor_divide(wanted - u * (u + 1) // 2, np.maximum(u, 1)) - c
         return np.clip(h, 0, h_max)
     h_lo, h_hi = np.zeros_like(h_max), h_max.copy()
     while np.any(h_lo < h_hi):
         mid = (h_lo + h_hi + 1) // 2
-        ok = split.head_cost(k, v, mid) <= wanted
+        ok = _inner_cost(s, k, u, c + mid) <= wanted
         h_lo, h_hi = np.where(ok, mid, h_lo), np.where(ok, h_hi, mid - 1)
     return h_lo
 
 
-def _culprit(stream: _Stream, fold: np.ndarray, lo: int, hi: int, t: int) -> int:
-    """The segment to fold where the split got stuck: the longest straight one (>= 3 tokens: folding a shorter one
-    changes nothing) overlapping the last ``t`` tokens left of ``S``, else the first ``t``; -1 if there is none.
-    ``S`` is sorted by length, so the longest is the last eligible one."""
-    for a, b in ((hi - t, hi), (lo, lo + t)):
-        first, last = np.searchsorted(stream.end, [a, b - 1], side="right")
-        k = np.arange(first, min(last + 1, fold.size))
-        k = k[~fold[k] & (stream.length[k] >= 3)]
-        if k.size:
-            return int(k[-1])
-    return -1
+def _first(s: _Stream, fold: np.ndarray, k: np.ndarray, c: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Where the first ``x`` S tokens of segment ``k``'s frame ``[c, c + w)`` start: ``c`` straight, ``c + (w - x) // 2``
+    folded (the frame's middle)."""
+    return c + np.where(fold[k], (w - x) // 2, 0)
 
 
-def _split(stream: _Stream, fold: np.ndarray, cp: int, t: int, tol: float):
-    """Solve the split with ``fold`` folded, folding one more segment where a rank got stuck (``_culprit``) until no
-    rank is, there is nothing left to fold there, or ``MAX_FOLDS`` are folded. Returns the runs
-    ``(start, len, rank, pos0, segment)`` (segment: its index in ``S``)."""
-    fold = fold.copy()
-    for folds in range(MAX_FOLDS + 1):
-        split = _Split(stream, fold)
-        stuck = _solve(split, cp, t, tol)
-        k = -1 if stuck is None or folds == MAX_FOLDS else _culprit(stream, fold, *stuck, t)
-        if k < 0:
-            break
-        fold[k] = True
-    seg, pos0, length, rank = (np.concatenate(x) for x in zip(*split.runs))
-    return stream.start[seg] + pos0, length, rank, pos0, seg
+def _with_heads(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, a: np.ndarray, target: np.ndarray, prev):
+    """Every boundary's splits ``a`` (``[B, m]``) with their best heads: ``(a, k, u, h, c, w, pref, off)``,
+    ``[B, 2m]``. ``k`` is the segment the high bound cuts, ``u`` its S tokens left inside, ``[c, c + w)`` its frame
+    (what the previous boundary cutting it left inside, ``prev``: that boundary's ``(a, k, u, h, c, w)`` per row,
+    ``k = -1`` for none; else the whole segment). A cut the low bound does not reach is *free*: the outside takes
+    ``[0, h) + [h + u, L)``, ``h`` anywhere in ``[c, c + w - u]``: the largest whose cost is >= the target and the
+    next one (the new frame is ``[h, h + u)``). Where the low bound reaches the segment too, the frame is kept and
+    the inside is S offsets ``[v, u)`` of it. ``pref`` is the layout's head kept in the frame, ``off`` the cost
+    minus the target (``inf`` where the split would not nest with ``prev``)."""
+    y = a + (s.total - r * t)[:, None]
+    k = s.seg(y)
+    u, length, beg = y - s.beg[k], s.length[k], s.beg[k]
+    pa, pk, pu, ph, pc, pw = (x[:, None] for x in prev)
+    framed = (k == pk) & (pu < s.length[np.maximum(pk, 0)])
+    c, w = np.where(framed, pc, 0), np.where(framed, pw, length)
+    bad = (pk >= 0) & ((a < pa) | (a > pa + t) | (k > pk) | (framed & (u > w)))
+    low = a > beg  # the low bound reaches the segment: its frame is kept
+    free = (u > 0) & (u < length) & ~low & ~bad
+    h_pre = _first(s, fold, k, 0, length, u)  # the layout's head (what the prefix costs assume)
+    pref = np.where(free, np.clip(h_pre, c, c + np.maximum(w - u, 0)), h_pre)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    # the frame kept: inside = S offsets [v, u) of it, where the prefix costs counted those of the whole segment
+    v = np.where(low, a - beg, 0)
+    uu = np.minimum(u, w)
+    f_u, f_v = _first(s, fold, k, c, w, uu), _first(s, fold, k, c, w, v)
+    d_v = _first(s, fold, k, 0, length, v)
+    kept = (range_cost(d_v, d_v + v, s.weights) - range_cost(h_pre, h_pre + u, s.weights)
+            - range_cost(f_v, f_v + v, s.weights) + range_cost(f_u, f_u + uu, s.weights))
+    cost = np.where(low, cost - kept, cost)
+    wanted = _inner_cost(s, k, u, h_pre) + cost - target[:, None]  # the inside that would hit the target
+    h_lo = c + _heads(s, k, u, c, np.where(free, w - u, 0), wanted)
+    h = np.concatenate([np.where(free, h_lo, pref), np.where(free, np.minimum(h_lo + 1, c + w - u), pref)], axis=1)
+    a, k, u, c, w, pref, wanted, bad, free, cost = (np.concatenate([x, x], axis=1)
+                                                    for x in (a, k, u, c, w, pref, wanted, bad, free, cost))
+    off = np.where(free, wanted - _inner_cost(s, k, u, h), cost - target[:, None]).astype(np.float64)
+    off[bad] = np.inf
+    return a, k, u, h, np.where(free, h, c), np.where(free, u, w), pref, off
 
 
-def _figures(rank, seg, pos0, length, cp: int, t: int, weights: WindowWeights) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's cost and remote keys (``[cp]`` int64 each) from its runs: the keys of a segment up to the
-    furthest token the rank holds there, summed over its segments, minus its ``t`` tokens."""
-    cost = np.zeros(cp, dtype=np.int64)
-    np.add.at(cost, rank, range_cost(pos0, pos0 + length, weights))
-    key = rank * (int(seg.max()) + 1) + seg
+def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
+    """The split of every boundary ``r`` within ``span`` of ``a0`` (in ``[lo, hi]``) with the best head
+    (``_with_heads``): of those within ``_EXACT`` of the target ``r C / cp`` the least shifted head, then the ``a``
+    nearest ``a0``; else the nearest to the target. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
+    a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
+    if span > _WINDOW and s.weights == _FULL:  # keep the 2 _WINDOW splits nearest a0 that a head can make exact
+        y = a + (s.total - r * t)[:, None]
+        k = s.seg(y)
+        u = y - s.beg[k]
+        rest = s.prefix(a, fold) - s.prefix(y, fold) + (s.ideal - target)[:, None]
+        rest %= np.maximum(u, 1)  # a head moves the cost in steps of u
+        near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
+        order = np.argsort(np.where(near, np.abs(a - a0[:, None]), 2 * s.total), axis=1)[:, :2 * _WINDOW]
+        a = np.where(np.take_along_axis(near, order, axis=1), np.take_along_axis(a, order, axis=1), a0[:, None])
+    a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, target, prev)
+    close = np.abs(off) <= _EXACT * s.ideal / cp
+    key = np.where(close, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - a0[:, None]), np.iinfo(np.int64).max)
+    exact = close.any(axis=1)
+    best = np.where(exact, np.argmin(key, axis=1), np.argmin(np.abs(off), axis=1))
+    pick = (np.arange(r.size), best)
+    return [x[pick] for x in (a, k, u, h, c, w, off)], exact
+
+
+def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev, lo: np.ndarray,
+           hi: np.ndarray, a0: np.ndarray):
+    """Boundaries ``r`` (``target`` their costs; ``prev``: the boundaries before them, for ``_with_heads``; ``a0``:
+    the nearest split): the best split near ``a0`` (``_pick``), in windows 8x wider up to ``_WIDEST`` x ``_WINDOW``
+    where none is exact. Returns ``(a, k, u, h, c, w, off)`` per boundary."""
+    has = prev[1] >= 0  # nest with the boundary before: a grows by 0 .. t
+    lo, hi = np.where(has, np.maximum(lo, prev[0]), lo), np.where(has, np.minimum(hi, prev[0] + t), hi)
+    a0 = np.clip(a0, lo, hi)
+    out, exact = _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, _WINDOW)
+    rows, span = np.flatnonzero(~exact), 8 * _WINDOW
+    sub = tuple(x[rows] for x in prev)
+    while rows.size and s.weights == _FULL and span <= _WIDEST * _WINDOW:
+        again, exact = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], a0[rows], span)
+        better = exact | (np.abs(again[-1]) < np.abs(out[-1][rows]))  # the wide window keeps exact-able splits
+        for o, x in zip(out, again):
+            o[rows[better]] = x[better]
+        rows, sub, span = rows[~exact], tuple(x[~exact] for x in sub), span * 8
+    return out
+
+
+def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarray):
+    """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
+    ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
+    Boundaries are solved all at once (``_solve``) but for the heads of one segment, which must nest: those go in
+    rounds, the ``d``-th boundary cutting a segment in round ``d``. A boundary that still does not nest with the one
+    before (``a`` must grow by ``0 .. t``; the cost along ``S`` is not monotone everywhere, mostly near the middle)
+    is solved again within those bounds, one after the other. Returns ``(a, k, u, h, c, w, off)`` ``[cp - 1]``
+    each (``off``: cost minus target)."""
+    r = np.arange(1, cp, dtype=np.int64)
+    none = np.full(r.size, -1, dtype=np.int64)
+    a0 = _bisect(s, fold, r, t, target, np.zeros_like(r), r * t)  # a first guess: where the costs cross
+    lo0 = np.r_[0, a0[:-1]]
+    a0 = _nearest(s, fold, r, t, target, lo0, np.minimum(lo0 + t, r * t), (none, none, none))
+    y0 = a0 + s.total - r * t
+    k0 = s.seg(y0)
+    inside = (y0 > s.beg[k0]) & (y0 < s.end[k0])
+    chain = np.r_[False, (k0[1:] == k0[:-1]) & inside[1:] & inside[:-1]]
+    first = np.flatnonzero(~chain)
+    depth = np.arange(r.size) - first[np.cumsum(~chain) - 1]
+    out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
+    for d in range(int(depth.max(initial=-1)) + 1):
+        rows = np.flatnonzero(depth == d)
+        lo, hi = np.zeros_like(rows), r[rows] * t
+        prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
+        if d:  # nearest the target with the frame the boundary before left
+            lo, hi = prev[0], np.minimum(prev[0] + t, hi)
+            a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
+        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a0[rows])):
+            o[rows] = x
+    a, k, c, w = out[0], out[1], out[4], out[5]
+    redo = False
+    for i in range(1, r.size):
+        framed = k[i] == k[i - 1]
+        if (redo and framed or not a[i - 1] <= a[i] <= a[i - 1] + t
+                or framed and not c[i - 1] <= c[i] <= c[i] + w[i] <= c[i - 1] + w[i - 1]):
+            one = np.array([i])
+            prev = tuple(x[one - 1] for x in out[:6])
+            lo, hi = a[one - 1], np.minimum(a[one - 1] + t, r[one] * t)
+            a1 = _nearest(s, fold, r[one], t, target[one], lo, hi, (prev[1], prev[4], prev[5]))
+            for o, x in zip(out, _solve(s, fold, cp, t, r[one], target[one], prev, lo, hi, a1)):
+                o[i] = x[0]
+            redo = True
+        else:
+            redo = False
+    return out
+
+
+def _pieces(s: _Stream, fold: np.ndarray, cp: int, t: int, a, k, u, h, c, w):
+    """The plan from the boundaries: every rank's whole segments (``whole`` ``[N]``: the rank, -1 for a cut one) and
+    the pieces of the cut segments ``(segment, pos0, len, rank)``, or None where the outer sets do not nest. A
+    token's rank is the number of outer sets ``O_1 .. O_{cp-1}`` it is not in; a segment no bound cuts lies in one
+    stretch of ``S`` (rank ``r``: the ``r``-th from each end, ``cp - 1`` the middle)."""
+    y = a + s.total - np.arange(1, cp, dtype=np.int64) * t
+    if np.any(np.diff(a) < 0) or np.any(np.diff(a) > t):
+        return None
+    points = np.concatenate([[0], a, y[::-1], [s.total]])
+    ranks = np.concatenate([np.arange(cp - 1), [cp - 1], np.arange(cp - 2, -1, -1)])
+    i = np.searchsorted(points, s.beg, side="right") - 1
+    whole = np.where(s.end <= points[np.minimum(i + 1, points.size - 1)], ranks[np.minimum(i, ranks.size - 1)], -1)
+    # the outer sets' pieces of the cut segments, disjoint per boundary
+    length = s.length[k]
+    high = (u > 0) & (u < length)
+    j = s.seg(a)
+    v = a - s.beg[j]
+    low = (v > 0) & (v < s.length[j])
+    kept = low & (j == k)  # both bounds in one segment: its frame [c, c + w) is kept
+    free = high & ~kept
+    lo_only = low & ~kept
+    z = np.zeros_like(a)
+    d0 = _first(s, fold, j, z, s.length[j], v)  # a low cut of a segment the high bound does not reach
+    f_v = _first(s, fold, k, c, w, np.where(kept, v, 0))
+    uu = np.minimum(u, w)
+    f_u = _first(s, fold, k, c, w, uu)
+    parts = [(j, d0, d0 + v, lo_only), (k, z, h, free), (k, h + u, length, free),  # [0, h) + [h + u, L)
+             (k, z, c, kept), (k, c + w, length, kept), (k, f_v, f_v + v, kept),  # outside, low part of the frame
+             (k, c, f_u, kept), (k, f_u + uu, c + w, kept)]  # the frame outside its first u tokens
+    seg = np.concatenate([p[0][p[3]] for p in parts])
+    p0 = np.concatenate([p[1][p[3]] for p in parts])
+    p1 = np.concatenate([p[2][p[3]] for p in parts])
+    cut = np.flatnonzero(whole < 0)
+    # per cut segment: the boundaries whose outer set misses it (O_r empty there) and those that cut it
+    n_low = np.searchsorted(a, s.beg[cut], side="right")  # a_r <= beg
+    n_high = np.searchsorted(-y, -s.end[cut], side="right")  # y_r >= end
+    n_cut = np.bincount(np.searchsorted(cut, np.concatenate([j[lo_only], k[high | kept]])), minlength=cut.size)
+    base = np.minimum(n_low, n_high) + n_cut
+    # sweep every cut segment's positions: +1 where an outer piece starts, -1 where it ends
+    keep = p1 > p0
+    cs = np.searchsorted(cut, seg[keep])
+    n = int(keep.sum())
+    ev_c = np.concatenate([cs, cs, np.arange(cut.size), np.arange(cut.size)])
+    ev_p = np.concatenate([p0[keep], p1[keep], np.zeros(cut.size, dtype=np.int64), s.length[cut]])
+    ev_d = np.concatenate([np.ones(n, dtype=np.int64), -np.ones(n, dtype=np.int64), np.zeros(2 * cut.size,
+                                                                                           dtype=np.int64)])
+    o = np.lexsort((ev_p, ev_c))
+    ev_c, ev_p, covered = ev_c[o], ev_p[o], np.cumsum(ev_d[o])
+    piece = (ev_c[:-1] == ev_c[1:]) & (ev_p[1:] > ev_p[:-1])
+    pc = ev_c[:-1][piece]
+    return whole, (cut[pc], ev_p[:-1][piece], (ev_p[1:] - ev_p[:-1])[piece], base[pc] - covered[:-1][piece])
+
+
+def _culprits(s: _Stream, fold: np.ndarray, t: int, a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The segments to fold where boundaries are stuck (``a``, ``y`` their bounds): the longest straight one
+    (>= 3 tokens: folding a shorter one changes nothing) within ``t`` of the high bound, else of the low bound."""
+    idx = np.arange(fold.size)
+    last_ok = np.maximum.accumulate(np.where(~fold & (s.length >= 3), idx, -1))
+    out = np.full(a.size, -1, dtype=np.int64)
+    for x in (a, y)[::-1]:
+        first, last = s.seg(np.maximum(x - t, 0)), s.seg(np.minimum(x + t, s.total - 1))
+        hit = last_ok[last]
+        out = np.where((out < 0) & (hit >= first), hit, out)
+    return np.unique(out[out >= 0])
+
+
+def _figures(s: _Stream, cp: int, t: int, whole: np.ndarray, pieces) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's cost and remote keys (``[cp]`` int64 each): the cost of its whole segments and pieces; per cut
+    segment, the keys up to the furthest token it holds there minus its tokens there (a whole segment needs none)."""
+    seg, pos0, length, rank = pieces
+    ok = whole >= 0
+    cost = np.bincount(whole[ok], weights=s.cost[ok], minlength=cp).astype(np.int64)
+    cost += np.bincount(rank, weights=range_cost(pos0, pos0 + length, s.weights), minlength=cp).astype(np.int64)
+    key = rank * (s.length.size + 1) + seg
     order = np.argsort(key, kind="stable")
     key, reach = key[order], (pos0 + length)[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    need = np.zeros(cp, dtype=np.int64)
-    np.add.at(need, key[first] // (int(seg.max()) + 1), np.maximum.reduceat(reach, first))
-    return cost, need - t
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else key
+    need = np.bincount(key[first] // (s.length.size + 1), weights=np.maximum.reduceat(reach, first) if key.size
+                       else None, minlength=cp).astype(np.int64)
+    need -= np.bincount(rank, weights=length, minlength=cp).astype(np.int64)
+    return cost, need
+
+
+def _candidate(s: _Stream, fold: np.ndarray, cp: int, t: int, tol: float, memo: dict):
+    """One plan for the fold set ``fold``, folding the culprits of the ranks still off their share by more than
+    ``tolerance / _STUCK`` (``FOLD_ROUNDS`` times at most; ``memo``: the boundaries of every fold set solved so far).
+    Returns ``(whole, pieces)`` or None where the boundaries do not make a partition."""
+    fold = fold.copy()
+    r = np.arange(1, cp, dtype=np.int64)
+    target = r * s.ideal // cp
+    for rounds in range(FOLD_ROUNDS + 1):
+        key = fold.tobytes()
+        if key not in memo:
+            memo[key] = _boundaries(s, fold, cp, t, target)
+        a, k, u, h, c, w, off = memo[key]
+        err = np.r_[0, off, 0]  # every boundary's cost minus r C / cp
+        missed = np.abs(off) > _EXACT * s.ideal / cp
+        if np.abs(np.diff(err)).max() > _SPREAD * s.ideal / cp:  # spread what inexact boundaries miss over the ranks
+            # between them
+            err = np.interp(np.arange(cp + 1), np.r_[0, r[missed], cp], np.r_[0, off[missed], 0])
+            again = _boundaries(s, fold, cp, t, target + np.round(err[1:-1]).astype(np.int64))
+            err2 = np.r_[0, again[-1] + np.round(err[1:-1]), 0]
+            if np.abs(np.diff(err2)).max() < np.abs(np.diff(np.r_[0, off, 0])).max():
+                (a, k, u, h, c, w, _), err = again, err2
+            else:
+                err = np.r_[0, off, 0]
+        bad = np.abs(np.diff(err)) > max(tol / _STUCK, _EXACT) * s.ideal / cp  # ranks off their share
+        stuck = bad[:-1] | bad[1:]
+        culprits = _culprits(s, fold, t, a[stuck], (a + s.total - r * t)[stuck]) \
+            if stuck.any() and rounds < FOLD_ROUNDS else np.zeros(0, dtype=np.int64)
+        if not culprits.size:
+            break
+        fold[culprits] = True
+    plan = _pieces(s, fold, cp, t, a, k, u, h, c, w)
+    if plan is None:
+        return None
+    whole, (_, _, length, rank) = plan
+    if rank.size and (rank.min() < 0 or rank.max() >= cp):
+        return None
+    tokens = np.bincount(np.concatenate([whole[whole >= 0], rank]),
+                         weights=np.concatenate([s.length[whole >= 0], length]), minlength=cp)
+    return plan if np.all(tokens == t) else None
 
 
 def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
     """Every rank's runs ``(offsets [cp + 1], run_start [R], run_len [R])``: the best candidate (module docstring)."""
+    if cp == 1:
+        return contiguous_plan_arrays(cu, cp)
     t = int(cu[-1]) // cp
-    stream = _Stream(cu, weights)
-    candidates, seen = [], set()
+    s = _Stream(cu, weights)
+    candidates, seen, memo = [], set(), {}
     for ladder in FOLD_LADDER:
-        fold = np.zeros(stream.length.size, dtype=bool) if ladder is None else stream.length >= ladder * t
+        fold = np.zeros(s.length.size, dtype=bool) if ladder is None else s.length >= ladder * t
         if fold.tobytes() in seen:
             continue
         seen.add(fold.tobytes())
-        start, length, rank, pos0, seg = _split(stream, fold, cp, t, tol)
-        candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
-    offsets, start, length = contiguous_plan_arrays(cu, cp)
-    rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
-    seg = np.searchsorted(cu, start, side="right") - 1
-    pos0 = start - cu[seg]
-    candidates.append(((start, length, rank, pos0), _figures(rank, seg, pos0, length, cp, t, weights)))
-    limit = (1.0 + tol) * stream.ideal / cp
+        plan = _candidate(s, fold, cp, t, tol, memo)
+        if plan is not None:
+            candidates.append((plan, _figures(s, cp, t, *plan)))
+    first, last = s.start // t, (s.start + s.length - 1) // t  # contiguous: rank r holds [r t, (r + 1) t)
+    whole = np.where(first == last, first, -1)
+    cut = np.flatnonzero(whole < 0)
+    n = last[cut] - first[cut] + 1
+    seg = np.repeat(cut, n)
+    rank = np.arange(seg.size) - np.repeat(np.cumsum(n) - n, n) + first[seg]
+    lo, hi = np.maximum(rank * t, s.start[seg]), np.minimum((rank + 1) * t, s.start[seg] + s.length[seg])
+    pieces = (seg, lo - s.start[seg], hi - lo, rank)
+    candidates.append(((whole, pieces), _figures(s, cp, t, whole, pieces)))
+    limit = (1.0 + tol) * s.ideal / cp
 
     def score(candidate):
         cost, need = candidate[1]
@@ -305,8 +499,10 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
         return (0, int(need.max()), int(need.sum()), busiest) if within else (1, busiest, int(need.max()), 0)
 
     best = min(range(len(candidates)), key=lambda i: (score(candidates[i]), i))
-    (start, length, rank, pos0), _ = candidates[best]
-    return merge_runs(start, length, rank, pos0, cp)
+    (whole, (seg, pos0, length, rank)), _ = candidates[best]
+    ok = np.flatnonzero(whole >= 0)
+    return merge_runs(np.concatenate([s.start[ok], s.start[seg] + pos0]), np.concatenate([s.length[ok], length]),
+                      np.concatenate([whole[ok], rank]), np.concatenate([np.zeros(ok.size, dtype=np.int64), pos0]), cp)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)

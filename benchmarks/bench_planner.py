@@ -1,0 +1,131 @@
+"""The ``local`` planner at scale: its time next to the metadata build and a MagiAttention-style min-heap dispatch,
+its peak memory next to the map's bytes, and the busiest / mean cost and remote keys of both plans, in one run.
+
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_planner.py            (1M, 16M and 64M tokens; cp 8, 32, 128)
+      PYTHONPATH=. .venv/bin/python benchmarks/bench_planner.py --quick    (256K and 1M tokens; cp 8, 32)
+      ... --planner path/to/local.py    (time another version of cp_packing/layouts/local.py: before / after)
+
+Scale maps: rows of 8192 tokens of lognormal documents (``synthetic_doc_ids("lognormal", median=60)``, as
+``bench_scale.py``). Few-document maps: one row of 8192 * cp tokens, lognormal documents of mean 8k (sigma 1.5, as
+``bench_exchange_bytes.py``) and ``huge`` (one document of 3/4 of the stream). Columns:
+
+- ``meta``: ``packed_seq_params_from_doc_ids(doc_ids)``, the step's metadata build (median of ``--repeats``).
+- ``local``: ``local_plan(cu_seqlens, cp_size=cp)`` from scratch (cache cleared; median of ``--repeats``) and its
+  ratio to ``meta``.
+- ``min-heap``: ``bench_exchange_bytes.minheap_dispatch``, a re-implementation of MagiAttention's default dispatch
+  solver (512-token chunks, each costing its causal mask area, largest first onto the least-loaded rank with room
+  for it: a Python min-heap), written from its ``_solve_with_minhp`` (its code is not imported: MagiAttention needs
+  its CUDA extensions); timed with the chunk areas it needs.
+- ``peak / map``: the planner's peak traced allocation (``tracemalloc``, NumPy's buffers included) over the doc
+  map's bytes (int32 ``[T]``).
+- ``bal`` busiest / mean causal cost and ``keys`` the busiest rank's remote K/V rows over an all-gather's
+  (``(cp - 1) T / cp``), for ``local`` and the min-heap dispatch (``bench_exchange_bytes.exchange_need``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+import tracemalloc
+
+import numpy as np
+import torch
+
+from bench_exchange_bytes import exchange_need, family_map, minheap_dispatch, rank_cost
+
+import cp_packing
+from cp_packing.layouts import local
+from cp_packing.testing import synthetic_doc_ids
+
+CHUNK = 512
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float]:
+    cost = rank_cost(cu, rank, start, length, cp)
+    need = exchange_need(cu, rank, start, length, cp)
+    t_local = int(cu[-1]) // cp
+    return float(cost.max() / (cost.sum() / cp)), float(need.max() / ((cp - 1) * t_local))
+
+
+def measure(doc_ids: torch.Tensor, cp: int, planner, repeats: int) -> dict:
+    """One map, one cp: the columns of the module docstring."""
+    meta = _median(lambda: cp_packing.packed_seq_params_from_doc_ids(doc_ids), repeats)
+    cu_t = cp_packing.packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
+    cu = cu_t.to(torch.int64).numpy()
+
+    def plan():
+        planner.local_plan.cache_clear()
+        return planner.local_plan(cu_t, cp_size=cp)
+
+    t_local = _median(plan, repeats)
+    tracemalloc.start()
+    offsets, start, length = (a.numpy() for a in plan())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
+    heap_time = _median(lambda: minheap_dispatch(cu, cp, CHUNK), max(1, repeats // 2))
+    return {"segments": cu.size - 1, "meta": meta, "local": t_local, "min-heap": heap_time,
+            "peak / map": peak / (doc_ids.numel() * 4), "local fig": _figures(cu, cp, rank, start, length),
+            "heap fig": _figures(cu, cp, *minheap_dispatch(cu, cp, CHUNK))}
+
+
+def _row(name: str, cp: int, m: dict) -> str:
+    (lb, lk), (hb, hk) = m["local fig"], m["heap fig"]
+    return (f"| {name} | {cp} | {m['segments']:,} | {m['meta'] * 1e3:.1f} | {m['local'] * 1e3:.1f} | "
+            f"{m['local'] / m['meta']:.1f} | {m['min-heap'] * 1e3:.1f} | {m['peak / map']:.2f} | "
+            f"{lb:.5f} | {lk:.3f} | {hb:.5f} | {hk:.3f} |")
+
+
+def _load(path: str | None):
+    if path is None:
+        return local
+    spec = importlib.util.spec_from_file_location("local_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256K and 1M tokens, cp 8 and 32 (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--cp", type=int, nargs="+", default=None)
+    ap.add_argument("--planner", help="a file defining local_plan (another version of cp_packing/layouts/local.py)")
+    args = ap.parse_args(argv)
+    sizes = (1 << 18, 1 << 20) if args.quick else (1 << 20, 1 << 24, 1 << 26)
+    cps = args.cp or ((8, 32) if args.quick else (8, 32, 128))
+    repeats = args.repeats or (3 if args.quick else 5)
+    planner = _load(args.planner)
+    torch.set_num_threads(1)
+    header = ("| map | cp | segments | meta ms | local ms | local / meta | min-heap ms | peak / map | "
+              "local bal | local keys | min-heap bal | min-heap keys |")
+    print(f"local planner: {args.planner or 'cp_packing.layouts.local'}; median of {repeats} (64M: of "
+          f"{max(1, repeats // 2)}), one thread\n")
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for tokens in sizes:
+        doc_ids = synthetic_doc_ids("lognormal", tokens // 8192, 8192, seed=0, median=60, dtype=torch.int32)
+        reps = max(1, repeats // 2) if tokens >= 1 << 26 else repeats
+        for cp in cps:
+            print(_row(f"lognormal median 60, {tokens >> 20 or tokens / 2**20:g}M", cp,
+                       measure(doc_ids, cp, planner, reps)), flush=True)
+    for family in ("lognormal 8k", "huge"):
+        for cp in cps:
+            doc_ids = family_map(family, 8192 * cp, 0).to(torch.int32)
+            print(_row(f"{family}, {8192 * cp // 1024}K", cp, measure(doc_ids, cp, planner, repeats)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
