@@ -216,7 +216,8 @@ def _missing_shard(cp_sharded: Any) -> Exception:
 
 def _wrapper_error(query, key, value, attention_mask, dropout, sharded) -> Exception | None:
     """The HF wrapper's own refusals on this rank, as an exception (raised on every rank by the agreement)."""
-    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (query, key, value)):
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+            and query.dim() == key.dim() == value.dim() == 4):
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (query, key, value)]
         return ValueError(f"expected HF attention inputs query [B, H, S, D], key/value [B, H_kv, S, D]; got query "
                           f"{shapes[0]}, key {shapes[1]}, value {shapes[2]}")

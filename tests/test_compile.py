@@ -163,16 +163,21 @@ def test_the_op_passes_torch_library_opcheck(backend):
     implementation of the backward op (cp 1, a window)."""
     step = _cp1_step(backend=backend, window=3)
     plan = step.plan
-    tables = list(plan.tables[(True, 3, None)])
+    from cp_packing.attention.ops import layer_spec
+
+    wire = plan.tables[(True, 3, None)]
+    tables = [wire.blob, wire.sizes]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, h, 8, generator=g) for h in (4, 2, 2))
-    constants = (backend, plan.group_names, 1, 0, "torch", 0.3, True, 3, None, True, 0, 0)
+    spec = layer_spec(backend, plan.group_names, 1, 0, "torch", 0.3, True, 3, None, True, 0, 0)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(torch.ops.cp_packing.attention_fwd, (*leaves, None, tables, *constants))
-    outs = torch.ops.cp_packing.attention_fwd(q, k, v, None, tables, *constants)
+    torch.library.opcheck(torch.ops.cp_packing.attention_fwd, (*leaves, None, tables, spec))
+    outs = torch.ops.cp_packing.attention_fwd(q, k, v, None, tables, spec)
     dout = torch.randn(outs[0].shape, generator=g)
-    torch.library.opcheck(torch.ops.cp_packing.attention_bwd, (dout, q, k, v, None, outs, tables, *constants),
+    torch.library.opcheck(torch.ops.cp_packing.attention_bwd, (dout, q, k, v, None, outs, tables, spec),
                           test_utils=("test_schema", "test_faketensor"))  # no autograd of its own: it IS the backward
+    eager = context_parallel_attention(q, k, v, step, window=3, softmax_scale=0.3)  # the same implementation
+    torch.testing.assert_close(eager, outs[0], rtol=0, atol=0)
 
 
 def test_compiled_layers_read_only_what_the_step_prepared():

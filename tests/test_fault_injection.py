@@ -59,8 +59,8 @@ def _attention_case(rank: int, world: int, case: str):
     [
         ("wrong_cp_rank", "ValueError", "cp_rank=0 but this process is rank 1"),
         ("layout", "AgreementError", "disagree on layout"),
-        ("heads", "AgreementError", "disagree on q"),
-        ("bytes_match", "AgreementError", "disagree on q"),
+        ("heads", "AgreementError", "disagree on shapes"),
+        ("bytes_match", "AgreementError", "disagree on shapes"),
         ("tokens", "ValueError", "T_local"),
         ("causal", "AgreementError", "disagree on causal"),
         ("kernel", "ValueError", "unknown attention kernel 'no_such_kernel'"),
@@ -73,8 +73,8 @@ def test_attention_mistake_on_one_rank_is_raised_on_every_rank(case, kind, words
 
 
 def test_attention_agreement_runs_once_per_step():
-    """One agreement per prepared step, not one per layer; in the first steps (check_layers) every later layer adds
-    its own small one."""
+    """One agreement per prepared step (when it is prepared, before any layer), not one per layer; in the first steps
+    (check_layers) every layer adds its own small one."""
     def fn(rank, world):
         from cp_packing import agreement
         from cp_packing.attention import prepare_attention
@@ -100,4 +100,4 @@ def test_attention_agreement_runs_once_per_step():
         return calls
 
     for calls in run_distributed(fn, 2, timeout=TIMEOUT):
-        assert calls == ["context_parallel_attention"] * 3 + ["attention layer"] * 2
+        assert calls == ["context_parallel_attention"] * 3 + ["attention layer"] * 3

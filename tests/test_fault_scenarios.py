@@ -322,7 +322,7 @@ def loss_dp_group_omitted_on_rank_3(rank, world):
 
 
 @case("hangs", 2, {0: ("ValueError", r"called with labels= and cp_sharded"),
-                   1: ("AgreementTimeout", _timeout_in("context_parallel_attention", r"rank 0 of the CP group"))},
+                   1: ("AgreementTimeout", _timeout_in("attention layer", r"rank 0 of the CP group"))},
       model=True)
 def hf_labels_guard_on_rank_0_only(rank, world):
     model = _tiny_llama()

@@ -18,7 +18,7 @@ import torch
 from cp_packing._checks import check_window
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import all_gather_tokens, reduce_scatter_tokens
-from cp_packing.attention.wire import pack, unpack
+from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
@@ -202,7 +202,10 @@ def to_wire(keys: AllGatherKeys) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_wire(tables) -> AllGatherKeys:
-    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync)."""
+    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync); decoded tables pass
+    through."""
+    if not is_wire(tables):
+        return tables
     (max_q, max_k, first, n), (key_index, cu_q, cu_k) = unpack(tables)
     return AllGatherKeys(key_index=None if first >= 0 else key_index,
                          key_slice=slice(first, first + n) if first >= 0 else None,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cp_packing.attention import kernels
-from cp_packing.attention.wire import pack, unpack
+from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
@@ -173,7 +173,10 @@ def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_wire(tables) -> ExchangeTables:
-    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync)."""
+    """Inverse of :func:`to_wire` (inside the op: the numbers are on the CPU, no device sync); decoded tables pass
+    through."""
+    if not is_wire(tables):
+        return tables
     header, (send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu) = unpack(tables)
     cp = (len(header) - 6) // 2
     communicate, max_q, l_max, r_max, j_max, causal = header[2 * cp:]

@@ -310,18 +310,26 @@ class StepPlan:
         scale = options.scale if scale is None else scale
         key = (causal, window, chunk)
         check = 0
-        if not torch.compiler.is_compiling() and self.check_layers:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self.check_layers:
             check = self.layer_calls + 1
             self._check_layer(check, q, k, v, key, softcap, sinks, scale, error)
-        else:
-            if error is not None:
-                raise error
-            _check_layer_args(q, causal, window, softcap, sinks, scale)  # constants: once per trace when compiled
+        elif error is not None:
+            raise error
+        # what the layer's checks read, and what the ranks must share (no device index: it differs between ranks)
+        sinks_meta = None if sinks is None else (tuple(sinks.shape), sinks.dtype, sinks.device == q.device)
+        arguments = (key, softcap, sinks_meta, scale, q.dtype, q.device.type, q.shape[1], k.shape[1], q.shape[2])
+        if compiling or arguments not in _CODES:  # a new kind of layer (when compiled: while tracing, once)
+            _check_layer_args(q, causal, window, softcap, sinks, scale)
         _check_shapes(self, q, k, v)
         tables = self._tables_for(key)
-        code = _layer_code(key, softcap, None if sinks is None else tuple(sinks.shape), scale, str(q.dtype),
-                           (q.shape[1], k.shape[1], q.shape[2]))
-        self.trace.add_(self.trace.new_tensor([1, code]))
+        code = _layer_code(*arguments)
+        if compiling:
+            self.trace.add_(self.trace.new_tensor([1, code]))  # an input mutation of the graph
+        else:
+            counts = self.trace.numpy()  # the CPU tensor's memory: no tensor op per layer
+            counts[0] += 1
+            counts[1] += code
         return ops.run_layer(self, tables, q, k, v, sinks, causal=causal, window=window, softcap=softcap,
                              scale=scale, check=check)
 
@@ -415,10 +423,18 @@ def _check_shapes(plan: StepPlan, q, k, v) -> None:
                          "prepare the step with this model's shapes")
 
 
+_CODES: dict[tuple, int] = {}  # a layer's checked arguments -> their code (few distinct kinds of layer per model)
+
+
 @torch._dynamo.assume_constant_result
 def _layer_code(*arguments) -> int:
     """A deterministic 31-bit code of a layer's arguments (summed into ``plan.trace``; a constant when compiled)."""
-    return zlib.crc32(repr(arguments).encode()) & 0x7FFFFFFF
+    code = _CODES.get(arguments)
+    if code is None:
+        if len(_CODES) > 4096:
+            _CODES.clear()
+        code = _CODES[arguments] = zlib.crc32(repr(arguments).encode()) & 0x7FFFFFFF
+    return code  # (an argument tuple in _CODES was checked by _check_layer_args: the layer checks a new one)
 
 
 _WARNED: set = set()
@@ -480,13 +496,17 @@ def _check_shapes_arg(shapes: AttentionShapes | None) -> AttentionShapes | None:
 
 def _build(plan_or_ctx, key: LayerKey):
     from cp_packing.attention.ops import BACKEND_TABLE
+    from cp_packing.attention.wire import Wire
 
     causal, window, chunk = key
     ctx = TableContext(plan_or_ctx.sharded, plan_or_ctx.options, plan_or_ctx.device)
-    tables = BACKEND_TABLE[plan_or_ctx.backend].build(ctx, causal, window, chunk)
-    if isinstance(tables, tuple):  # (blob, sizes): the blob's length changes with every batch's documents
-        torch._dynamo.maybe_mark_dynamic(tables[0], 0)  # so a new step does not recompile (cp_packing.attention.wire)
-    return tables
+    backend = BACKEND_TABLE[plan_or_ctx.backend]
+    tables = backend.build(ctx, causal, window, chunk)
+    if backend.decode is None:  # ring-flash-attn: its own call, eager only
+        return tables
+    blob, sizes = tables  # the blob's length changes with every batch's documents: a new step does not recompile
+    torch._dynamo.maybe_mark_dynamic(blob, 0)
+    return Wire(blob, sizes, backend.decode([blob, sizes]))
 
 
 def _temperature_constants(features: Any, sharded: ShardedPackedSeqParams, device: torch.device) -> dict:
@@ -538,6 +558,17 @@ def _check_previous_traces(records: list) -> None:
         f"({listed}): a layer's arguments (softmax scale, window, softcap, causal, chunk, dtype, heads) or the number "
         "of layers differ between ranks, so that step's results are not trustworthy; run with "
         "AttentionOptions(check_layers=True) to find the layer")
+
+
+def _check_shapes_agree(records: list) -> None:
+    """Raise (on every rank) when ranks that know the step's shapes know different ones (a rank prepared without
+    shapes, e.g. ``prepare_attention(sharded)`` beside a per-call step, is not compared)."""
+    known = {rank: r.payload[3] for rank, r in enumerate(records) if r.payload[3] is not None}
+    if len(set(known.values())) > 1:
+        listed = "; ".join(f"rank {rank}: {value}" for rank, value in known.items())
+        raise AgreementError(
+            f"context_parallel_attention: the ranks of the CP group disagree on shapes ({listed}); every rank must "
+            "pass the same shapes (query heads, key/value heads, head dim, dtype) on every rank of the group")
 
 
 def _check_weights(records: list) -> None:
@@ -652,16 +683,18 @@ def prepare_attention(
             "cp_size": sharded.cp_size, "layout": sharded.layout,
             "plan": digest(sharded.global_params.cu_seqlens, sharded.layout, sharded.cp_size, sharded.plan_window),
             "T_local": sharded.num_local_tokens, "ulysses_size": options.ulysses_size, "backend": backend,
-            "options": options, "layers": keys,
-            "shapes": None if shapes is None else (*shapes[:3], str(shapes.dtype)), "device": device.type,
+            "causal": options.causal, "options": options, "layers": keys,
+            "device": device.type,
             "check_layers": check_layers, "labels counted": local_items is not None,
             "attention layers": None if features is None else len(features.attention_layers),
         }
         weights = weights_digest() if weights_digest is not None and check_layers else None
-        agreement.payload = (local_items, _previous_trace(resolved), weights)
+        agreement.payload = (local_items, _previous_trace(resolved), weights,
+                             None if shapes is None else (*shapes[:3], str(shapes.dtype)))
     records = agreement.records.get("CP group", [])
     num_items = local_items
     if len(records) > 1:
+        _check_shapes_agree(records)
         _check_previous_traces(records)
         _check_weights(records)
         if local_items is not None:
@@ -728,3 +761,4 @@ def clear_caches() -> None:
     _LAST_TRACE.clear()
     _LOGGED.clear()
     _WARNED.clear()
+    _CODES.clear()

@@ -19,12 +19,13 @@ import torch
 
 from cp_packing.attention import kernels
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
-from cp_packing.attention.wire import pack, unpack
+from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.cost import kv_replication_factor
 from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["backward", "build_tables", "check_ulysses_heads", "fake", "forward", "kv_replication", "ulysses_attention"]
+__all__ = ["backward", "build_tables", "check_ulysses_heads", "fake", "forward", "from_wire", "kv_replication",
+           "ulysses_attention"]
 
 
 # ------------------------------------------------------------------------------------------------------ heads
@@ -128,7 +129,11 @@ def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None
     return pack([int(params.max_seqlen), int(perm is not None)], [order, inverse, params.cu_seqlens], ctx.device)
 
 
-def _unwire(tables):
+def from_wire(tables) -> tuple:
+    """``(permutation or None, cu_seqlens, max_seqlen)`` of :func:`build_tables`' wire; decoded tables pass
+    through."""
+    if not is_wire(tables):
+        return tables
     (max_seqlen, permuted), (order, inverse, cu_seqlens) = unpack(tables)
     return (order, inverse) if permuted else None, cu_seqlens.to(torch.int32), max_seqlen
 
@@ -142,7 +147,7 @@ def _head_shapes(q, k, cp_size: int) -> tuple[int, int, int]:
 
 def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     """The op's forward: ``[out, lse_h, qh, kh, vh, out_h]`` (the head shard is kept for backward)."""
-    perm, cu_seqlens, max_seqlen = _unwire(tables)
+    perm, cu_seqlens, max_seqlen = from_wire(tables)
     cp_size, group = layer.cp_size, layer.group
     k, v = replicate_kv(k, v, kv_replication_factor(k.shape[1], cp_size))  # [T_local, H_kv * rep, D]
     heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
@@ -158,7 +163,7 @@ def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
 def backward(dout, q, k, v, sinks, saved, tables, layer):
     """The op's backward: ``(dq, dk, dv, dsinks)``."""
     _, lse, qh, kh, vh, out_h = saved
-    perm, cu_seqlens, max_seqlen = _unwire(tables)
+    perm, cu_seqlens, max_seqlen = from_wire(tables)
     cp_size, group = layer.cp_size, layer.group
     (douth,) = _to_global(seq_to_heads([dout], group, cp_size), perm)  # transposed output a2a
     dqh, dkh, dvh = kernels.run_backward(layer.kernel, douth, qh, kh, vh, out_h, lse, cu_seqlens, cu_seqlens,

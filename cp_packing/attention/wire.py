@@ -15,11 +15,26 @@ it, and reading the numbers inside the op costs no device sync.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["pack", "unpack"]
+__all__ = ["Wire", "is_wire", "pack", "unpack"]
+
+
+class Wire(NamedTuple):
+    """One kind of layer's tables in a step plan: what the op takes (``blob``, ``sizes``) and, decoded once when the
+    step is prepared by the backend's own decoder, what an eager call hands the backend directly (``native``)."""
+
+    blob: torch.Tensor
+    sizes: torch.Tensor
+    native: Any
+
+
+def is_wire(tables: Any) -> bool:
+    """Whether ``tables`` are the op's ``[blob, sizes]`` (else a backend's decoded tables)."""
+    return isinstance(tables, (list, tuple)) and not isinstance(tables, Wire) and len(tables) == 2 \
+        and all(isinstance(x, torch.Tensor) for x in tables)
 
 
 def pack(header: Sequence[int], pieces: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
