@@ -70,7 +70,8 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _ring_rank(rank, world_size, doc_ids, layout, dtype, seed, api, heads_k_stride):
     use_flash_attn_stub()
-    from cp_packing.attention.ring import import_ring_flash_attn, ring_attention
+    from cp_packing.attention.dispatch import ring_attention
+    from cp_packing.attention.ring import import_ring_flash_attn
     from cp_packing.adapters import ring_flash_attn_kwargs
     from cp_packing.sharding import shard_packed_seq_params
 
@@ -163,7 +164,7 @@ def test_upstream_zigzag_float32_backward_is_still_wrong(ring_flash_attn):
 
 def _wrong_group_rank(rank, world_size):
     use_flash_attn_stub()
-    from cp_packing.attention.ring import ring_attention
+    from cp_packing.attention.dispatch import ring_attention
     from cp_packing.sharding import shard_packed_seq_params
 
     params = packed_seq_params_from_doc_ids(torch.ones(1, 8, dtype=torch.int64))
@@ -192,7 +193,7 @@ def _zigzag_shard(cp=2, rank=0):
 
 
 def test_ring_attention_refuses_float32_zigzag_with_the_reason():
-    from cp_packing.attention.ring import ring_attention
+    from cp_packing.attention.dispatch import ring_attention
 
     sharded = _zigzag_shard()
     q = torch.zeros(4, 2, 8)
@@ -201,7 +202,7 @@ def test_ring_attention_refuses_float32_zigzag_with_the_reason():
 
 
 def test_ring_attention_rejects_bad_shapes_and_layouts():
-    from cp_packing.attention.ring import ring_attention
+    from cp_packing.attention.dispatch import ring_attention
     from cp_packing.sharding import shard_packed_seq_params
 
     sharded = _zigzag_shard()
@@ -291,7 +292,7 @@ def spy_ring(monkeypatch):
 def test_ring_attention_refuses_non_half_dtypes_with_real_flash_attn(spy_ring, dtype):
     """flash-attn's CUDA kernels run fp16/bf16 only: with the real package, float32 contiguous is refused up front
     with the fix (not a crash inside flash-attn); the test stand-in runs it."""
-    from cp_packing.attention.ring import ring_attention
+    from cp_packing.attention.dispatch import ring_attention
 
     sharded = _contiguous_shard()
     q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=dtype)
@@ -309,7 +310,7 @@ def test_ring_attention_moves_the_metadata_to_q_device(spy_ring, layout):
     """The shard's cu_seqlens live on the CPU; the step plan's ring kwargs are on q's device (here "meta", a device
     that is not the CPU and needs no GPU), built once per step, and the kernel gets them."""
     from cp_packing.attention import ring
-    from cp_packing.attention.ring import ring_attention
+    from cp_packing.attention.dispatch import ring_attention
 
     sharded = _zigzag_shard() if layout == "zigzag" else _contiguous_shard()
     q = torch.zeros(sharded.num_local_tokens, 2, 8, dtype=torch.bfloat16)

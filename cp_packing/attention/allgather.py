@@ -23,7 +23,7 @@ from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AllGatherKeys", "allgather_attention", "allgather_keys", "backward", "backward_impl", "build_key_index",
+__all__ = ["AllGatherKeys", "allgather_keys", "backward", "backward_impl", "build_key_index",
            "build_tables", "fake", "forward", "forward_impl", "from_wire", "lse_like", "to_wire"]
 
 
@@ -255,14 +255,3 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
 
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     return [torch.empty_like(q), lse_like(q)]
-
-
-def allgather_attention(q, k, v, sharded: ShardedPackedSeqParams, *, group=None, causal: bool = True,
-                        softmax_scale: float | None = None, kernel: str = "auto", window: int | None = None,
-                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """All-gather context-parallel attention for any layout (module docstring): ``context_parallel_attention``
-    with ``backend="allgather"``. Differentiable; a one-rank mistake raises on every rank."""
-    from cp_packing.attention.dispatch import context_parallel_attention
-
-    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
-                                      backend="allgather", kernel=kernel, window=window, softcap=softcap, sinks=sinks)

@@ -17,7 +17,8 @@ from cp_packing.groups import GroupLike
 from cp_packing.options import AttentionOptions
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["BACKENDS", "context_parallel_attention", "select_backend"]
+__all__ = ["BACKENDS", "allgather_attention", "context_parallel_attention", "hybrid_attention", "ring_attention",
+           "select_backend", "ulysses_attention"]
 
 BACKENDS = ("auto", *_BACKENDS)
 
@@ -111,3 +112,91 @@ def _prepare_call(q, k, v, sharded, group, backend, kernel, ulysses_size, causal
                              head_dim=q.shape[2] if shaped else None, dtype=q.dtype if shaped else None,
                              device=q.device if isinstance(q, torch.Tensor) else None)
     return step.plan
+
+
+# ------------------------------------------------------------------------------------ one backend, by name
+
+
+def allgather_attention(q, k, v, sharded: ShardedPackedSeqParams, *, group=None, causal: bool = True,
+                        softmax_scale: float | None = None, kernel: str = "auto", window: int | None = None,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather context-parallel attention for any layout (module docstring): ``context_parallel_attention``
+    with ``backend="allgather"``. Differentiable; a one-rank mistake raises on every rank."""
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="allgather", kernel=kernel, window=window, softcap=softcap, sinks=sinks)
+
+
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *,
+    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
+    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
+) -> torch.Tensor:
+    """Ulysses context-parallel attention for any layout (module docstring): ``context_parallel_attention`` with
+    ``backend="ulysses"``. Differentiable; a one-rank mistake raises on every rank.
+
+    Raises:
+        ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), and the checks of
+            ``context_parallel_attention``.
+
+    >>> import torch, cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
+    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)  # no CP: no group needed
+    >>> q, kv = torch.randn(6, 4, 8), torch.randn(6, 1, 8)  # GQA: 4 query heads, 1 key/value head
+    >>> ulysses_attention(q, kv, kv, sharded).shape
+    torch.Size([6, 4, 8])
+    """
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="ulysses", kernel=kernel, softcap=softcap, sinks=sinks, window=window)
+
+
+def hybrid_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *, ulysses_size: int,
+    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring):
+    ``context_parallel_attention`` with ``backend="hybrid"``. Differentiable; a one-rank mistake raises on every
+    rank."""
+    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
+                                      backend="hybrid", kernel=kernel, ulysses_size=ulysses_size, softcap=softcap,
+                                      sinks=sinks)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sharded: ShardedPackedSeqParams,
+    *,
+    group: GroupLike,
+    softmax_scale: float | None = None,
+    heads_k_stride: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of this rank's tokens over the whole packed batch, with ring-flash-attn:
+    ``context_parallel_attention(..., backend="ring_flash_attn")`` (``heads_k_stride``, llama3 only: key/value heads
+    all-gathered per step, a divisor of ``H_kv``; default all of them).
+
+    Args:
+        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]``: fp16/bf16 (float32 with the contiguous layout only on
+            the pure-torch test stand-in of flash_attn); zigzag -> ``zigzag_ring_flash_attn_varlen_func``,
+            contiguous -> ``llama3_flash_attn_varlen_func``.
+
+    Raises:
+        TypeError: a dtype the ring refuses (``ring_dtype_refusal``). ValueError: shapes that do not match the
+            shard, an unknown layout, a group that is not the shard's. ImportError: ring-flash-attn / flash_attn /
+            transformers missing (see ``import_ring_flash_attn``).
+    """
+    from cp_packing.attention.plan import check_attention_inputs
+
+    error, shapes = None, {}
+    try:
+        check_attention_inputs(q, k, v, sharded)
+        shapes = {"num_heads": q.shape[1], "num_kv_heads": k.shape[1], "head_dim": q.shape[2], "dtype": q.dtype,
+                  "device": q.device}
+    except (TypeError, ValueError) as exc:  # raised on every rank by the step's agreement
+        if not isinstance(sharded, ShardedPackedSeqParams):
+            raise
+        error = exc
+    step = prepare_attention(sharded, group=group, backend="ring_flash_attn", heads_k_stride=heads_k_stride,
+                             error=error, **shapes)
+    return step.plan.attend(q, k, v, scale=softmax_scale)

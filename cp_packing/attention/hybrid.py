@@ -23,10 +23,9 @@ from cp_packing.attention.ulysses import (
     sliced_sinks_grad,
     sum_replicas,
 )
-from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["backward", "build_tables", "check_ulysses_size", "fake", "forward", "hybrid_attention", "hybrid_groups"]
+__all__ = ["backward", "build_tables", "check_ulysses_size", "fake", "forward", "hybrid_groups"]
 
 # (CP group's name, U) -> (the world it was made in, Ulysses group, all-gather group): creating groups is a
 # collective over their ranks and costly, so they are made once per CP group and Ulysses degree; an entry made in
@@ -141,18 +140,3 @@ def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     h_kv = k.shape[1] * kv_replication(int(q.shape[1]), int(k.shape[1]), U) // U
     return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
             k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
-
-
-def hybrid_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *, ulysses_size: int,
-    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
-    softcap: float | None = None, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Ulysses within groups of ``ulysses_size`` consecutive CP ranks, all-gather across them (module docstring):
-    ``context_parallel_attention`` with ``backend="hybrid"``. Differentiable; a one-rank mistake raises on every
-    rank."""
-    from cp_packing.attention.dispatch import context_parallel_attention
-
-    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
-                                      backend="hybrid", kernel=kernel, ulysses_size=ulysses_size, softcap=softcap,
-                                      sinks=sinks)

@@ -18,10 +18,8 @@ from types import ModuleType
 import torch
 
 from cp_packing.capabilities import flash_attn_is_test_stub, ring_dtype_refusal
-from cp_packing.groups import GroupLike
-from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["build_tables", "eager", "flash_attn_is_test_stub", "import_ring_flash_attn", "ring_attention",
+__all__ = ["build_tables", "eager", "flash_attn_is_test_stub", "import_ring_flash_attn", 
            "ring_dtype_refusal"]
 
 _SHIM_NAME = "is_flash_attn_greater_or_equal_2_10"
@@ -100,43 +98,3 @@ def eager(q, k, v, sinks, tables: dict, layer) -> torch.Tensor:
     stride = H_kv if tables["heads_k_stride"] is None else tables["heads_k_stride"]  # divides H_kv: checked
     return rfa.llama3_flash_attn_varlen_func(q, k, v, heads_k_stride=stride, softmax_scale=layer.scale, causal=True,
                                              group=layer.group, **tables["kwargs"])
-
-
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sharded: ShardedPackedSeqParams,
-    *,
-    group: GroupLike,
-    softmax_scale: float | None = None,
-    heads_k_stride: int | None = None,
-) -> torch.Tensor:
-    """Causal varlen attention of this rank's tokens over the whole packed batch, with ring-flash-attn:
-    ``context_parallel_attention(..., backend="ring_flash_attn")`` (``heads_k_stride``, llama3 only: key/value heads
-    all-gathered per step, a divisor of ``H_kv``; default all of them).
-
-    Args:
-        q: ``[T_local, H, D]``; k, v: ``[T_local, H_kv, D]``: fp16/bf16 (float32 with the contiguous layout only on
-            the pure-torch test stand-in of flash_attn); zigzag -> ``zigzag_ring_flash_attn_varlen_func``,
-            contiguous -> ``llama3_flash_attn_varlen_func``.
-
-    Raises:
-        TypeError: a dtype the ring refuses (``ring_dtype_refusal``). ValueError: shapes that do not match the
-            shard, an unknown layout, a group that is not the shard's. ImportError: ring-flash-attn / flash_attn /
-            transformers missing (see ``import_ring_flash_attn``).
-    """
-    from cp_packing.attention.plan import check_attention_inputs, prepare_attention
-
-    error, shapes = None, {}
-    try:
-        check_attention_inputs(q, k, v, sharded)
-        shapes = {"num_heads": q.shape[1], "num_kv_heads": k.shape[1], "head_dim": q.shape[2], "dtype": q.dtype,
-                  "device": q.device}
-    except (TypeError, ValueError) as exc:  # raised on every rank by the step's agreement
-        if not isinstance(sharded, ShardedPackedSeqParams):
-            raise
-        error = exc
-    step = prepare_attention(sharded, group=group, backend="ring_flash_attn", heads_k_stride=heads_k_stride,
-                             error=error, **shapes)
-    return step.plan.attend(q, k, v, scale=softmax_scale)

@@ -21,11 +21,9 @@ from cp_packing.attention import kernels
 from cp_packing.attention.comm import heads_to_seq, seq_to_heads
 from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.cost import kv_replication_factor
-from cp_packing.groups import GroupLike
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["backward", "build_tables", "check_ulysses_heads", "fake", "forward", "from_wire", "kv_replication",
-           "ulysses_attention"]
+__all__ = ["backward", "build_tables", "check_ulysses_heads", "fake", "forward", "from_wire", "kv_replication"]
 
 
 # ------------------------------------------------------------------------------------------------------ heads
@@ -180,28 +178,3 @@ def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     T, h, h_kv = _head_shapes(q, k, layer.cp_size)
     return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
             k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
-
-
-def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharded: ShardedPackedSeqParams, *,
-    group: GroupLike = None, causal: bool = True, softmax_scale: float | None = None, kernel: str = "auto",
-    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
-) -> torch.Tensor:
-    """Ulysses context-parallel attention for any layout (module docstring): ``context_parallel_attention`` with
-    ``backend="ulysses"``. Differentiable; a one-rank mistake raises on every rank.
-
-    Raises:
-        ValueError: ``cp_size`` does not divide the query heads (use ``backend="allgather"``), and the checks of
-            ``context_parallel_attention``.
-
-    >>> import torch, cp_packing
-    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1, 1, 1, 2, 2, 0]]))
-    >>> sharded = cp_packing.shard_packed_seq_params(params, cp_size=1, cp_rank=0)  # no CP: no group needed
-    >>> q, kv = torch.randn(6, 4, 8), torch.randn(6, 1, 8)  # GQA: 4 query heads, 1 key/value head
-    >>> ulysses_attention(q, kv, kv, sharded).shape
-    torch.Size([6, 4, 8])
-    """
-    from cp_packing.attention.dispatch import context_parallel_attention
-
-    return context_parallel_attention(q, k, v, sharded, group=group, causal=causal, softmax_scale=softmax_scale,
-                                      backend="ulysses", kernel=kernel, softcap=softcap, sinks=sinks, window=window)
