@@ -11,7 +11,8 @@ doc map, in two steps:
 2. each per-token tensor: ``PaddedBatch.pad_tensor`` (a fill value the caller chooses) or ``pad_positions``
    (position ids that continue the document's count).
 
-``pad_segments(doc_ids, multiple=2 * cp_size, tensors={...})`` does both.
+``pad_segments(doc_ids, multiple=2 * cp_size, tensors={...})`` does both. ``pad_rows`` is the simpler padding
+that layouts needing only ``S % cp == 0`` (contiguous, balanced) take: one more padding run at the end of every row.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load-balance report: per-layout cost tables and a bar chart.
+"""Reports: per-layout load-balance tables, a bar chart of every rank's cost, and a table of bytes per backend.
 
 >>> print(balance_report(torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]), cp_size=2).splitlines()[-1])
 layout='auto' picks 'contiguous'
@@ -9,6 +9,8 @@ mean causal cost, busiest / ideal (padding work included), padding overhead, run
 plus which layout ``layout="auto"`` picks. ``plot_balance`` draws every rank's cost per layout (matplotlib, the
 ``plot`` extra). With ``window=`` (the model's sliding window: an int or a per-layer list of ``int | None``) every
 cost is the windowed one, ``sum min(p + 1, window)``, ``balanced`` is planned for it and ``auto`` picks by it.
+``backend_bytes_table`` gives the forward K/V bytes per layer and rank of each attention backend for a head
+configuration (``cp_packing.cost.backend_bytes``), and which of all-gather and Ulysses moves fewer.
 The command line is ``python -m cp_packing report ...`` (see ``cp_packing.__main__``).
 """
 

@@ -5,7 +5,8 @@
 A rank's tokens form *runs*: maximal pieces of consecutive global tokens of one segment, in local order. The fields
 of ``ShardedPackedSeqParams`` mean the same thing whatever the layout; what a kernel convention needs
 (ring-flash-attn's zigzag ``global_cu // cp``, llama3's key slice, TransformerEngine's THD kwargs) comes from its
-adapter in ``cp_packing.adapters``.
+adapter in ``cp_packing.adapters``. A prepared step's plan rides on the shard (``with_plan``; the ``plan`` field),
+so every layer reads the same one. ``take_rows`` indexes rows of any dtype (unsigned ones bit for bit).
 """
 
 from __future__ import annotations
