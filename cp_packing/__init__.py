@@ -51,6 +51,31 @@ from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __version__ = "0.1.0"
 
+
+def clear_caches() -> None:
+    """Empty every per-process cache of the library: the layout plans and ``layout="auto"`` choices, the kernel
+    lookups, the step plans' per-group state, Ulysses x all-gather sub-groups, and the model features read from HF
+    configs (when ``cp_packing.hf`` is loaded).
+
+    For tests, a re-initialised world, or memory. Caches never change results, only whether work is redone; call it
+    on every rank of a group alike (the next hybrid step re-creates its sub-groups, a collective). The agreement's
+    per-group step counters are not a cache and are kept (they must stay equal across ranks).
+
+    >>> clear_caches()
+    """
+    from cp_packing.attention import hybrid, kernels, ops, plan
+    from cp_packing.layouts import _cached_plan, balanced, choose, local
+
+    for cached in (_cached_plan, balanced._cached_plan, local._cached_plan, choose._cached_choice,
+                   kernels._parameter_names, ops._kernel):
+        cached.cache_clear()
+    plan.clear_caches()
+    hybrid._GROUPS.clear()
+    hf = _sys.modules.get("cp_packing.hf")
+    if hf is not None:
+        hf._CONFIG_FEATURES.clear()
+
+
 __all__ = [
     # seed: doc map -> metadata
     "PackedSeqParams",
@@ -85,4 +110,6 @@ __all__ = [
     "reduce_loss_for_logging",
     "sum_gradients",
     "param_digest",
+    # tests, a re-initialised world
+    "clear_caches",
 ]

@@ -1,8 +1,10 @@
-"""Argument validation: the one place where cp-packing checks what a caller passed.
+"""The shared argument-check primitives (ints, choices, tensors, doc maps, ``cu_seqlens``, windows) and dtype helpers.
 
-Every public function validates its arguments with these helpers before any work or communication, so a mistake
-gets a ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) that names the argument, the
-value and the fix. This module imports torch and numpy only; every other module may import it.
+Public functions validate their arguments before any work or communication, so a mistake gets a ``TypeError``
+(wrong kind of value) or ``ValueError`` (right kind, wrong value) that names the argument, the value and the fix.
+The checks used by more than one module live here; a check of one module's own concept lives beside it
+(``packed_seq.check_params``, ``labels``' shifted-labels check, the layouts', the backends' and the model guards).
+This module imports torch and numpy only; every other module may import it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "INTEGER_DTYPES",
     "INT32_MAX",
     "MAX_SOFTMAX_SCALE",
+    "as_signed",
     "check_bool",
     "check_weighted_cost_tokens",
     "check_windows",
@@ -33,6 +36,7 @@ __all__ = [
     "check_softmax_scale",
     "check_tensor",
     "is_int",
+    "signed_dtype",
 ]
 
 IGNORE_INDEX = -100
@@ -49,6 +53,29 @@ INTEGER_DTYPES = frozenset(
     + [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]
 )
 """Every integer dtype a doc map may have (unsigned ones included)."""
+
+_SIGNED_OF = {
+    getattr(torch, u): getattr(torch, s)
+    for u, s in (("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64"))
+    if hasattr(torch, u)
+}
+
+
+def signed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer dtype of the same width for uint16/32/64, else ``dtype`` itself (see :func:`as_signed`)."""
+    return _SIGNED_OF.get(dtype, dtype)
+
+
+def as_signed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed bit for bit as the signed integer type of the same width when it is uint16/32/64 (torch has no
+    index_select, repeat_interleave or equality kernels for those), else ``x`` itself. Zero-copy; equality and
+    ``+`` are preserved; ``Tensor.view(dtype)`` is not differentiable, so it is only taken when the dtype changes.
+
+    >>> as_signed(torch.tensor([2**32 - 1], dtype=torch.uint32)).tolist()
+    [-1]
+    """
+    signed = _SIGNED_OF.get(x.dtype)
+    return x if signed is None else x.view(signed)
 
 
 def is_int(x: Any) -> bool:

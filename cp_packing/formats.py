@@ -32,6 +32,7 @@ import torch
 from cp_packing._checks import (
     INT32_MAX,
     INTEGER_DTYPES,
+    as_signed,
     check_cu_seqlens,
     check_doc_ids,
     check_int,
@@ -500,16 +501,12 @@ class ZeroBasedDocIdsWarning(UserWarning):
 _zero_based_warned = False
 
 
-_SIGNED_VIEW = {getattr(torch, u): getattr(torch, i) for u, i in (("uint16", "int16"), ("uint32", "int32"),
-                                                                  ("uint64", "int64")) if hasattr(torch, u)}
-
-
 def _zero_based_rows(doc_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """bool ``[B]``: the row starts with padding and its second segment starts in the same row with document 1.
     From the segments: O(B log segments) values read, not the map (NumPy on CPU: no per-op torch overhead)."""
     B, S = doc_ids.shape
     flat = doc_ids.reshape(-1)
-    flat = flat.view(_SIGNED_VIEW[flat.dtype]) if flat.dtype in _SIGNED_VIEW else flat  # bit for bit; 0 and 1 kept
+    flat = as_signed(flat)  # bit for bit; 0 and 1 kept
     cpu = flat.device.type == "cpu"
     lib = np if cpu else torch
     flat = flat.numpy() if cpu else flat

@@ -1,9 +1,11 @@
-"""Process groups: the one place a user's ``group`` argument is interpreted (no collectives here).
+"""Process groups and the DP x CP mesh: where a user's ``group`` or mesh argument is interpreted (no collectives).
 
 A CP group is a ``torch.distributed`` ``ProcessGroup``, a 1-D ``DeviceMesh`` (the CP dimension of a DP x CP mesh,
 ``mesh["cp"]``) or ``None`` (the default, world, group where a group is needed; no communication where it is
 optional, as in the loss). The CP rank and size are the rank and size *in that group*, never the global ones.
 NCCL moves CUDA tensors only and gloo CPU ones: ``CPGroup.device`` is the device a group's collectives use.
+:class:`CPMesh` is the one DP x CP mesh type (from a ``DeviceMesh``, the world, two groups or plain ints) that the
+loader, the trainers and the CLI share; its ``sum_gradients`` hands over to ``cp_packing.gradients``.
 """
 
 from __future__ import annotations

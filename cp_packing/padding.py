@@ -11,7 +11,8 @@ doc map, in two steps:
 2. each per-token tensor: ``PaddedBatch.pad_tensor`` (a fill value the caller chooses) or ``pad_positions``
    (position ids that continue the document's count).
 
-``pad_segments(doc_ids, multiple=2 * cp_size, tensors={...})`` does both.
+``pad_segments(doc_ids, multiple=2 * cp_size, tensors={...})`` does both. ``pad_rows`` is the simpler padding
+that layouts needing only ``S % cp == 0`` (contiguous, balanced) take: one more padding run at the end of every row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from cp_packing._checks import INT32_MAX, check_doc_ids, check_fits_dtype, check_int, check_tensor
+from cp_packing._checks import (INT32_MAX, as_signed, check_doc_ids, check_fits_dtype, check_int, check_tensor,
+                                signed_dtype)
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 
 __all__ = ["MAX_BYTES", "PaddedBatch", "pad_rows", "pad_segments"]
@@ -34,24 +36,14 @@ memory (``_bytes_per_token`` per output token) is larger; pass ``max_bytes=`` to
 
 _MAP_BYTES = 48  # peak bytes per output token of the doc-map step (measured: 43-48 for int32/int64 maps)
 
-# torch has no index_select / index_copy / comparisons for these: index their bits through a signed view.
-_SIGNED_VIEW = {getattr(torch, u): getattr(torch, s) for u, s in (("uint16", "int16"), ("uint32", "int32"),
-                                                                   ("uint64", "int64")) if hasattr(torch, u)}
-
-
-def _indexable(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself, or a zero-copy signed view of an unsigned ``x`` (same bits; equality and + are preserved)."""
-    return x.view(_SIGNED_VIEW[x.dtype]) if x.dtype in _SIGNED_VIEW else x
-
-
 def _restore(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Undo ``_indexable`` (``Tensor.view(dtype)`` is not differentiable: only called when the dtype differs)."""
+    """Undo ``as_signed`` (``Tensor.view(dtype)`` is not differentiable: only called when the dtype differs)."""
     return x if x.dtype == dtype else x.view(dtype)
 
 
 def _bits(fill: float | int | bool, dtype: torch.dtype) -> float | int | bool:
-    """``fill`` as the value of ``_indexable``'s signed view of a ``dtype`` tensor (two's complement)."""
-    if dtype not in _SIGNED_VIEW:
+    """``fill`` as the value of ``as_signed``'s view of a ``dtype`` tensor (two's complement)."""
+    if signed_dtype(dtype) == dtype:
         return fill
     width = torch.iinfo(dtype).bits
     value = int(fill)
@@ -125,7 +117,7 @@ class PaddedBatch:
         rest = tuple(x.shape[2:])
         src = torch.nonzero_static(self.index.reshape(-1) >= 0, size=self.num_real_tokens).view(-1)  # [R]
         dst = self.index.reshape(-1).index_select(0, src)  # [R]: no duplicates, no host sync
-        flat = _indexable(x.reshape(B * S, *rest))
+        flat = as_signed(x.reshape(B * S, *rest))
         out = flat.new_full((B * self.padded_length, *rest), _bits(fill_value, x.dtype))
         out = out.index_copy(0, dst, flat.index_select(0, src))
         return _restore(out, x.dtype).view(B, self.padded_length, *rest)
@@ -146,8 +138,8 @@ class PaddedBatch:
         if B * Sp == 0:
             return out
         bshape = (-1, *([1] * (out.dim() - 2)))
-        flat = _indexable(out.reshape(B * Sp, *out.shape[2:]))  # [T', ...]
-        new = _indexable(self.doc_ids).reshape(-1)  # [T']
+        flat = as_signed(out.reshape(B * Sp, *out.shape[2:]))  # [T', ...]
+        new = as_signed(self.doc_ids).reshape(-1)  # [T']
         ar = torch.arange(B * Sp, device=new.device)
         real = ~self.is_pad.reshape(-1)
         last_real = torch.cummax(torch.where(real, ar, -1), 0).values  # [T']; in a document: its last real token
@@ -184,10 +176,10 @@ class PaddedBatch:
             )
         check_fits_dtype(fill_value, x.dtype, f"unpad's fill_value={fill_value!r}",
                          fix="pass a value the tensor can hold")
-        fill = torch.full((), _bits(fill_value, x.dtype), dtype=_indexable(x).dtype, device=x.device)
+        fill = torch.full((), _bits(fill_value, x.dtype), dtype=as_signed(x).dtype, device=x.device)
         if B * Sp == 0:  # nothing in the padded stream: every original token was padding
             return _restore(fill.expand(B, S, *rest).clone(), x.dtype)
-        flat = _indexable(x.reshape(B * Sp, *rest))
+        flat = as_signed(x.reshape(B * Sp, *rest))
         real = (self.index >= 0).reshape(B * S, *([1] * len(rest)))
         gathered = flat.index_select(0, self.index.reshape(-1).clamp(min=0))  # [B*S, ...]
         return _restore(torch.where(real, gathered, fill), x.dtype).view(B, S, *rest)
@@ -210,7 +202,7 @@ def _new_segment_lengths(doc: torch.Tensor, cu: torch.Tensor, m: int) -> tuple[t
     (documents rounded up to ``m``, a padding run between two runs of one index ``m``, other padding 0)."""
     S = doc.shape[1]
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]  # [N]
-    seg_doc = _indexable(doc).reshape(-1)[starts]  # [N] doc index of each segment
+    seg_doc = as_signed(doc).reshape(-1)[starts]  # [N] doc index of each segment
     seg_row = starts // max(S, 1)  # [N]
     is_doc = seg_doc != 0
     separator = torch.zeros_like(is_doc)
@@ -313,7 +305,7 @@ def _check_label_padding(tensors: Mapping[str, torch.Tensor], doc_ids: torch.Ten
     if not names:
         return
     pad = (doc_ids == 0).reshape(doc_ids.numel(), 1)
-    bad = torch.stack([((_indexable(tensors[k]).reshape(doc_ids.numel(), -1) != _bits(ignore_index, tensors[k].dtype))
+    bad = torch.stack([((as_signed(tensors[k]).reshape(doc_ids.numel(), -1) != _bits(ignore_index, tensors[k].dtype))
                         & pad).sum() for k in names]).tolist()
     for name, count in zip(names, bad):
         if count:

@@ -1,4 +1,4 @@
-"""Load-balance report: per-layout cost tables and a bar chart.
+"""Reports: per-layout load-balance tables, a bar chart of every rank's cost, and a table of bytes per backend.
 
 >>> print(balance_report(torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]]), cp_size=2).splitlines()[-1])
 layout='auto' picks 'contiguous'
@@ -9,6 +9,8 @@ mean causal cost, busiest / ideal (padding work included), padding overhead, run
 plus which layout ``layout="auto"`` picks. ``plot_balance`` draws every rank's cost per layout (matplotlib, the
 ``plot`` extra). With ``window=`` (the model's sliding window: an int or a per-layer list of ``int | None``) every
 cost is the windowed one, ``sum min(p + 1, window)``, ``balanced`` is planned for it and ``auto`` picks by it.
+``backend_bytes_table`` gives the forward K/V bytes per layer and rank of each attention backend for a head
+configuration (``cp_packing.cost.backend_bytes``), and which of all-gather and Ulysses moves fewer.
 The command line is ``python -m cp_packing report ...`` (see ``cp_packing.__main__``).
 """
 
@@ -295,8 +297,11 @@ def backend_bytes_table(
 ) -> str:
     """A plain-text table of the forward bytes per layer one rank sends (= receives), in MiB, per backend
     (``cp_packing.cost.backend_bytes``): all-gather, ring (a full pass), Ulysses, hybrid with ``ulysses_size=2``,
-    and what ``backend="auto"`` picks between all-gather and Ulysses (``choose_backend_by_bytes``; ring-flash-attn
-    aside). ``-``: the backend cannot run there (the Ulysses degree does not divide the query heads).
+    and which of all-gather and Ulysses moves fewer bytes (``cost.choose_backend_by_bytes``). ``-``: the backend
+    cannot run there (the Ulysses degree does not divide the query heads).
+
+    The last column is not ``backend="auto"``'s pick: auto uses the step-time model (``cost.choose_backend``), which
+    needs a batch's shard (the exchange's need, the compute per rank), not just a token count.
 
     Args:
         T_local: tokens per rank.
@@ -306,8 +311,8 @@ def backend_bytes_table(
         head_dim, dtype_bytes: the head size and the bytes per element.
 
     >>> print(backend_bytes_table(T_local=4096, cp_size=8, num_heads=32, num_kv_heads=8))  # doctest: +NORMALIZE_WHITESPACE
-    heads (H/H_kv)   cp  all-gather MiB  ring MiB  ulysses MiB  hybrid U=2 MiB  auto
-    ------------------------------------------------------------------------------------
+    heads (H/H_kv)   cp  all-gather MiB  ring MiB  ulysses MiB  hybrid U=2 MiB  fewer bytes
+    -------------------------------------------------------------------------------------------
     32/8              8           112.0     112.0         70.0            88.0  ulysses
     """
     cps, hs, kvs = _ints(cp_size, "cp_size"), _ints(num_heads, "num_heads"), _ints(num_kv_heads, "num_kv_heads")
@@ -315,7 +320,7 @@ def backend_bytes_table(
         raise ValueError(f"num_heads ({len(hs)} values) and num_kv_heads ({len(kvs)} values) are zipped: give "
                          "them the same length")
     header = (f"{'heads (H/H_kv)':<15} {'cp':>3} {'all-gather MiB':>15} {'ring MiB':>9} {'ulysses MiB':>12} "
-              f"{'hybrid U=2 MiB':>15}  auto")
+              f"{'hybrid U=2 MiB':>15}  fewer bytes")
     lines = [header, "-" * (len(header) + 4)]
     mib = float(2**20)
     for H, H_kv in zip(hs, kvs):
@@ -329,9 +334,9 @@ def backend_bytes_table(
                     cells.append(f"{backend_bytes(backend, **kw, **extra) / mib:.1f}")
                 except ValueError:
                     cells.append("-")
-            auto = choose_backend_by_bytes(**kw)[0]
+            fewer = choose_backend_by_bytes(**kw)[0]
             lines.append(f"{f'{H}/{H_kv}':<15} {cp:>3} {cells[0]:>15} {cells[1]:>9} {cells[2]:>12} {cells[3]:>15}  "
-                         f"{auto}")
+                         f"{fewer}")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@
 A rank's tokens form *runs*: maximal pieces of consecutive global tokens of one segment, in local order. The fields
 of ``ShardedPackedSeqParams`` mean the same thing whatever the layout; what a kernel convention needs
 (ring-flash-attn's zigzag ``global_cu // cp``, llama3's key slice, TransformerEngine's THD kwargs) comes from its
-adapter in ``cp_packing.adapters``.
+adapter in ``cp_packing.adapters``. A prepared step's plan rides on the shard (``with_plan``; the ``plan`` field),
+so every layer reads the same one. ``take_rows`` indexes rows of any dtype (unsigned ones bit for bit).
 """
 
 from __future__ import annotations
@@ -16,26 +17,12 @@ from typing import Any, Sequence
 
 import torch
 
-from cp_packing._checks import check_bool, check_cp, check_tensor, check_windows
+from cp_packing._checks import as_signed, check_bool, check_cp, check_tensor, check_windows
 from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
-__all__ = ["ShardedPackedSeqParams", "as_signed", "shard_packed_seq_params", "take_rows"]
-
-
-_UNSIGNED_AS_SIGNED = {
-    getattr(torch, u): getattr(torch, s)
-    for u, s in (("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64"))
-    if hasattr(torch, u)
-}
-
-
-def as_signed(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed bit for bit as the signed integer type of the same width when it is uint16/32/64 (torch has no
-    index_select, repeat_interleave or equality kernels for those), else ``x`` itself."""
-    signed = _UNSIGNED_AS_SIGNED.get(x.dtype)
-    return x if signed is None else x.view(signed)
+__all__ = ["ShardedPackedSeqParams", "shard_packed_seq_params", "take_rows"]
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Context-parallel attention (``context_parallel_attention``) equals full causal attention per segment.
 
-The reference is dense masked attention on the GLOBAL stream, written here in plain torch (independent of the
-varlen kernels): token i attends token j iff both lie in the same segment and ``j <= i`` (or any j of the segment
-when ``causal=False``). Every rank builds the same seeded global q/k/v/dout, computes the reference and its
+The reference is dense masked attention on the GLOBAL stream (``tests/reference.py``, plain torch, independent of
+the varlen kernels): token i attends token j iff both lie in the same segment and ``j <= i`` (or any j of the
+segment when ``causal=False``). Every rank builds the same seeded global q/k/v/dout, computes the reference and its
 gradients with autograd, shards them, and compares with its CP output and the gradients that flowed back through
 the all-gather / reduce-scatter.
 """
@@ -20,29 +20,9 @@ from cp_packing.attention.plan import prepare_attention
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.adapters import ring_flash_attn_kwargs
 from cp_packing.testing import run_distributed, synthetic_doc_ids
+from tests.reference import dense_attention
 
 D = 8
-
-
-# ------------------------------------------------------------------------------------------------- reference
-
-
-def dense_reference(q, k, v, cu_seqlens, causal=True, scale=None):
-    """``[T, H, D]`` attention with an explicit ``[T, T]`` segment (and causal) mask, GQA by head repetition."""
-    T, H, Dh = q.shape
-    cu = cu_seqlens.to(torch.int64)
-    pos = torch.arange(T)
-    seg = torch.searchsorted(cu, pos, right=True) - 1  # [T]
-    mask = seg[:, None] == seg[None, :]
-    if causal:
-        mask &= pos[None, :] <= pos[:, None]
-    kk = k.repeat_interleave(H // k.shape[1], dim=1)
-    vv = v.repeat_interleave(H // v.shape[1], dim=1)
-    scale = Dh**-0.5 if scale is None else scale
-    s = torch.einsum("ihd,jhd->hij", q.double(), kk.double()) * scale  # [H, T, T]
-    s = s.masked_fill(~mask, float("-inf"))
-    out = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv.double())
-    return out.to(q.dtype)
 
 
 def seeded_qkv(T, H, H_kv, dtype, seed):
@@ -89,7 +69,7 @@ def compare(doc_ids, layout, cp_size, cp_rank, *, H=4, H_kv=2, dtype=torch.float
     T = doc_ids.numel()
     q, k, v, dout = seeded_qkv(T, H, H_kv, dtype, seed)
     ref_in = [x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v)]
-    ref = dense_reference(*ref_in, params.cu_seqlens, causal=causal)
+    ref = dense_attention(*ref_in, params.cu_seqlens, causal=causal)
     # (out * dout).sum().backward() rather than out.backward(dout): the latter imports sympy (2 s) on first use
     (ref * dout.double()).sum().backward()
 
@@ -176,8 +156,8 @@ def test_the_checks_can_fail():
     doc_ids = torch.tensor([[1] * 6 + [2] * 6])
     params = packed_seq_params_from_doc_ids(doc_ids)
     q, k, v, _ = seeded_qkv(12, 4, 2, torch.float64, 0)
-    masked = dense_reference(q, k, v, params.cu_seqlens)
-    leaky = dense_reference(q, k, v, torch.tensor([0, 12], dtype=torch.int32))
+    masked = dense_attention(q, k, v, params.cu_seqlens)
+    leaky = dense_attention(q, k, v, torch.tensor([0, 12], dtype=torch.int32))
     assert (masked - leaky)[6:].abs().max() > 1e-2
     assert torch.equal(masked[:6], leaky[:6])
 

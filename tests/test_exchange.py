@@ -2,7 +2,7 @@
 
 References are independent of cp_packing's attention:
 
-* numbers: dense float64 attention computed here per document (each segment's softmax over an explicit mask:
+* numbers: dense float64 attention per document (``tests/reference.py``: each segment's softmax over a mask:
   causal, the sliding window ``p - w < j <= p``, Gemma 2's ``c * tanh(s / c)``, gpt-oss's sink logit appended to
   every row), differentiated by autograd; and HF's own eager models run per document (``tests/test_hf*.py``);
 * bytes: what each rank's queries attend and it does not hold, counted token by token from every rank's
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from cp_packing.attention.plan import prepare_attention
 from cp_packing.layouts import layout_plan
 from cp_packing.layouts.need import need_tokens
 from cp_packing.testing import rank_device, run_distributed, synthetic_doc_ids
+from tests.reference import dense_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8
@@ -46,30 +46,6 @@ TIMEOUT = 240.0  # hard limit per set of ranks: a hang fails the test instead of
 
 
 # ------------------------------------------------------------------------------------------------- reference
-
-
-def dense_per_document(q, k, v, cu, *, causal=True, window=None, softcap=None, sinks=None):
-    """``[T, H, D]`` float64: every segment's attention from an explicit ``[L, L]`` mask; GQA by repetition."""
-    H = q.shape[1]
-    G = H // k.shape[1]
-    parts = []
-    bounds = cu.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):  # the segments tile [0, T) in order
-        s = torch.einsum("ihd,jhd->hij", q[a:b], k[a:b].repeat_interleave(G, 1)) / math.sqrt(q.shape[2])
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(b - a)
-        allowed = torch.ones(b - a, b - a, dtype=torch.bool)
-        if causal:
-            allowed &= i[None, :] <= i[:, None]
-        if window is not None:
-            allowed &= i[None, :] > i[:, None] - window
-        s = s.masked_fill(~allowed, float("-inf"))
-        if sinks is not None:  # one more logit per head and row, with no value
-            s = torch.cat([s, sinks[:, None, None].expand(H, b - a, 1)], -1)
-        p = s.softmax(-1)[..., : b - a]
-        parts.append(torch.einsum("hij,jhd->ihd", p, v[a:b].repeat_interleave(G, 1)))
-    return torch.cat(parts)
 
 
 def needed_keys(token_index: list[torch.Tensor], cu: torch.Tensor, rank: int, causal: bool, window) -> list[int]:
@@ -228,7 +204,7 @@ def _run_case(case: Case, rank: int, cp: int) -> dict:
     sharded = shards[rank]
     q, k, v, dout, sinks = _inputs(case, params.total_tokens)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
-    ref = dense_per_document(*leaves[:3], params.cu_seqlens, causal=case.causal, window=case.window,
+    ref = dense_attention(*leaves[:3], params.cu_seqlens, causal=case.causal, window=case.window,
                              softcap=case.softcap, sinks=leaves[3] if case.sinks else None)
     (ref * dout).sum().backward()
 
@@ -438,7 +414,7 @@ def test_cp1_runs_without_a_process_group():
     params = packed_seq_params_from_doc_ids(case.doc)
     sharded = shard_packed_seq_params(params, cp_size=1, cp_rank=0)
     q, k, v, _, sinks = _inputs(case, params.total_tokens)
-    ref = dense_per_document(q, k, v, params.cu_seqlens, softcap=0.8, sinks=sinks)
+    ref = dense_attention(q, k, v, params.cu_seqlens, softcap=0.8, sinks=sinks)
     with recorded() as events:
         out = context_parallel_attention(q, k, v, sharded, backend="exchange", kernel="torch", softcap=0.8,
                                          sinks=sinks)
@@ -458,7 +434,7 @@ def _hf_cases(cp: int):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hf_models_match_documents_alone(cp):
     """cp_model_inputs(..., backend="exchange"): the loss shares sum to the reference loss, SUM-reduced gradients
     (gpt-oss's sinks included) and every token's logits equal HF eager's (Llama: the block-diagonal masked model
@@ -501,6 +477,7 @@ def _bench(name: str, *args: str) -> str:
     return r.stdout
 
 
+@pytest.mark.slow
 def test_bench_exchange_overlap_quick_runs():
     """The overlap benchmark's smoke run: a row for cp 2 with positive times and hidden fractions in [0, 1]."""
     out = _bench("bench_exchange_overlap.py")
@@ -511,6 +488,7 @@ def test_bench_exchange_overlap_quick_runs():
     assert 0 < int(rows[0][3]) and 0 < float(rows[0][4]) < 1, out  # the exchange moved a share of the stream
 
 
+@pytest.mark.slow
 def test_bench_cp_attention_gpu_quick_runs():
     """The GPU benchmark's CPU smoke run: every backend that can run at cp 2 (all-gather, exchange, Ulysses) gives
     positive TFLOP/s on its own layout for both maps; hybrid and the float32 ring are listed as skipped."""
@@ -524,6 +502,7 @@ def test_bench_cp_attention_gpu_quick_runs():
     assert "skipped: hybrid" in out and "skipped: ring_flash_attn" in out, out
 
 
+@pytest.mark.slow
 def test_bench_cp_attention_gpu_model_only_runs():
     """``--model-only`` prints the step-time model's table (no ranks): one row per cp, map and layout."""
     out = _bench("bench_cp_attention_gpu.py", "--model-only", "--cps", "2,4", "--tokens", "256", "--heads", "4",

@@ -1,8 +1,8 @@
 """The varlen attention kernel API (cp_packing.attention.kernels) and the test-only flash_attn stand-in.
 
-The reference kernel is checked against an independent dense implementation (a token-level [Tq, Tk] mask built
-from cu_seqlens, plain softmax, gradients from torch.autograd), in float64 so that agreement is exact up to
-rounding.
+The reference kernel is checked against an independent dense implementation (``tests/reference.py``: a mask per
+segment built from cu_seqlens, plain softmax, gradients from torch.autograd), in float64 so that agreement is
+exact up to rounding.
 """
 
 from __future__ import annotations
@@ -23,45 +23,12 @@ from cp_packing.attention.kernels import (
     varlen_attention_backward,
     varlen_attention_forward,
 )
+from tests.reference import dense_attention
 
 STUB_DIR = os.path.join(os.path.dirname(__file__), "flash_attn_stub")
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-
-
-def dense_attention(q, k, v, cu_q, cu_k, *, causal=True, scale=None):
-    """Independent reference: one [Tq, Tk] mask per head from token-level segment ids; differentiable."""
-    Tq, H, D = q.shape
-    Tk, H_kv, _ = k.shape
-    scale = D**-0.5 if scale is None else scale
-    cu_q, cu_k = cu_q.long(), cu_k.long()
-    n_seq = cu_q.numel() - 1
-
-    def seg_and_pos(cu, T):
-        t = torch.arange(T)
-        seg = torch.searchsorted(cu, t, right=True) - 1  # [T]
-        inside = (seg >= 0) & (seg < n_seq) & (t < cu[-1])
-        seg = torch.where(inside, seg, torch.full_like(seg, -1))
-        pos = t - cu[seg.clamp(min=0)]
-        return seg, pos
-
-    seg_q, pos_q = seg_and_pos(cu_q, Tq)
-    seg_k, pos_k = seg_and_pos(cu_k, Tk)
-    lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    allowed = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)  # [Tq, Tk]
-    if causal:
-        shift = torch.cat([lens_k - lens_q, torch.zeros(1, dtype=torch.int64)])[seg_q.clamp(min=0)]  # [Tq]
-        allowed &= pos_k[None, :] <= pos_q[:, None] + shift[:, None]
-    kr = k.repeat_interleave(H // H_kv, dim=1)  # [Tk, H, D]
-    vr = v.repeat_interleave(H // H_kv, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, kr) * scale  # [H, Tq, Tk]
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [H, Tq]
-    has_key = allowed.any(-1)  # [Tq]
-    p = torch.softmax(torch.where(has_key[:, None], s, torch.zeros_like(s)), dim=-1) * has_key[:, None]
-    out = torch.einsum("hqk,khd->qhd", p, vr)
-    return out, lse
 
 
 @st.composite
@@ -96,7 +63,7 @@ def make_case(lens_q, lens_k, tail_q, tail_k, H, H_kv, D, seed, dtype=torch.floa
 
 def dense_grads(q, k, v, dout, cu_q, cu_k, causal, scale=None):
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out, lse = dense_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    out, lse = dense_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.double(), allow_unused=True)
     return out.detach(), lse.detach(), dq, dk, dv
 
@@ -125,7 +92,7 @@ def test_reference_forward_matches_dense_attention(case):
     lens_q, lens_k, tail_q, tail_k, H, H_kv, D, causal, seed = case
     q, k, v, _, cu_q, cu_k, max_q, max_k = make_case(lens_q, lens_k, tail_q, tail_k, H, H_kv, D, seed)
     out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel="torch")
-    ref_out, ref_lse = dense_attention(q, k, v, cu_q, cu_k, causal=causal)
+    ref_out, ref_lse = dense_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (H, q.shape[0])
     assert not out.isnan().any() and not lse.isnan().any()

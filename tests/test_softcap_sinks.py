@@ -1,9 +1,9 @@
 """Logit soft-capping (``softcap``) and attention sinks (``sinks``): kernels, CP backends and their errors.
 
-The reference is dense attention written here in float64 from the definitions HF's eager attention uses (Gemma 2:
-``scores = softcap * tanh(scale * q.k / softcap)``, then the mask; gpt-oss: one sink logit per head appended to
-every row's logits, softmax, the sink column dropped), differentiated by autograd. Nothing of the varlen kernels is
-reused in it.
+The reference is dense float64 attention (``tests/reference.py``) from the definitions HF's eager attention uses
+(Gemma 2: ``scores = softcap * tanh(scale * q.k / softcap)``, then the mask; gpt-oss: one sink logit per head
+appended to every row's logits, softmax, the sink column dropped), differentiated by autograd. Nothing of the
+varlen kernels is reused in it.
 """
 
 from __future__ import annotations
@@ -25,33 +25,8 @@ from cp_packing.attention.kernels import (
     varlen_attention_forward,
 )
 from cp_packing.testing import run_distributed
+from tests.reference import dense_attention
 from tests.test_kernels import flash_stub  # noqa: F401 - the pure-torch flash_attn stand-in fixture
-
-
-def dense(q, k, v, cu_q, cu_k, *, softcap=None, sinks=None, window=None, scale=None):
-    """``[Tq, H, D]`` causal (bottom-right) varlen attention from an explicit mask, float64; GQA by repetition."""
-    Tq, H, D = q.shape
-    Tk = k.shape[0]
-    cq, ck = cu_q.long().tolist(), cu_k.long().tolist()
-    mask = torch.zeros(Tq, Tk, dtype=torch.bool)
-    for i in range(len(cq) - 1):
-        m, n = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        for a in range(m):
-            for b in range(n):
-                if b <= a + n - m and (window is None or b > a + n - m - window):
-                    mask[cq[i] + a, ck[i] + b] = True
-    kk = k.double().repeat_interleave(H // k.shape[1], dim=1)
-    vv = v.double().repeat_interleave(H // v.shape[1], dim=1)
-    s = torch.einsum("ihd,jhd->hij", q.double(), kk) * (D**-0.5 if scale is None else scale)  # [H, Tq, Tk]
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.double()[:, None, None].expand(H, Tq, 1)], dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row without keys (and no sink): zeros
-    if sinks is not None:
-        p = p[..., :-1]
-    return torch.einsum("hij,jhd->ihd", p, vv)
 
 
 def _inputs(seed=0, dtype=torch.float64, H=4, H_kv=2, D=4):
@@ -82,7 +57,7 @@ def test_reference_kernel_matches_the_dense_definition_with_gradients(opts):
     kw = {"softcap": opts.get("softcap"), "window": opts.get("window")}
     leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sinks.clone().requires_grad_()] if sinks is not None
                                                                 else [])
-    ref = dense(*leaves[:3], cu_q, cu_k, sinks=leaves[3] if sinks is not None else None, **kw)
+    ref = dense_attention(*leaves[:3], cu_q, cu_k, sinks=leaves[3] if sinks is not None else None, **kw)
     dout = torch.randn_like(ref)
     ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
 
@@ -128,7 +103,7 @@ def test_sink_grad_is_additive_over_query_splits():
 def test_half_precision_inputs_with_a_float32_sink_parameter():
     """bf16 q/k/v with float32 sinks (a float32 parameter under autocast) run; the sinks' gradient is float32."""
     q, k, v, cu_q, cu_k, sinks = _inputs(seed=3)
-    ref = dense(q, k, v, cu_q, cu_k, softcap=1.0, sinks=sinks)
+    ref = dense_attention(q, k, v, cu_q, cu_k, softcap=1.0, sinks=sinks)
     leaves = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     s = sinks.float().requires_grad_()
     out = varlen_attention(*leaves, cu_q, cu_k, 5, 5, softcap=1.0, sinks=s)
@@ -185,7 +160,8 @@ def test_softcap_reaches_flash_attn_forward_and_backward(flash_stub, monkeypatch
     out = varlen_attention(*leaves, cu_q, cu_k, 5, 5, kernel="flash_attn", softcap=0.8)
     out.sum().backward()
     assert seen == [("fwd", 0.8), ("bwd", 0.8)]
-    torch.testing.assert_close(out.double(), dense(q, k, v, cu_q, cu_k, softcap=0.8), rtol=1e-5, atol=1e-6)
+    ref = dense_attention(q, k, v, cu_q, cu_k, softcap=0.8)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     seen.clear()
     varlen_attention_forward(q, k, v, cu_q, cu_k, 5, 5, kernel="flash_attn")
     assert seen == [("fwd", 0.0)]
@@ -300,8 +276,8 @@ def _dist_cp(rank, world_size):
         for softcap, with_sinks, window in ((0.8, True, None), (None, True, None), (1.5, False, None),
                                             (0.8, True, 5)):
             ref_leaves = [x.double().requires_grad_() for x in (q, k, v, sinks)]
-            ref = dense(*ref_leaves[:3], params.cu_seqlens, params.cu_seqlens, softcap=softcap, window=window,
-                        sinks=ref_leaves[3] if with_sinks else None)
+            ref = dense_attention(*ref_leaves[:3], params.cu_seqlens, softcap=softcap, window=window,
+                                  sinks=ref_leaves[3] if with_sinks else None)
             ref_grads = torch.autograd.grad((ref * dout.double()).sum(), ref_leaves, allow_unused=True)
             for backend, ulysses_size in _backends(world_size):
                 if window is not None and backend != "allgather":

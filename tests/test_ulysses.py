@@ -283,6 +283,7 @@ def test_a_window_runs_on_ulysses_and_is_refused_by_hybrid():
     assert not torch.allclose(ulysses, full)  # the window reached the kernel (document 1 is 3 tokens: token 2)
 
 
+@pytest.mark.slow
 def test_backends_benchmark_quick_runs():
     import os
     import subprocess

@@ -1,14 +1,12 @@
 """Sliding-window attention per document (HF's ``sliding_window``): kernels, the all-gather backend under CP, the
 dispatcher's backend choice, and HF parity (Mistral, Qwen2 with sliding layers).
 
-References are independent of cp_packing's attention: a dense float64 softmax with a mask built here from a
-plain-Python segmentation (``p - window < k <= p`` inside each segment), and HF's own eager model run on each
+References are independent of cp_packing's attention: a dense float64 softmax (``tests/reference.py``) with the
+mask ``p - window < k <= p`` inside each segment of a plain-Python segmentation, and HF's own eager model run on each
 document alone (HF builds its sliding-window mask itself, so its off-by-one is what is tested, not our reading).
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -21,36 +19,14 @@ from cp_packing.attention.dispatch import context_parallel_attention, select_bac
 from cp_packing.attention.kernels import varlen_attention, varlen_attention_forward
 from cp_packing.testing import run_distributed
 from tests.maps import segments_of
+from tests.reference import dense_attention
 
 # ------------------------------------------------------------------------------------------------ dense reference
 
 
-def windowed_mask(m: int, n: int, window: int | None) -> torch.Tensor:
-    """[m, n] bool: query i (bottom-right aligned at key position i + n - m) sees keys p - window < j <= p."""
-    p = torch.arange(m)[:, None] + (n - m)
-    j = torch.arange(n)[None, :]
-    allowed = j <= p
-    if window is not None:
-        allowed &= j > p - window
-    return allowed
-
-
-def dense(q, k, v, mask, scale):
-    """q [m, H, D], k/v [n, H_kv, D] -> [m, H, D], float64, GQA by repetition; rows without keys are 0."""
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    s = torch.einsum("mhd,nhd->hmn", q, k) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
-    return torch.einsum("hmn,nhd->mhd", p, v)
-
-
-def dense_per_segment(q, k, v, doc_ids, window):
-    out = torch.zeros_like(q)
-    scale = 1 / math.sqrt(q.shape[-1])
-    for a, b in segments_of(doc_ids):
-        out[a:b] = dense(q[a:b], k[a:b], v[a:b], windowed_mask(b - a, b - a, window), scale)
-    return out
+def cu_of(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The segment bounds of a doc map from ``tests.maps.segments_of`` (plain Python, not the seed API)."""
+    return torch.tensor([0] + [b for _, b in segments_of(doc_ids)])
 
 
 def qkv(T, H=4, H_kv=2, D=8, seed=0, dtype=torch.float32):
@@ -64,7 +40,7 @@ def qkv(T, H=4, H_kv=2, D=8, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("window", [1, 3, 7, 100])
 def test_reference_kernel_window_matches_dense_mask(window):
     """Forward and backward of the reference kernel, sequences with more keys than queries (bottom-right aligned),
-    against a dense float64 softmax with the windowed mask built here."""
+    against the dense float64 softmax of tests/reference.py with the window."""
     lens_q, lens_k = [5, 1, 9, 4], [5, 6, 12, 4]
     q, _, _, _ = qkv(sum(lens_q), seed=window)
     _, k, v, _ = qkv(sum(lens_k), seed=window + 1)
@@ -75,11 +51,7 @@ def test_reference_kernel_window_matches_dense_mask(window):
     out = varlen_attention(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), window=window, kernel="torch")
     (out * dout).sum().backward()
     refs = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = torch.cat([
-        dense(refs[0][cu_q[i]:cu_q[i + 1]], refs[1][cu_k[i]:cu_k[i + 1]], refs[2][cu_k[i]:cu_k[i + 1]],
-              windowed_mask(lens_q[i], lens_k[i], window), 1 / math.sqrt(8))
-        for i in range(len(lens_q))
-    ])
+    ref = dense_attention(*refs, cu_q, cu_k, window=window)
     (ref * dout.double()).sum().backward()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for got, want in zip(leaves, refs):
@@ -138,7 +110,7 @@ def _dist_window(rank, world_size):
         q, k, v, dout = qkv(doc.numel(), seed=world_size)
         for window in WINDOWS:
             ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-            ref = dense_per_segment(*ref_in, doc, window)
+            ref = dense_attention(*ref_in, cu_of(doc), window=window)
             (ref * dout.double()).sum().backward()
             # the all-gather backend, and Ulysses where cp divides the 4 query heads
             for backend in ("allgather", "ulysses") if q.shape[1] % world_size == 0 else ("allgather",):
