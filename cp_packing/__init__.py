@@ -67,7 +67,7 @@ def clear_caches() -> None:
     from cp_packing.layouts import _cached_plan, balanced, choose, local
 
     for cached in (_cached_plan, balanced._cached_plan, local._cached_plan, choose._cached_choice,
-                   kernels._parameter_names, ops._kernel):
+                   kernels._parameter_names, ops._kernel, ops._decode):
         cached.cache_clear()
     plan.clear_caches()
     hybrid._GROUPS.clear()

@@ -17,7 +17,7 @@ from tests.test_allgather_attention import compare
 
 LRU = {"layout plans": _cached_plan, "balanced plans": balanced._cached_plan, "local plans": local._cached_plan,
        "auto layout choices": choose._cached_choice, "kernel signatures": kernels._parameter_names,
-       "resolved kernels": ops._kernel}
+       "resolved kernels": ops._kernel, "layer specs": ops._decode}
 
 
 def _sizes() -> dict[str, int]:
