@@ -265,6 +265,14 @@ def _check_shard(sharded: object, cp: CPGroup | None, labels: torch.Tensor, num_
                              "without CP, the batch's PackedSeqParams): the segment boundaries of each local token")
         return ()
     if isinstance(sharded, ShardedPackedSeqParams):
+        if cp is None and sharded.cp_size > 1:
+            counted = sharded.plan is not None and sharded.plan.num_items is not None
+            raise ValueError(
+                f"sharded.cp_size={sharded.cp_size} but the CP group has 1 ranks (cp_rank={sharded.cp_rank}): "
+                f"group=None, which always means no CP (the loss never borrows a prepared step's group); pass "
+                f"group=the CP group" + (" (a step's count covers its CP group only: with dp_group= the count is "
+                "all-reduced over both)" if counted else ", or prepare the step with labels= (cp_model_inputs of a "
+                "dict with 'labels') so that its count divides without communication"))
         check_shard_in_group(sharded.cp_size, sharded.cp_rank, cp_size, cp_rank)
         cu, token_index, where = sharded.global_params.cu_seqlens, sharded.token_index, f"sharded (cp_rank={cp_rank})"
     elif isinstance(sharded, PackedSeqParams):
