@@ -339,7 +339,7 @@ def _check_local(read: _Read, labels: object, sharded: object, cp: CPGroup | Non
         cu, token_index = (t.to(device=scores.device, dtype=torch.int64) for t in shard)
         segment = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
         num_segments = int(cu.numel()) - 1
-        segment_end = token_index == cu[segment + 1] - 1  # [T_local]: the last token of its global segment
+        segment_end = segment_ends(cu, token_index)  # [T_local]: the last token of its global segment
         next_known = token_index[1:] == token_index[:-1] + 1  # [T_local - 1]: local neighbours are global ones
     elif ids is not None:  # no metadata: the labels are the whole stream without CP, unknown order with CP
         next_known = torch.full((max(labels1d.numel() - 1, 0),), cp is None or cp.size == 1, device=ids.device)
