@@ -52,7 +52,6 @@ __all__ = [
     "ReplicaBatchSampler",
     "ReplicaRank",
     "cp_dataloader",
-    "local_batch",
     "make_cp_batch",
     "num_items_in_batch",
     "pad_for_layout",
@@ -191,15 +190,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], params: PackedSeqParams | Non
     if params is None:
         params = packed_seq_params_from_doc_ids(batch["doc_ids"])
     sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
-    return local_batch(batch, sharded), sharded
-
-
-def local_batch(batch: Mapping[str, torch.Tensor], sharded: ShardedPackedSeqParams) -> dict[str, torch.Tensor]:
-    """``{name: sharded.shard(batch[name])[None]}`` plus ``"position_ids"`` when absent: the local half of
-    :func:`shard_batch`, for a shard made elsewhere (``distribute_batch``'s agreement)."""
     local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local, ...]
     local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
-    return local
+    return local, sharded
 
 
 # ------------------------------------------------------------------------------------------------ one item
