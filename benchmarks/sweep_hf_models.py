@@ -296,7 +296,8 @@ def cp_step(model: torch.nn.Module, case: dict, *, group, cp_size: int, cp_rank:
         torch._dynamo.reset()
         call = torch.compile(model, backend="aot_eager")
     logits = call(**inputs).logits[0].float()  # [T_local, V]
-    share = packed_cross_entropy(logits, sharded.shard(case["labels"]), sharded=inputs["cp_sharded"])
+    # the step was prepared without labels: the count is all-reduced over the CP group, named explicitly
+    share = packed_cross_entropy(logits, sharded.shard(case["labels"]), sharded=inputs["cp_sharded"], group=group)
     share.backward()
     return float(share), _grads(model)
 

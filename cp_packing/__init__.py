@@ -38,7 +38,7 @@ from cp_packing.formats import (
     doc_ids_from_seq_lens,
 )
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loader import cp_dataloader
+from cp_packing.loader import cp_dataloader, shard_batch
 from cp_packing.gradients import param_digest, sum_gradients
 from cp_packing.groups import CPMesh
 from cp_packing.loss import (count_valid_labels, next_token_labels, packed_cross_entropy, packed_linear_cross_entropy,
@@ -92,6 +92,7 @@ __all__ = [
     "LAYOUTS",
     "ShardedPackedSeqParams",
     "shard_packed_seq_params",
+    "shard_batch",
     "pad_segments",
     "choose_layout",
     "layout_cost",

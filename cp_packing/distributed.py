@@ -2,7 +2,8 @@
 
 Two ways a batch reaches the group (docs/distributed.md has the whole story, the costs and the error table):
 
-* ``src=None``, every rank loaded the same batch: each rank shards it locally (``shard_packed_seq_params``).
+* ``src=None``, every rank loaded the same batch: each rank shards it locally (``cp_packing.loader.shard_batch``, the
+  one CP batch builder).
 * ``src=r``, group rank r loaded it: r validates it and resolves the layout; every rank rebuilds the global
   ``PackedSeqParams`` from the small run-length metadata (one ``broadcast_object_list``) and shards it itself; each
   key's tokens travel with ONE ``dist.scatter`` of raw bytes, so a rank receives only its own ``T_local`` tokens.
@@ -26,6 +27,7 @@ from cp_packing._checks import check_bool, check_choice, check_windows, is_int
 from cp_packing.agreement import AgreementError, digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, resolve_group
 from cp_packing.layouts import LAYOUTS
+from cp_packing.loader import shard_batch
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 from cp_packing.sharding import ShardedPackedSeqParams, as_signed, shard_packed_seq_params
 
@@ -187,9 +189,10 @@ def _raise_if_tensors_differ(call: str, per_rank: list[dict[str, str]]) -> None:
 
 def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check_consistent: bool,
                 prepare: _Prepare, window: object = None) -> tuple[ShardedPackedSeqParams, _Batch | None]:
-    """Both paths: local work, ONE agreement (arguments, errors, digests), then the source path's collectives."""
+    """Both paths: local work, ONE agreement (arguments, errors, digests), then the source path's collectives.
+    Returns the shard and this rank's local batch (``None`` without a batch)."""
     cp = resolve_group(group)
-    sharded = batch = meta = None
+    sharded = batch = meta = local = None
     args = {"src": src, "check_consistent": check_consistent, "layout": layout, "window": window}
     checked, per_key = {"doc map": None, "cu_seqlens": None, "batch keys, dtypes and shapes": None}, {}
     with fail_together(call, (cp.group, "CP group")) as agreement:
@@ -198,9 +201,14 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
         window = args["window"] = check_windows(window)  # a list and a tuple of the same windows agree
         if src is None:
             params, batch = prepare("src=None: every rank passes the same batch, or set src= on every rank")
-            sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout, window=window)
             if check_consistent:
                 checked, per_key = _consistency_fields(params, batch)
+            if batch is None:
+                sharded = shard_packed_seq_params(params, cp_size=cp.size, cp_rank=cp.rank, layout=layout,
+                                                  window=window)
+            else:  # the one CP batch builder: this rank's tokens of its own batch (autograd kept)
+                local, sharded = shard_batch(batch, params, cp_size=cp.size, cp_rank=cp.rank, layout=layout,
+                                             window=window)
         elif cp.rank == src:
             params, batch = prepare(f"this rank is the source, src={src}: it passes the batch, the others None")
             meta = _metadata(params, batch)  # validates params before they are sharded
@@ -212,7 +220,7 @@ def _distribute(call: str, group: GroupLike, src: int | None, layout: str, check
     if src is None:
         if check_consistent and len(records) > 1:
             _raise_if_tensors_differ(call, [r.payload or {} for r in records])
-        return sharded, batch
+        return sharded, local
     shipped = [meta]
     dist.broadcast_object_list(shipped, src=cp.global_rank(src), group=cp.group)
     meta = shipped[0]
@@ -309,8 +317,6 @@ def distribute_batch(
     """
     sharded, local = _distribute("distribute_batch", group, src, layout, check_consistent,
                                  lambda where: _prepare_batch(batch, params, where), window)
-    if src is None:  # the local path: this rank's tokens of its own batch (autograd kept)
-        local = {name: sharded.shard(x).unsqueeze(0) for name, x in local.items()}  # [1, T_local, ...]
-    if "position_ids" not in local:
+    if "position_ids" not in local:  # the src path (the local path's shard_batch adds them)
         local["position_ids"] = sharded.position_ids.unsqueeze(0)  # int64 [1, T_local]
     return local, sharded

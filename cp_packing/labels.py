@@ -10,14 +10,15 @@ warns on labels that look shifted already (it may be given either, so it cannot 
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
 
 from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_doc_ids, check_ignore_index, check_tensor
 from cp_packing.packed_seq import PackedSeqParams
 
-__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "next_token_labels", "segment_ends",
-           "valid_label_mask"]
+__all__ = ["LabelsWarning", "UNSHIFTED_FIX", "check_labels_shifted", "local_label_count", "next_token_labels",
+           "segment_ends", "valid_label_mask"]
 
 
 UNSHIFTED_FIX = ("HF's labels are UNSHIFTED (labels[t] = token t; HF shifts inside its loss), cp-packing's are shifted "
@@ -54,6 +55,19 @@ def valid_label_mask(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> 
     if not _holds(labels.dtype, ignore_index):  # e.g. -100 in an unsigned dtype: never equal
         return torch.ones_like(labels, dtype=torch.bool)
     return labels != ignore_index
+
+
+def local_label_count(labels: Sequence[torch.Tensor], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """int64 scalar on the first tensor's device: the valid labels of ``labels`` (this rank's micro-batches), no host
+    sync. The local part of the step's one count, ``cp_packing.count_valid_labels``, which sums it over the groups.
+
+    >>> int(local_label_count([torch.tensor([5, -100]), torch.tensor([[1, 2]], dtype=torch.uint8)]))
+    3
+    """
+    total = torch.zeros((), dtype=torch.int64, device=labels[0].device)
+    for x in labels:
+        total += valid_label_mask(x, ignore_index).sum().to(total.device)
+    return total
 
 
 def _holds(dtype: torch.dtype, value: int) -> bool:

@@ -32,17 +32,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from cp_packing._checks import IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_tensor, is_int
-from cp_packing.agreement import fail_together
 from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import CPMesh, GroupLike, resolve_group
 from cp_packing.layouts import check_layout
-from cp_packing.loss import next_token_labels
+from cp_packing.labels import local_label_count, next_token_labels, valid_label_mask
+from cp_packing.loss import _count_step
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
-from cp_packing.padding import pad_rows
+from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
 
 __all__ = [
@@ -55,7 +54,9 @@ __all__ = [
     "cp_dataloader",
     "make_cp_batch",
     "num_items_in_batch",
+    "pad_for_layout",
     "replica_rank",
+    "shard_batch",
 ]
 
 _CHUNK = 256  # documents read at a time
@@ -131,6 +132,67 @@ def replica_rank(
         raise TypeError("explicit ranks need cp_rank= and cp_size= (dp_rank=/dp_size= default to 0/1)")
     return CPMesh.from_ints(dp_rank=0 if dp_rank is None else dp_rank, dp_size=1 if dp_size is None else dp_size,
                             cp_rank=cp_rank, cp_size=cp_size)
+
+
+# ------------------------------------------------------------------------------------------------ the one CP batch
+
+
+def pad_for_layout(batch: Mapping[str, torch.Tensor], *, cp_size: int, layout: str,
+                   pad_values: Mapping[str, int | float] | None = None,
+                   label_keys: Sequence[str] = ("labels",)) -> tuple[dict[str, torch.Tensor], PaddedBatch | None]:
+    """A global batch padded so that ``layout`` can shard it over ``cp_size`` ranks (pure; docs/data.md).
+
+    ``"zigzag"`` (``cp_size > 1``): every segment to a multiple of ``2 * cp_size`` (``pad_segments``: the pad tokens
+    join their document after its last token); any other layout: every row at its end to a multiple of ``cp_size``
+    (``pad_rows``: doc id 0, a segment of its own). Added tokens get ``pad_values[key]``, ``-100`` in ``label_keys``,
+    else 0; dtypes are kept.
+
+    Returns:
+        ``(padded batch, the zigzag PaddedBatch to undo it, or None)``.
+
+    >>> batch = {"input_ids": torch.arange(5)[None], "doc_ids": torch.tensor([[1, 1, 1, 2, 2]]),
+    ...          "labels": torch.tensor([[1, 2, -100, 4, -100]])}
+    >>> pad_for_layout(batch, cp_size=2, layout="contiguous")[0]["labels"].tolist()
+    [[1, 2, -100, 4, -100, -100]]
+    """
+    fill = {k: IGNORE_INDEX for k in label_keys if k in batch}
+    fill.update({k: v for k, v in (pad_values or {}).items() if k in batch})
+    if layout == "zigzag" and cp_size > 1:
+        others = {k: v for k, v in batch.items() if k != "doc_ids"}
+        padded = pad_segments(batch["doc_ids"], multiple=2 * cp_size, tensors=others, pad_values=fill,
+                              label_keys=tuple(k for k in label_keys if k in batch))
+        out = {k: padded.doc_ids.to(v.dtype) if k == "doc_ids" else padded.tensors[k] for k, v in batch.items()}
+        return out, padded
+    return pad_rows(batch, cp_size, fill=fill), None
+
+
+def shard_batch(batch: Mapping[str, torch.Tensor], params: PackedSeqParams | None = None, *, cp_size: int,
+                cp_rank: int, layout: str = "auto", window: Any = None
+                ) -> tuple[dict[str, torch.Tensor], ShardedPackedSeqParams]:
+    """This rank's local batch and shard of a global batch: the library's one CP batch builder (pure, no
+    communication). ``distribute_batch`` (local path), ``make_cp_batch`` / the loader and the trainers call it.
+
+    Args:
+        batch: ``name -> [B, S, ...]`` tensors of any dtype (labels shifted on the GLOBAL stream; pad first with
+            :func:`pad_for_layout` where the layout needs it).
+        params: the batch's ``PackedSeqParams``; ``None``: built from ``batch["doc_ids"]``.
+        cp_size, cp_rank, layout, window: as ``shard_packed_seq_params``.
+
+    Returns:
+        ``(local, sharded)``: ``local[name] = sharded.shard(batch[name])[None]`` (``[1, T_local, ...]``, same dtype,
+        autograd kept) for every key, plus ``"position_ids"`` (int64 ``[1, T_local]``) when the batch has none.
+
+    >>> local, sharded = shard_batch({"input_ids": torch.arange(8)[None], "doc_ids": torch.ones(1, 8, dtype=torch.long)},
+    ...                              cp_size=2, cp_rank=1, layout="contiguous")
+    >>> local["input_ids"].tolist(), local["position_ids"].tolist()
+    ([[4, 5, 6, 7]], [[4, 5, 6, 7]])
+    """
+    if params is None:
+        params = packed_seq_params_from_doc_ids(batch["doc_ids"])
+    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout, window=window)
+    local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local, ...]
+    local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
+    return local, sharded
 
 
 # ------------------------------------------------------------------------------------------------ one item
@@ -226,13 +288,14 @@ def _check_shifted_labels(batch: Mapping[str, torch.Tensor]) -> None:
     doc = batch["doc_ids"].to(torch.int64)  # every integer dtype compares after this (equality is kept)
     nxt = torch.cat([doc[:, 1:], torch.full_like(doc[:, :1], -1)], dim=1)
     ends = (doc == 0) | (doc != nxt)  # padding, and the last token of every segment (row ends included)
-    wrong = (labels != IGNORE_INDEX) & ends
+    valid = valid_label_mask(labels)  # int64 values, as the loss compares them
+    wrong = valid & ends
     hit = wrong.reshape(-1).nonzero()
     if hit.numel() == 0:
         return
     b, t = divmod(int(hit[0, 0]), doc.shape[1])
     where = "on padding (doc id 0)" if int(doc[b, t]) == 0 else "at the last token of its document"
-    valid = (labels != IGNORE_INDEX) & (doc != 0)
+    valid = valid & (doc != 0)
     ids = batch["input_ids"].to(torch.int64)
     if bool(valid.any()) and bool((labels.to(torch.int64)[valid] == ids[valid]).all()):
         raise ValueError(
@@ -264,9 +327,11 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
         pad_token_id: the input id of the padding added when ``seq_len`` is not a multiple of ``cp_size``.
 
     Returns:
-        :class:`CPBatch`. When ``seq_len`` is not a multiple of ``cp_size`` every row is first padded at its end to
-        the next multiple (input id ``pad_token_id``, doc id 0, label -100; other keys 0): padding is a segment of
-        its own, so no real token attends to it and no label counts it; ``CPBatch.batch`` holds the padded rows.
+        :class:`CPBatch`, built by :func:`pad_for_layout` then :func:`shard_batch`. When ``seq_len`` is not a
+        multiple of ``cp_size`` every row is first padded at its end to the next multiple (input id
+        ``pad_token_id``, doc id 0, label -100; other keys 0): padding is a segment of its own, so no real token
+        attends to it and no label counts it; with ``layout="zigzag"`` every document is padded to a multiple of
+        ``2 * cp_size`` instead (as CPTrainer does). ``CPBatch.batch`` holds the padded rows.
 
     Raises:
         TypeError / ValueError: not a dict of integer tensors of one ``[rows, seq_len]`` shape, a missing key; labels
@@ -286,12 +351,10 @@ def make_cp_batch(batch: Mapping[str, torch.Tensor], *, cp_size: int, cp_rank: i
     else:
         _check_shifted_labels(batch)
     pad_id = check_int(pad_token_id, "pad_token_id", min=0)
-    batch = pad_rows(batch, cp_size, fill={"input_ids": pad_id, "labels": IGNORE_INDEX})  # doc id 0, other keys 0
-    params = packed_seq_params_from_doc_ids(batch["doc_ids"])
-    sharded = shard_packed_seq_params(params, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
-    local = {key: sharded.shard(value).unsqueeze(0) for key, value in batch.items()}  # [1, T_local]
-    local.setdefault("position_ids", sharded.position_ids.unsqueeze(0))
-    num_valid = int((batch["labels"] != IGNORE_INDEX).sum())
+    batch, _ = pad_for_layout(batch, cp_size=cp_size, layout=layout, pad_values={"input_ids": pad_id})
+    local, sharded = shard_batch(batch, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    params = sharded.global_params
+    num_valid = int(local_label_count([batch["labels"]]))  # the one count's local part
     return CPBatch(step, batch, params, sharded, local, num_valid)
 
 
@@ -384,7 +447,7 @@ class CPPackedDataset(IterableDataset):
         self.placement = placement
         self.layout = layout
         self.shuffle = check_bool(shuffle, "shuffle")
-        self.seed = check_int(seed, "seed")
+        self.seed = check_int(seed, "seed", min=0)
         if layout != "auto":
             check_layout(layout)
         self.packer = packer
@@ -629,7 +692,7 @@ class ReplicaBatchSampler(Sampler):
         _check_placement(placement)
         self.placement = placement
         self.shuffle = check_bool(shuffle, "shuffle")
-        self.seed = check_int(seed, "seed")
+        self.seed = check_int(seed, "seed", min=0)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -747,11 +810,11 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
     """The valid labels of one optimizer step: over its micro-batches and every DP replica (HF's
     ``num_items_in_batch``), for ``packed_cross_entropy(..., num_items_in_batch=N)``.
 
-    Every CP rank of a replica holds the replica's whole batch, so the count is taken there (``num_valid_labels``,
-    computed in the workers) and all-reduced over ``dp_group`` only: never over the CP group, which would count
-    each label ``cp_size`` times. Every rank of ``dp_group`` must call it (CP peers may too: each reduces over its
-    own DP group). Starts with one ``agree`` over ``dp_group``: every replica must be at the same steps (a
-    ``DataLoader(in_order=False)`` would mix them up) with the same number of micro-batches.
+    ``cp_packing.count_valid_labels`` (the one count) of the items' ``batch["labels"]``: every CP rank of a replica
+    holds the replica's whole batch, so the count is all-reduced over ``dp_group`` only: never over the CP group,
+    which would count each label ``cp_size`` times. Every rank of ``dp_group`` must call it (CP peers may too: each
+    reduces over its own DP group). Starts with one ``agree`` over ``dp_group``: every replica must be at the same
+    steps (a ``DataLoader(in_order=False)`` would mix them up).
 
     Args:
         batches: this rank's :class:`CPBatch` of every micro-batch of the step.
@@ -766,15 +829,13 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
     6
     """
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    with fail_together("num_items_in_batch", (None if dp is None else dp.group, "DP group")) as agreement:
-        if not isinstance(batches, (list, tuple)) or not all(isinstance(b, CPBatch) for b in batches):
-            raise TypeError("batches must be a list of CPBatch (the loader's items of the step's micro-batches)")
-        local = sum(b.num_valid_labels for b in batches)
-        # the same steps on every replica: a DataLoader with in_order=False would mix them up
-        agreement.fields = {"steps of the micro-batches": [b.step for b in batches]}
-    if dp is None:
-        return local
-    total = torch.tensor([local], dtype=torch.int64, device=dp.device)
-    if dp.size > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp.group)
-    return int(total[0])
+    error, labels, steps = None, None, None
+    if not isinstance(batches, (list, tuple)) or not batches or not all(isinstance(b, CPBatch) for b in batches):
+        error = TypeError("batches must be a non-empty list of CPBatch (the loader's items of the step's "
+                          "micro-batches)")
+    else:
+        labels, steps = [b.batch["labels"] for b in batches], [b.step for b in batches]
+    # whole batches on every CP rank: counted over DP only; the same steps on every replica (a DataLoader with
+    # in_order=False would mix them up)
+    return int(_count_step(labels, ignore_index=IGNORE_INDEX, cp=None, dp=dp, call="num_items_in_batch", error=error,
+                           dp_fields={"steps of the micro-batches": steps})[0])

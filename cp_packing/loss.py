@@ -1,9 +1,10 @@
 """Cross-entropy losses whose CP shares sum to the non-CP loss: a local sum over a global count (docs/loss.md).
 
-Each rank returns its share, the sum of its tokens' cross-entropy over ``N``, the valid labels of the whole batch:
-the step plan's count (a prepared step: local math, no communication), ``num_items_in_batch``, or one all-reduce
-after one agreement per group (a mistake on one rank raises on every rank). Labels are shifted on the global
-stream by ``cp_packing.labels.next_token_labels``.
+Each rank returns its share, the sum of its tokens' cross-entropy over ``N``, the valid labels of the whole step, by
+one rule: ``num_items_in_batch`` (from :func:`count_valid_labels`, the library's one count), else the prepared step's
+count, else one all-reduce over the groups given; a collective (one agreement per group, so a mistake on one rank
+raises on every rank) runs iff ``group`` or ``dp_group`` is given. Labels are shifted on the global stream by
+``cp_packing.labels.next_token_labels``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from cp_packing._checks import (INTEGER_DTYPES, check_choice, check_ignore_index
 from cp_packing.agreement import digest, fail_together
 from cp_packing.groups import CPGroup, GroupLike, check_shard_in_group, resolve_group
 from cp_packing.packed_seq import PackedSeqParams
-from cp_packing.labels import (LabelsWarning, check_same_batch, check_labels_shifted, next_token_labels,
-                               segment_ends, valid_label_mask)
+from cp_packing.labels import (LabelsWarning, check_same_batch, check_labels_shifted, local_label_count,
+                               next_token_labels, segment_ends)
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = [
@@ -264,6 +265,14 @@ def _check_shard(sharded: object, cp: CPGroup | None, labels: torch.Tensor, num_
                              "without CP, the batch's PackedSeqParams): the segment boundaries of each local token")
         return ()
     if isinstance(sharded, ShardedPackedSeqParams):
+        if cp is None and sharded.cp_size > 1:
+            counted = sharded.plan is not None and sharded.plan.num_items is not None
+            raise ValueError(
+                f"sharded.cp_size={sharded.cp_size} but the CP group has 1 ranks (cp_rank={sharded.cp_rank}): "
+                f"group=None, which always means no CP (the loss never borrows a prepared step's group); pass "
+                f"group=the CP group" + (" (a step's count covers its CP group only: with dp_group= the count is "
+                "all-reduced over both)" if counted else ", or prepare the step with labels= (cp_model_inputs of a "
+                "dict with 'labels') so that its count divides without communication"))
         check_shard_in_group(sharded.cp_size, sharded.cp_rank, cp_size, cp_rank)
         cu, token_index, where = sharded.global_params.cu_seqlens, sharded.token_index, f"sharded (cp_rank={cp_rank})"
     elif isinstance(sharded, PackedSeqParams):
@@ -330,7 +339,7 @@ def _check_local(read: _Read, labels: object, sharded: object, cp: CPGroup | Non
         cu, token_index = (t.to(device=scores.device, dtype=torch.int64) for t in shard)
         segment = torch.searchsorted(cu, token_index, right=True) - 1  # [T_local]
         num_segments = int(cu.numel()) - 1
-        segment_end = token_index == cu[segment + 1] - 1  # [T_local]: the last token of its global segment
+        segment_end = segment_ends(cu, token_index)  # [T_local]: the last token of its global segment
         next_known = token_index[1:] == token_index[:-1] + 1  # [T_local - 1]: local neighbours are global ones
     elif ids is not None:  # no metadata: the labels are the whole stream without CP, unknown order with CP
         next_known = torch.full((max(labels1d.numel() - 1, 0),), cp is None or cp.size == 1, device=ids.device)
@@ -400,29 +409,34 @@ def packed_cross_entropy(
 ) -> torch.Tensor:
     """Token-mean cross-entropy of this rank's tokens over the GLOBAL count of valid labels: this rank's share.
 
-    ``share = sum of CE over local valid labels / N``, ``N`` the valid labels of the whole batch (all-reduced over
-    ``group``, then ``dp_group``), or ``num_items_in_batch`` when given (gradient accumulation: the count over every
-    micro-batch of the optimizer step, from :func:`count_valid_labels`). The shares sum to the non-CP loss and their
-    gradients to the non-CP gradient (docs/loss.md: the contract, DP, FSDP and gradient accumulation). Every rank of
-    ``group`` and ``dp_group`` must call it.
+    ``share = sum of CE over local valid labels / N``. The one rule for ``N`` (docs/loss.md, section 2):
+    ``num_items_in_batch`` when given (the optimizer step's count, :func:`count_valid_labels`); else the prepared
+    step's count (``sharded=`` a step prepared with labels, and no ``dp_group``); else this call's valid labels
+    all-reduced over ``group``, then ``dp_group``. A collective (the agreement, and in the last case the count
+    all-reduce) runs iff ``group`` or ``dp_group`` is given; without them the call is local math. ``group=None``
+    always means no CP: a prepared step never lends its group. The shares sum to the non-CP loss and their gradients
+    to the non-CP gradient (docs/loss.md: the contract, DP, FSDP and gradient accumulation). Every rank of ``group``
+    and ``dp_group`` must call it.
 
     Args:
         logits: floating ``[T_local, V]`` (or ``[1, T_local, V]``); the CE is computed in float32.
         labels: integer ``[T_local]`` (or ``[1, T_local]``), this rank's shard of :func:`next_token_labels` (shifted
             on the global stream; HF's unshifted labels go through ``next_token_labels(..., labels=)`` first).
-        group: the CP ProcessGroup or 1-D DeviceMesh; ``None``: no CP (the world is never assumed). Labels made by
-            ``sharded.shard`` / ``distribute_batch`` for a CP group of ``n > 1`` ranks need that group.
+        group: the CP ProcessGroup or 1-D DeviceMesh; ``None``: no CP (the world, or a prepared step's group, is
+            never assumed). A CP shard (``sharded`` of ``cp_size > 1``) needs it unless ``N`` is given (the step's
+            count or ``num_items_in_batch``).
         dp_group: the DP group to normalise over as well, or ``None``.
         sharded: this rank's ``ShardedPackedSeqParams`` (optional): checked against ``group`` (size, rank) and the
             labels, and its batch and layout against the other ranks'; it also lets the loss see segment ends.
         num_items_in_batch: optional int or integer scalar tensor (HF's name): the number of valid labels over all
-            micro-batches of the optimizer step and all CP x DP ranks. Replaces the count all-reduce: the share is
-            ``local sum / num_items_in_batch``; every rank must pass the same value, at least its own count (compared
-            across ``group`` / ``dp_group`` when given; without them the loss is local math and compares nothing).
+            micro-batches of the optimizer step and all CP x DP ranks. Wins over the step's count and the all-reduce:
+            the share is ``local sum / num_items_in_batch``; every rank must pass the same value, at least its own
+            count (compared across ``group`` / ``dp_group`` when given; without them nothing is compared).
         input_ids: optional integer, the shape of ``labels``: this rank's input ids, used only to warn when the
             labels equal them (unshifted labels).
         ignore_index: the label value to ignore.
-        reduction: ``"token"``; ``"document"`` is :func:`document_cross_entropy` (kept for compatibility).
+        reduction: ``"token"``; ``"document"`` is :func:`document_cross_entropy` (kept: the chunked loss's only way
+            to the per-document mean; never takes ``num_items_in_batch`` or the step's count).
         label_smoothing: ``eps`` in ``[0, 1]``, ``F.cross_entropy``'s (and HF's ``label_smoothing_factor``): each
             token's CE is ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``.
 
@@ -506,37 +520,34 @@ def packed_linear_cross_entropy(
 
 def _loss(read: _Read, labels: object, *, group: GroupLike, dp_group: GroupLike, sharded: object, num_items: object,
           input_ids: object, ignore_index: object, reduction: object) -> torch.Tensor:
-    """The token (or document) loss of ``read``'s scores: the count rules of :func:`packed_cross_entropy`."""
+    """The token (or document) loss of ``read``'s scores, by the one rule of :func:`packed_cross_entropy`: the
+    denominator is ``num_items_in_batch``, else the prepared step's count (without ``dp_group``), else the count
+    all-reduced over ``group`` / ``dp_group``; a collective runs iff ``group`` or ``dp_group`` is given."""
     plan = sharded.plan if isinstance(sharded, ShardedPackedSeqParams) else None
-    if reduction == "token" and group is None and dp_group is None and (
-            num_items is not None or (plan is not None and plan.num_items is not None)):
-        return _local_loss(read, labels, plan, num_items, input_ids, ignore_index, sharded)
     if plan is not None:
         plan.check_ran()
-        if group is None and plan.group is not None:
-            group = plan.group  # the step was prepared without labels: count them over its group
+        if num_items is None and reduction == "token" and dp_group is None and plan.num_items is not None:
+            num_items = plan.num_items  # the prepared step's count (its CP group's labels, summed in its agreement)
+    if reduction == "token" and group is None and dp_group is None and num_items is not None:
+        return _local_loss(read, labels, num_items, input_ids, ignore_index, sharded)
     if reduction == "document":
         return _document_cross_entropy(read, labels, group=group, dp_group=dp_group, sharded=sharded,
                                        ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
     local, cp, dp = _checked(read, labels, group=group, dp_group=dp_group, sharded=sharded, reduction=reduction,
                              ignore_index=ignore_index, input_ids=input_ids, num_items=num_items)
     if local.num_items is None:
-        count = (local.labels != ignore_index).sum().to(torch.int64).reshape(1)  # this rank's tokens, counted once
+        count = local_label_count([local.labels], ignore_index).reshape(1)  # this rank's tokens, counted once
         denominator = _all_reduce_sum(_all_reduce_sum(count, cp), dp).clamp_min(1).to(torch.float32)[0]
     else:
         denominator = torch.tensor(float(max(local.num_items, 1)), dtype=torch.float32, device=local.scores.device)
     return _cross_entropy(local, ignore_index).sum() / denominator
 
 
-def _local_loss(read, labels, plan, num_items, input_ids, ignore_index, sharded) -> torch.Tensor:
+def _local_loss(read, labels, num_items, input_ids, ignore_index, sharded) -> torch.Tensor:
     """The loss as local math: this rank's CE sum over the step's count (no communication, no agreement)."""
-    if plan is not None:
-        plan.check_ran()
     ignore_index = check_ignore_index(ignore_index)
     scores, labels1d = read(ignore_index)
     n = _check_num_items(num_items, "token")
-    if n is None:
-        n = plan.num_items
     if labels1d.device.type == "cpu":  # free on the host; on a GPU the kernel's device assert names a bad label
         _inspect(labels1d, scores.vocab, ignore_index, n)
     if input_ids is not None:
@@ -650,10 +661,11 @@ def count_valid_labels(
     group: GroupLike = None,
     dp_group: GroupLike = None,
 ) -> int:
-    """The number of valid labels of an optimizer step: HF's ``num_items_in_batch`` for gradient accumulation.
+    """The number of valid labels of an optimizer step: THE count (HF's ``num_items_in_batch``) of cp-packing.
 
-    Sum over the micro-batches ``labels`` of ``(labels != ignore_index)``, all-reduced over ``group`` and then
-    ``dp_group``. Pass it to every micro-batch's ``packed_cross_entropy(..., num_items_in_batch=n)``: each share is
+    Sum over the micro-batches ``labels`` of the valid labels (compared as int64 values:
+    ``labels.local_label_count``), on the labels' device, all-reduced over ``group`` and then ``dp_group``. The step
+    plan (its local part), the loader's ``num_items_in_batch``, the trainers and the launcher all count with it. Pass it to every micro-batch's ``packed_cross_entropy(..., num_items_in_batch=n)``: each share is
     ``local sum / n``, so the gradients accumulated over the micro-batches and SUMMED over all ranks equal the
     gradient of the one big batch (docs/loss.md, section "Gradient accumulation"). Call it once per optimizer step,
     before the first micro-batch's forward, on every rank of both groups.
@@ -684,40 +696,52 @@ def count_valid_labels(
         TypeError / ValueError on every rank of both groups (one ``agree`` per group first): labels that are not
         integer tensors, a group that does not fit what the labels are, ranks that disagree on ``ignore_index`` or
         the number of micro-batches. Communication: the agreements and one int64 all-reduce per group; one host sync
-        per micro-batch, plus with ``group`` and whole batches a digest of the labels (copied to the host).
+        (the result), plus with ``group`` one more and, for whole batches, a digest of the labels (copied to the host).
 
     >>> count_valid_labels([torch.tensor([[5, -100, 7]]), torch.tensor([[-100, 2, 2]])])
     4
     """
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    call, fields, error, local = "count_valid_labels", {}, None, 0
+    return int(_count_step(labels, ignore_index=ignore_index, cp=cp, dp=dp)[0])
+
+
+def _count_step(labels: object, *, ignore_index: object, cp: CPGroup | None, dp: CPGroup | None,
+                     call: str = "count_valid_labels", error: BaseException | None = None,
+                     dp_fields: dict | None = None) -> torch.Tensor:
+    """:func:`count_valid_labels` as an int64 ``[1]`` tensor on the groups' device (the one count; the loader's
+    ``num_items_in_batch`` calls it with its own ``call`` name, an ``error`` of its own inputs to raise on every rank,
+    and ``dp_fields`` its DP peers must share)."""
+    fields, local = {}, None
     try:  # the CP group first: its checks, then whether its ranks hold the same labels (whole batches)
         with fail_together(call, _groups(cp, None)[0]) as agreement:
+            if error is not None:
+                raise error
             ignore_index = check_ignore_index(ignore_index)
             items = _micro_batches(labels)
             shards = cp is not None and cp.size > 1  # with a CP group the labels are this rank's shards
             fields = {"ignore_index": ignore_index, "micro-batches": len(items), "labels are CP shards": shards,
-                      "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size}
-            local = sum(int(valid_label_mask(x, ignore_index).sum()) for x in items)  # this rank's count (host syncs)
+                      "cp size": 1 if cp is None else cp.size, "dp size": None if dp is None else dp.size,
+                      **(dp_fields or {})}
+            local = local_label_count(items, ignore_index)  # int64 scalar on the labels' device, no host sync
             agreement.fields = fields
-            if shards and local > 0:  # equal on every CP rank: whole batches, not shards
+            if shards and int(local) > 0:  # equal on every CP rank: whole batches, not shards (one host sync)
                 agreement.payload = digest(*items)
         records = agreement.records.get("CP group", [])
         if agreement.payload is not None and len(records) > 1 and all(r.payload == agreement.payload
                                                                        for r in records):
             raise ValueError(
-                f"count_valid_labels got group= (a CP group of {cp.size} ranks) but every CP rank holds the same "
+                f"{call} got group= (a CP group of {cp.size} ranks) but every CP rank holds the same "
                 "labels: whole batches, whose count the CP all-reduce would multiply by "
                 f"{cp.size}. Count whole batches with group=None, dp_group=the DP group; pass group= only for "
                 "each rank's shards")
+        error = None
     except Exception as exc:  # noqa: BLE001 - the DP group must learn it
         error = exc
     with fail_together(call, _groups(None, dp)[1]) as agreement:  # then the DP group, which learns any CP error
-        shared = ("ignore_index", "labels are CP shards", "cp size", "dp size")  # not the micro-batch count
-        agreement.fields = {k: fields[k] for k in shared if k in fields}
+        shared = ("ignore_index", "labels are CP shards", "cp size", "dp size", *(dp_fields or {}))
+        agreement.fields = {k: fields[k] for k in shared if k in fields}  # not the micro-batch count
         if error is not None:
             raise error
-    device = cp.device if cp is not None else dp.device if dp is not None else torch.device("cpu")
-    count = torch.tensor([local], dtype=torch.int64, device=device)
-    return int(_all_reduce_sum(_all_reduce_sum(count, cp), dp)[0])
+    device = cp.device if cp is not None else dp.device if dp is not None else local.device
+    return _all_reduce_sum(_all_reduce_sum(local.reshape(1).to(device), cp), dp)

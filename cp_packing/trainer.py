@@ -35,12 +35,13 @@ from cp_packing.hf import (
     register_cp_attention,
 )
 from cp_packing.layouts import LAYOUTS
-from cp_packing.loss import (next_token_labels, packed_cross_entropy, packed_linear_cross_entropy,
+from cp_packing.labels import valid_label_mask
+from cp_packing.loader import pad_for_layout, shard_batch
+from cp_packing.loss import (count_valid_labels, next_token_labels, packed_cross_entropy, packed_linear_cross_entropy,
                              reduce_loss_for_logging)
 from cp_packing.options import AttentionOptions
-from cp_packing.packed_seq import packed_seq_params_from_doc_ids
-from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
-from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
+from cp_packing.padding import PaddedBatch
+from cp_packing.sharding import ShardedPackedSeqParams
 
 check_transformers_version()
 from transformers import Trainer  # noqa: E402 - after the version check
@@ -104,7 +105,7 @@ def _shifted_labels(batch: Mapping[str, Any], input_ids: torch.Tensor, doc: torc
     labels = _as_2d(batch[key], key).to(torch.int64)
     if labels.shape != input_ids.shape:
         raise ValueError(f"{key} has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-    valid = (labels != IGNORE_INDEX) & (doc != 0)  # [B, S]
+    valid = valid_label_mask(labels) & (doc != 0)  # [B, S]
     if key == "shift_labels":
         last = torch.ones_like(valid)
         last[:, :-1] = doc[:, 1:] != doc[:, :-1]  # [B, S]: the last token of its document (or row)
@@ -158,15 +159,9 @@ def _global_batch(batch: Mapping[str, Any], cp_size: int, layout: str) -> _Globa
     input_ids = _as_2d(batch["input_ids"], "input_ids").to(torch.int64)
     doc = _doc_map(batch, input_ids)
     labels = _shifted_labels(batch, input_ids, doc)
-    if layout == "zigzag" and cp_size > 1:
-        padded = pad_segments(doc, multiple=2 * cp_size, tensors={"input_ids": input_ids, "shift_labels": labels},
-                              label_keys=("shift_labels",))
-        tensors = {"input_ids": padded.tensors["input_ids"], "doc_ids": padded.doc_ids.to(torch.int64),
-                   "shift_labels": padded.tensors["shift_labels"]}
-        return _GlobalBatch(tensors, doc, padded)
-    tensors = pad_rows({"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels}, cp_size,
-                       fill={"shift_labels": IGNORE_INDEX})  # the tail: doc 0, input 0, label -100
-    return _GlobalBatch(tensors, doc, None)
+    tensors, padded = pad_for_layout({"input_ids": input_ids, "doc_ids": doc, "shift_labels": labels},
+                                     cp_size=cp_size, layout=layout, label_keys=("shift_labels",))
+    return _GlobalBatch(tensors, doc, padded)
 
 
 def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto") -> dict[str, torch.Tensor]:
@@ -178,7 +173,7 @@ def cp_batch(batch: Mapping[str, Any], *, cp_size: int = 1, layout: str = "auto"
     shifted), else HF's unshifted ``labels`` (the token or -100, e.g. prompt-masked; shifted here inside each
     document), else every next token of the document. Then pads so the CP layout fits: rows grow at their tail to a
     multiple of ``cp_size`` (doc 0, label -100), or for ``layout="zigzag"`` every segment to a multiple of
-    ``2 * cp_size`` (``pad_segments``). The result never carries an attention mask.
+    ``2 * cp_size`` (``cp_packing.loader.pad_for_layout``). The result never carries an attention mask.
 
     Args:
         batch: a dict with ``input_ids`` ``[B, S]`` (or ``[S]``) and the optional keys above.
@@ -564,7 +559,7 @@ class CPTrainerMixin:
 
     def _dp_sum(self, value: int) -> int:
         """``value`` summed over the DP replicas (each replica's batch counted once, although all its CP ranks hold
-        it)."""
+        it): the tokens seen; the labels are counted by ``count_valid_labels`` (:meth:`_get_num_items_in_batch`)."""
         mesh = self.cp_mesh
         if mesh.dp_group is None or mesh.dp_size == 1:
             return value
@@ -575,12 +570,12 @@ class CPTrainerMixin:
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """The valid labels of the whole optimizer step: every micro-batch of this replica, summed over the DP
-        replicas with ``average_tokens_across_devices`` (the default), else this replica's own."""
+        replicas with ``average_tokens_across_devices`` (the default), else this replica's own: the library's one
+        count (``count_valid_labels``; every CP rank of a replica holds its whole batches, so never over CP)."""
         if not batch_samples:
             return None
-        count = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batch_samples)
-        if self.args.average_tokens_across_devices:
-            count = self._dp_sum(count)
+        dp = self.cp_mesh.dp_group if self.args.average_tokens_across_devices else None
+        count = count_valid_labels([b["shift_labels"] for b in batch_samples], dp_group=dp)
         return torch.tensor(count, dtype=torch.int64, device=device)
 
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
@@ -623,18 +618,17 @@ class CPTrainerMixin:
             ``[T_local, D]``, the logits never built), its labels ``[T_local]`` and its shard.
         """
         mesh = self.cp_mesh
-        doc, input_ids, labels = (batch[key] for key in ("doc_ids", "input_ids", "shift_labels"))
-        params = packed_seq_params_from_doc_ids(doc)
-        sharded = shard_packed_seq_params(params, cp_size=mesh.cp_size, cp_rank=mesh.cp_rank, layout=self.cp_layout,
-                                          window=model_windows(model))  # sliding layers: plan the windowed cost
-        model_inputs = cp_model_inputs(sharded.shard(input_ids), sharded, group=mesh.cp_group,
+        local, sharded = shard_batch({key: batch[key] for key in _BATCH_KEYS}, cp_size=mesh.cp_size,
+                                     cp_rank=mesh.cp_rank, layout=self.cp_layout,
+                                     window=model_windows(model))  # sliding layers: plan the windowed cost
+        model_inputs = cp_model_inputs(local["input_ids"][0], sharded, group=mesh.cp_group,
                                        options=self.cp_options, model=model)
         if chunked:
             outputs, scores = forward_hidden(model, self.cp_projection, model_inputs)
         else:
             outputs = model(**model_inputs)
             scores = outputs.logits[0]  # [T_local, V]
-        return outputs, scores, sharded.shard(labels).to(scores.device), sharded
+        return outputs, scores, local["shift_labels"][0].to(scores.device), sharded
 
     def _cp_share(self, outputs: Any, scores: torch.Tensor, labels: torch.Tensor, sharded: ShardedPackedSeqParams,
                   num_items_in_batch: torch.Tensor, chunked: bool) -> torch.Tensor:

@@ -475,3 +475,41 @@ def test_replica_rank_is_cp_mesh_and_cp_dataloader_takes_a_cp_mesh():
     a = step_keys(cp_dataloader(docs, seq_len=SEQ, rows=ROWS, mesh=place))
     b = step_keys(cp_dataloader(docs, seq_len=SEQ, rows=ROWS, placement=pickle.loads(pickle.dumps(place))))
     assert a == b and len(a) >= 2
+
+
+def test_one_cp_batch_builder_zigzag_pads_documents_and_matches_the_trainers_layout():
+    """The loader and CPTrainer lay a batch out the same way (``pad_for_layout`` then ``shard_batch``): with
+    ``zigzag`` every document grows to a multiple of ``2 * cp`` (pad tokens join their document, label -100, no valid
+    label lost or added); the local tensors are this rank's shard of the padded batch."""
+    from cp_packing.loader import pad_for_layout, shard_batch
+    from cp_packing.trainer import cp_batch
+
+    doc = torch.tensor([[1] * 5 + [2] * 9 + [0] * 2, [1] * 3 + [2] * 13])
+    ids = torch.randint(1, VOCAB, doc.shape, generator=torch.Generator().manual_seed(1))
+    labels = next_token_labels(ids, doc)
+    cp = 2
+    trainer = cp_batch({"input_ids": ids, "doc_ids": doc, "shift_labels": labels}, cp_size=cp, layout="zigzag")
+    for cp_rank in range(cp):
+        item = make_cp_batch({"input_ids": ids, "doc_ids": doc, "labels": labels}, cp_size=cp, cp_rank=cp_rank,
+                             layout="zigzag")
+        lengths = (item.params.cu_seqlens[1:] - item.params.cu_seqlens[:-1]).tolist()
+        assert all(n % (2 * cp) == 0 for n in lengths), lengths
+        assert item.num_valid_labels == int((labels != -100).sum())  # no label lost or added
+        assert torch.equal(item.batch["labels"], trainer["shift_labels"])
+        assert torch.equal(item.batch["input_ids"], trainer["input_ids"])
+        assert torch.equal(item.batch["doc_ids"], trainer["doc_ids"])
+        for key, value in item.batch.items():
+            assert torch.equal(item.local[key], item.sharded.shard(value)[None])
+        local, sharded = shard_batch(trainer, cp_size=cp, cp_rank=cp_rank, layout="zigzag")
+        assert torch.equal(local["input_ids"], item.local["input_ids"])
+        assert torch.equal(local["position_ids"], item.local["position_ids"])
+    padded, undo = pad_for_layout({"input_ids": ids, "doc_ids": doc}, cp_size=cp, layout="contiguous")
+    assert undo is None and torch.equal(padded["input_ids"], ids)  # rows already divide: nothing added
+
+
+def test_seeds_must_be_non_negative():
+    place = ReplicaRank(0, 1, 0, 2)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        CPPackedDataset([[1, 2, 3]], seq_len=4, rows=1, placement=place, seed=-1)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        ReplicaBatchSampler(4, rows=1, placement=place, seed=-1)

@@ -454,8 +454,8 @@ def _warn_late_table(key: LayerKey, fix: str) -> None:
 def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: int) -> int:
     """This rank's valid labels, checked: integer, one per local token, shifted on the global stream (a valid label
     on the last token of a segment is HF's unshifted convention: ``cp_packing.labels.check_labels_shifted``).
-    Compared as int64 values (``labels.valid_label_mask``), as the loss does."""
-    from cp_packing.labels import check_labels_shifted, segment_ends, valid_label_mask
+    Counted by the step's one count's local part (``labels.local_label_count``, int64 values as the loss)."""
+    from cp_packing.labels import check_labels_shifted, local_label_count, segment_ends
 
     if not isinstance(labels, torch.Tensor) or labels.dtype not in INTEGER_DTYPES:
         raise TypeError(f"labels must be an integer tensor (this rank's shifted labels), got "
@@ -466,7 +466,7 @@ def _count_labels(labels: Any, sharded: ShardedPackedSeqParams, ignore_index: in
                          "pass this rank's shard of the labels")
     segment_end = segment_ends(sharded.global_params.cu_seqlens, sharded.token_index.to(flat.device))
     check_labels_shifted(flat, segment_end=segment_end, ignore_index=ignore_index)
-    return int(valid_label_mask(flat, ignore_index).sum())
+    return int(local_label_count([flat], ignore_index))
 
 
 def _layer_keys(options: AttentionOptions, features: Any) -> tuple[LayerKey, ...]:

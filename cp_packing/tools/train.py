@@ -60,6 +60,7 @@ from cp_packing.distributed import distribute_batch
 from cp_packing.gradients import sum_gradients
 from cp_packing.groups import CPMesh
 from cp_packing.hf import cp_model_inputs, model_windows, register_cp_attention
+from cp_packing.labels import valid_label_mask
 from cp_packing.layouts import LAYOUTS
 from cp_packing.loss import count_valid_labels, packed_cross_entropy, reduce_loss_for_logging
 from cp_packing.options import AttentionOptions
@@ -73,7 +74,7 @@ from cp_packing.tools.train_setup import (DTYPES, PRESET_SIZES, PRESETS, Setup, 
                                           prepare, preset_config, resume_facts)
 
 __all__ = ["EXIT_SIGTERM", "EXIT_STOPPED", "UsageError", "backend_layouts", "build_model", "build_parser",
-           "lay_out", "main", "parse_args", "prepare", "reference_loss", "synthetic_batch"]
+           "lay_out", "main", "parse_args", "prepare", "reference_loss", "step_num_items", "synthetic_batch"]
 
 LAYOUT_CHOICES = (*LAYOUTS, "auto")
 #: ``--lr-scheduler`` names: ``transformers.get_scheduler``'s that need nothing but the warmup and total steps.
@@ -135,7 +136,7 @@ def reference_loss(ref_model, batches: list[dict]) -> torch.Tensor:
         ce = F.cross_entropy(logits.float().reshape(B * S, -1), batch["labels"].to(dev).reshape(-1),
                              ignore_index=IGNORE_INDEX, reduction="sum")
         total = ce if total is None else total + ce
-        count += int((batch["labels"] != IGNORE_INDEX).sum())
+        count += int(valid_label_mask(batch["labels"]).sum())
     return total / max(count, 1)
 
 
@@ -193,6 +194,12 @@ def shard_with_fsdp2(model, mesh: CPMesh, device: torch.device) -> None:
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
 
 
+def step_num_items(batches: list[tuple[dict, str]], mesh: CPMesh) -> int:
+    """The valid labels of a step's micro-batches ``(replica batch, layout)`` over every replica: the one count
+    (``count_valid_labels``) of whole batches, so over DP only (each CP rank holds its replica's whole batches)."""
+    return count_valid_labels([b["labels"] for b, _ in batches], dp_group=mesh.dp_group)
+
+
 def _share(model, batch: dict, layout: str, num_items: int, args, mesh: CPMesh, device: torch.device):
     """Ship one replica batch to its CP ranks and return this rank's loss share over ``num_items`` valid labels."""
     group = _cp_group(mesh)
@@ -220,7 +227,7 @@ def _cp_step(model, micro: list[tuple[dict, str]], args, mesh: CPMesh, device: t
     each share over the step's GLOBAL count of valid labels (all micro-batches, all replicas; docs/loss.md), the
     gradients accumulated, then SUMmed over CP and DP (FSDP2 does it in backward). Returns the step's global loss;
     the optimizer does not step here."""
-    num_items = count_valid_labels([b["labels"] for b, _ in micro], dp_group=mesh.dp_group)  # whole batches: DP only
+    num_items = step_num_items(micro, mesh)
     loss = 0.0
     for batch, layout in micro:
         share = _share(model, batch, layout, num_items, args, mesh, device)
@@ -237,7 +244,7 @@ def evaluate(model, batches: list[tuple[dict, str]], args, mesh: CPMesh, device:
     label of every eval batch of every replica (what ``reference_loss`` computes on their union in one process)."""
     model.eval()
     try:
-        num_items = count_valid_labels([b["labels"] for b, _ in batches], dp_group=mesh.dp_group)
+        num_items = step_num_items(batches, mesh)
         loss = sum(float(reduce_loss_for_logging(_share(model, b, layout, num_items, args, mesh, device),
                                                  group=_cp_group(mesh), dp_group=mesh.dp_group))
                    for b, layout in batches)
