@@ -54,6 +54,7 @@ __all__ = [
     "digest",
     "fail_together",
     "next_step",
+    "ranks_by_value",
     "set_agreement_timeout",
 ]
 
@@ -168,12 +169,22 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def ranks_by_value(values: Sequence[Any]) -> dict[Any, list[int]]:
+    """``{value: the ranks (indices) that sent it}``, in first-seen order: how a disagreement names its sides.
+
+    >>> ranks_by_value(["a", "b", "a"])
+    {'a': [0, 2], 'b': [1]}
+    """
+    out: dict[Any, list[int]] = {}
+    for rank, value in enumerate(values):
+        out.setdefault(value, []).append(rank)
+    return out
+
+
 def _raise_disagreement(records: list[Record], group_name: str) -> None:
     calls = [r.call for r in records]
     if len(set(calls)) > 1:
-        by_call: dict[str, list[int]] = {}
-        for rank, call in enumerate(calls):
-            by_call.setdefault(call, []).append(rank)
+        by_call = ranks_by_value(calls)
         said = "; ".join(f"{_ranks(r)} in {c}" for c, r in by_call.items())
         raise AgreementError(
             f"the ranks of the {group_name} made different calls ({said}); every rank of the group must make the "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from cp_packing._checks import (HALF_DTYPES, IGNORE_INDEX, INTEGER_DTYPES, check_bool, check_int, check_softcap,
                                 check_softmax_scale, check_window)
 from cp_packing._imports import try_import
-from cp_packing.agreement import AgreementError, digest, fail_together, next_step
+from cp_packing.agreement import AgreementError, digest, fail_together, next_step, ranks_by_value
 from cp_packing.capabilities import backend_refusal
 from cp_packing.groups import (GroupLike, as_process_group, backend_config, backend_for_device, check_shard_in_group,
                                 peek_group)
@@ -576,10 +576,7 @@ def _check_weights(records: list) -> None:
     digests = [r.payload[2] for r in records]
     if any(d is None for d in digests) or len(set(digests)) == 1:
         return
-    groups: dict[str, list[int]] = {}
-    for rank, d in enumerate(digests):
-        groups.setdefault(d, []).append(rank)
-    listed = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in groups.items())
+    listed = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in ranks_by_value(digests).items())
     raise AgreementError(
         f"context_parallel_attention: the model's weights differ between the ranks of the CP group ({listed}): every "
         "CP rank must hold the same weights. The gradients were not summed over the CP group after backward (call "
