@@ -165,6 +165,17 @@ def _rank(rank: int, cp: int, tokens: int) -> dict:
     return out
 
 
+def modelled_peak(tokens: int, cp: int, layout: str, backend: str) -> int | None:
+    """The cost model's peak for the case (``None`` for a backend it does not model)."""
+    from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
+    from cp_packing.cost import backend_memory
+
+    sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(_doc_ids(tokens)), cp_size=cp, cp_rank=0,
+                                      layout=layout)
+    model = backend_memory(sharded, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=2)
+    return model[backend][1] if backend in model else None
+
+
 def one_process(tokens: int) -> tuple[int, int]:
     """The one-process figures (cp 1, the whole stream): ``(saved, peak)``."""
     with flash_like_kernel():
@@ -255,15 +266,18 @@ def main() -> None:
           f"q/k/v/out of the whole stream {args.tokens * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * 2 / mib:.1f} MiB\n")
     results = {cp: run_distributed(_rank, cp, args.tokens, timeout=3000) for cp in args.cp}
     cps = " / ".join(str(cp) for cp in args.cp)
-    print(f"| backend | layout | saved / ideal, cp {cps} | peak / ideal, cp {cps} | busiest peak MiB, cp {cps} |")
-    print("|---|---|---|---|---|")
+    print(f"| backend | layout | saved / ideal, cp {cps} | peak / ideal, cp {cps} | busiest peak MiB, cp {cps} | "
+          f"modelled peak MiB (cost.backend_memory), cp {cps} |")
+    print("|---|---|---|---|---|---|")
     for backend in BACKENDS:
         for layout in LAYOUTS:
             saved = [max(r[layout, backend][0] for r in results[cp]) / (base_saved / cp) for cp in args.cp]
             peak = [max(r[layout, backend][1] for r in results[cp]) for cp in args.cp]
+            model = [modelled_peak(args.tokens, cp, layout, backend) for cp in args.cp]
             print(f"| {backend} | {layout} | {' / '.join(f'{x:.2f}' for x in saved)} | "
                   f"{' / '.join(f'{x / (base_peak / cp):.2f}' for x, cp in zip(peak, args.cp))} | "
-                  f"{' / '.join(f'{x / mib:.1f}' for x in peak)} |")
+                  f"{' / '.join(f'{x / mib:.1f}' for x in peak)} | "
+                  f"{' / '.join('-' if x is None else f'{x / mib:.1f}' for x in model)} |")
     hf_saved, hf_peak = hf_one_process(args.hf_tokens)
     ranks = run_distributed(_hf_rank, 2, args.hf_tokens, timeout=3000)
     saved, peak = max(r[0] for r in ranks), max(r[1] for r in ranks)

@@ -179,7 +179,7 @@ def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp
     used (K's before V's is gathered; dK reduce-scattered before dV's full-size buffer is made)."""
     k_keys = gather_keys(k, keys, group, cp_size)  # re-gathered: only local tensors were saved
     v_keys = gather_keys(v, keys, group, cp_size)
-    dq, dk_keys, dv_keys = kernels.run_backward(kernel, dout, q, k_keys, v_keys, out, lse, keys.cu_seqlens_q,
+    dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(kernel, dout, q, k_keys, v_keys, out, lse, keys.cu_seqlens_q,
                                                 keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale,
                                                 causal, window, softcap)
     del k_keys, v_keys

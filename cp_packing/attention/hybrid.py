@@ -146,7 +146,7 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
     del kh
     v_keys = gather_keys(vh, keys, agroup, A)
     del vh
-    dqh, dk_keys, dv_keys = kernels.run_backward(layer.kernel, douth, qh, k_keys, v_keys, out_h, lse,
+    dqh, dk_keys, dv_keys = kernels.run_backward_per_kv_head(layer.kernel, douth, qh, k_keys, v_keys, out_h, lse,
                                                  keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
                                                  keys.max_seqlen_k, layer.scale, layer.causal, None, layer.softcap)
     del qh, k_keys, v_keys
