@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
+from cp_packing._checks import (check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost

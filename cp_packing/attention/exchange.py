@@ -227,16 +227,21 @@ def _call(layer, q, k_keys, v_keys, t: ExchangeTables, keys: _Keys, causal):
                                keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
 
 
-def _call_backward(layer, dout, q, k_keys, v_keys, out, lse, t: ExchangeTables, keys: _Keys, causal, grad_buf):
-    """``dq`` of one call on selected keys; their dK/dV added onto ``grad_buf`` ``[rows, 2, H_kv, D]`` (the
-    buffer's rows)."""
+def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, rows: int):
+    """``(dq, grad)`` of one call on selected keys ``kv = [k_keys, v_keys]`` (emptied here, so they are freed once
+    used): ``grad`` ``[rows, 2, H_kv, D]``, their dK/dV added onto the buffer's rows (made after the kernel, so it
+    is not live beside the kernel's own buffers)."""
+    k_keys, v_keys = kv
+    kv.clear()
     dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(
         layer.kernel, dout, q, k_keys, v_keys, out, lse, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
         keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
-    grad_buf[:, 0].index_add_(0, keys.index, dk_keys)
+    del k_keys, v_keys
+    grad = dk_keys.new_zeros((rows, 2, *dk_keys.shape[1:]))
+    grad[:, 0].index_add_(0, keys.index, dk_keys)
     del dk_keys
-    grad_buf[:, 1].index_add_(0, keys.index, dv_keys)
-    return dq
+    grad[:, 1].index_add_(0, keys.index, dv_keys)
+    return dq, grad
 
 
 def _overlapped(t: ExchangeTables, layer) -> bool:
@@ -280,27 +285,28 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
     t = from_wire(tables)
     T_local = k.shape[0]
     recv, work = _send_kv(t, k, v, layer.group)
-    grad_local = k.new_zeros((T_local, 2, *k.shape[1:]))  # dK/dV of the held keys
-    grad_recv = k.new_zeros((0 if recv is None else recv.shape[0], 2, *k.shape[1:]))  # of the received keys
+    received = 0 if recv is None else recv.shape[0]
+    grad_recv = k.new_zeros((0, 2, *k.shape[1:]))  # dK/dV of the received keys (none received)
     if not _overlapped(t, layer):
         if work is not None:
             work.wait()
         if t.remote is None:
-            dq = _call_backward(layer, dout, q, *_select(k, v, t.local), out, lse, t, t.local, t.causal, grad_local)
+            dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local,
+                                            t.causal, T_local)
         else:
-            selected = _select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)
+            selected = [*_select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)]
             del recv
-            grad_joint = k.new_zeros((T_local + grad_recv.shape[0], 2, *k.shape[1:]))  # held, then received
-            dq = _call_backward(layer, dout, q, *selected, out, lse, t, t.joint, t.causal, grad_joint)
-            del selected
-            grad_local, grad_recv = grad_joint[:T_local], grad_joint[T_local:]
+            dq, grad = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal, T_local + received)
+            grad_local, grad_recv = grad[:T_local], grad[T_local:]
     else:
-        dq = _call_backward(layer, dout, q, *_select(k, v, t.local), out, lse, t, t.local, t.causal, grad_local)
+        dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal,
+                                        T_local)  # while the keys are in flight
         work.wait()
-        selected = _select(recv[:, 0], recv[:, 1], t.remote)
+        selected = [*_select(recv[:, 0], recv[:, 1], t.remote)]
         del recv
-        dq.add_(_call_backward(layer, dout, q, *selected, out, lse, t, t.remote, False, grad_recv))
-        del selected
+        dq_b, grad_recv = _call_backward(layer, dout, q, selected, out, lse, t, t.remote, False, received)
+        dq.add_(dq_b)
+        del dq_b
     if t.communicate:
         returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
         del grad_recv
