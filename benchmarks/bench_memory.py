@@ -1,6 +1,6 @@
 """What a rank holds: bytes saved for backward and the peak, per backend x layout x cp, against the one-process share.
 
-Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py            (64K tokens, cp 2 and 4, ~10 min on 2 cores)
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py            (64K tokens, cp 2 and 4, ~15 min on 2 cores)
       PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py --quick    (2K tokens, cp 2, seconds)
 
 One attention layer forward + backward (``context_parallel_attention`` on a step prepared by ``prepare_attention``)
