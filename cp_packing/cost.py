@@ -3,8 +3,10 @@
 A rank's work is ``sum over its tokens of min(p + 1, w)`` (``p``: the position inside its segment, padding segments
 included; ``w``: the sliding window, ``None`` for none; a per-layer window sums over the layers), in closed form per
 run (``cp_packing.layouts.work``), exact in int64 up to ``MAX_COST_TOKENS`` tokens. :func:`layout_cost` gives a
-layout's figures (:class:`LayoutCost`), :func:`choose_layout` is ``layout="auto"``, :func:`backend_bytes` /
-:func:`backend_times` / :func:`choose_backend` price the attention backends. The model and its figures:
+layout's figures (:class:`LayoutCost`), :func:`choose_layout` is ``layout="auto"``; :func:`backend_bytes` (forward
+bytes), :func:`backend_times` (the step-time model), :func:`backend_memory` (saved and peak bytes) price the attention
+backends, and :func:`choose_backend` is ``backend="auto"`` (the lowest modelled time, within a memory budget when
+one is given). :func:`choose_backend_by_bytes` is the older bytes-only rule, kept for the report's bytes table. The model and its figures:
 docs/balance.md ("Cost model"); the backends: docs/attention.md.
 """
 
@@ -18,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import (check_cp, check_cu_seqlens, check_int, check_number,
+from cp_packing._checks import (check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
@@ -27,9 +29,8 @@ from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 
 __all__ = ["AUTO_LAYOUTS", "BYTES_BACKENDS", "COST_LAYOUTS", "DEFAULT_HARDWARE", "Hardware", "LayoutCost",
-           "TIMED_BACKENDS", "backend_bytes", "backend_times", "causal_cost", "choose_backend", "choose_backend_by_bytes",
-           "choose_step",
-           "choose_layout", "kv_replication_factor", "layout_cost"]
+           "MEMORY_BACKENDS", "TIMED_BACKENDS", "backend_bytes", "backend_memory", "backend_times", "causal_cost",
+           "choose_backend", "choose_backend_by_bytes", "choose_layout", "kv_replication_factor", "layout_cost"]
 
 logger = logging.getLogger("cp_packing")
 
@@ -441,8 +442,9 @@ def backend_bytes(
     * ``hybrid`` (``ulysses_size=U``, ``A = cp / U``): Ulysses inside the group, ``(2 H + 2 H_kv') s (U - 1) / U``,
       plus the all-gather of the head-sharded k/v across the ``A`` groups, ``2 H_kv' s (A - 1)``.
 
-    Backward moves about twice the forward for every backend (the transposed collectives). The bytes decide
-    ``backend="auto"`` between ``allgather`` and ``ulysses``.
+    Backward moves about twice the forward for the all-gather and ring (the gradients go back), and three times
+    for Ulysses and hybrid, whose backward sends q, k, v and the output to the head shard again (nothing of it is
+    saved). ``backend="auto"`` decides on time, not bytes (:func:`choose_backend`).
 
     Raises:
         ValueError: an unknown backend, ``ulysses_size`` missing for / given to a backend other than ``hybrid``, a
@@ -485,7 +487,7 @@ def choose_backend_by_bytes(
     """``(backend, allgather bytes, ulysses bytes)``: ``"ulysses"`` when ``cp_size`` divides ``num_heads``, there
     is no ``window`` and Ulysses moves FEWER forward bytes per layer than the all-gather (``backend_bytes``);
     else ``"allgather"`` (ties included). The Ulysses figure is ``None`` where Ulysses cannot run.
-    ``backend="auto"`` uses this rule when it does not pick ring-flash-attn.
+    The bytes-only rule (``cp_packing.report``'s bytes table); ``backend="auto"`` uses :func:`choose_backend`.
 
     Ulysses is cheaper exactly when ``H + H_kv' < cp * H_kv``: for 32/8 heads at cp 8, not at cp 4; for MHA at any
     cp above 2.
@@ -595,48 +597,86 @@ def backend_times(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, 
                        window=window, hardware=hardware, overlap=overlap)
 
 
-def choose_step(params: PackedSeqParams, *, cp_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                dtype_bytes: int = 2, window: object = None,
-                hardware: Hardware = DEFAULT_HARDWARE) -> tuple[str, str, dict[tuple[str, str], float]]:
-    """The layout AND backend with the lowest modelled busiest-rank time per layer (:func:`backend_times` for
-    every valid layout): ``(layout, backend, {(layout, backend): seconds})``. Ties within 1% go to the layout first
-    in ``LAYOUTS``, then the backend first in ``TIMED_BACKENDS``. ``window``: the model's windows (a per-layer
-    tuple is timed as the sum over its layers).
+# ----------------------------------------------------------------------------------------- the memory column
 
-    >>> p = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8]))
-    >>> choose_step(p, cp_size=4, num_heads=4, num_kv_heads=4, head_dim=8)[:2]  # one document per rank
-    ('contiguous', 'exchange')
+#: Backends :func:`backend_memory` models (those ``backend="auto"`` chooses among).
+MEMORY_BACKENDS = TIMED_BACKENDS
+
+
+def _kernel_backward_bytes(Tq: int, Tk: int, h: int, h_kv: int, head_dim: int, dtype_bytes: int) -> int:
+    """A flash-attn 2 backward's buffers: a float32 dq accumulator and row sums, dq/dk/dv, and under GQA dK/dV
+    expanded to the query heads (one key/value head at a time when ``Tk > Tq``: ``kernels.run_backward_per_kv_head``)."""
+    expanded = 0 if h == h_kv else 2 * Tk * (h if Tk <= Tq else h // h_kv) * head_dim * dtype_bytes
+    return Tq * h * (4 * head_dim + 4 + head_dim * dtype_bytes) + 2 * Tk * h_kv * head_dim * dtype_bytes + expanded
+
+
+def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                 causal: bool, window: int | None) -> dict[str, tuple[int, int]]:
+    """:func:`backend_memory` on a layout's plan (every rank's runs) and the stream's ``cu`` (int64)."""
+    cp, Tl, H, H_kv, D, b = plan.cp_size, plan.t_local, num_heads, num_kv_heads, head_dim, dtype_bytes
+    row_q, row_kv = H * D * b, H_kv * D * b
+    saved = Tl * (2 * row_q + 2 * row_kv + 4 * H)  # q, k, v, out, lse: every backend saves its local tensors only
+    out = Tl * (row_q + 4 * H)  # the output and lse, live through backward
+    if cp == 1:
+        peak = out + _kernel_backward_bytes(Tl, Tl, H, H_kv, D, b)
+        return {name: (saved, peak) for name in MEMORY_BACKENDS}
+    need = int(need_tokens(plan, cu, causal=causal, window=window).max())  # the busiest rank's remote keys
+    keys = Tl + need
+    # in the kernel's backward; all-gather: the selected keys (the gathered buffer is freed by then)
+    allgather = out + 2 * keys * row_kv + _kernel_backward_bytes(Tl, keys, H, H_kv, D, b)
+    # exchange, the remote part's backward: its selected keys and the received keys' dK/dV, the held keys' dK/dV
+    # and the local part's dq
+    exchange = (out + 4 * need * row_kv + 2 * Tl * row_kv + Tl * row_q
+                + _kernel_backward_bytes(Tl, max(Tl, need), H, H_kv, D, b))
+    result = {"allgather": (saved, allgather), "exchange": (saved, exchange)}
+    if H % cp == 0 and window is None:
+        rep = kv_replication_factor(H_kv, cp)
+        shard = Tl * (H + 2 * H_kv * rep) * D * b  # this rank's head shard of q, k, v (every rank's tokens)
+        # backward: the head shard of q/k/v and of dout/out around the kernel; then the gradients' shard, sent back
+        in_kernel = shard + 2 * Tl * row_q + _kernel_backward_bytes(cp * Tl, cp * Tl, H // cp, H_kv * rep // cp, D, b)
+        result["ulysses"] = (saved, out + max(in_kernel, 3 * shard))
+    return result
+
+
+def backend_memory(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+                   causal: bool = True, window: int | None = None) -> dict[str, tuple[int, int]]:
+    """Modelled ``(saved, peak)`` bytes of one attention layer at the busiest rank, per backend that can run.
+
+    ``saved``: what autograd keeps for backward: q, k, v, the output and the float32 ``lse``, the rank's share of
+    the one-process figure for every backend (each sends or gathers again in backward). ``peak``: the most the
+    layer allocates above its inputs, forward or backward (its output and gradients included) with flash-attn 2's
+    own buffers: the all-gather's selected keys plus one gathered buffer, the exchange's received keys (the
+    busiest rank's need, ``cp_packing.layouts.need``), Ulysses' head shard. Measured against this:
+    ``benchmarks/bench_memory.py`` (docs/benchmarks.md, "Memory per backend"). Pure host arithmetic on the
+    layout's plan.
+
+    Returns:
+        ``{backend: (saved, peak)}`` for ``allgather``, ``exchange`` and (where ``cp`` divides the query heads and
+        there is no window) ``ulysses``.
+
+    >>> import cp_packing
+    >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
+    >>> s = cp_packing.shard_packed_seq_params(params, cp_size=2, cp_rank=0, layout="contiguous")
+    >>> {name: saved for name, (saved, peak) in backend_memory(s, num_heads=4, num_kv_heads=2, head_dim=8).items()}
+    {'allgather': 1664, 'exchange': 1664, 'ulysses': 1664}
     """
-    check_cp(cp_size)
-    params = _params(params)
-    window = check_windows(window)
-    cu = _np64(params.cu_seqlens, "cu_seqlens")
-    layers = window if isinstance(window, tuple) else (window,)
-    table = {}
-    for layout in LAYOUTS:
-        if layout == "zigzag" and np.any(np.diff(cu) % (2 * cp_size)):
-            continue
-        plan = layout_plan(params.cu_seqlens, cp_size=cp_size, layout=layout,
-                           window=window if layout in WINDOWED_LAYOUTS else None)
-        per_layer = [_plan_times(plan, cu, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 dtype_bytes=dtype_bytes, causal=True, window=w, hardware=hardware) for w in layers]
-        for backend in TIMED_BACKENDS:
-            if all(backend in t for t in per_layer):
-                table[(layout, backend)] = sum(t[backend] for t in per_layer)
-    best = min(table.values())
-    for layout in LAYOUTS:
-        for backend in TIMED_BACKENDS:
-            if table.get((layout, backend), float("inf")) <= best * 1.01:
-                return layout, backend, table
-    raise AssertionError("unreachable")  # pragma: no cover
+    for value, name in ((num_heads, "num_heads"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),
+                        (dtype_bytes, "dtype_bytes")):
+        check_int(value, name, min=1)
+    plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=sharded.cp_size, layout=sharded.layout,
+                       window=sharded.plan_window)
+    return _plan_memory(plan, _np64(sharded.global_params.cu_seqlens, "cu_seqlens"), num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, causal=causal,
+                        window=window)
 
 
 def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
                    causal: bool = True, window: int | None = None, hardware: Hardware = DEFAULT_HARDWARE,
-                   overlap: bool = True) -> str:
+                   overlap: bool = True, memory_budget: int | None = None) -> str:
     """``backend="auto"``'s choice among ``TIMED_BACKENDS``: the lowest modelled busiest-rank time
     (:func:`backend_times`); within 1% a tie, which goes to the first of ``TIMED_BACKENDS``. With ``cp_size ==
-    1`` the all-gather backend (nothing to communicate).
+    1`` the all-gather backend (nothing to communicate). ``memory_budget`` (bytes, ``AttentionOptions``): only the
+    backends whose modelled peak per layer (:func:`backend_memory`) fits; a ValueError when none does.
 
     >>> import cp_packing
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1] * 4 + [2] * 4 + [3] * 8]))
@@ -644,9 +684,23 @@ def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> choose_backend(s, num_heads=4, num_kv_heads=4, head_dim=8)  # only rank 1 needs keys, and few
     'exchange'
     """
+    shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                  causal=causal, window=window)
+    fits = None
+    if memory_budget is not None:
+        check_int(memory_budget, "memory_budget", min=1)
+        peaks = {name: peak for name, (_, peak) in backend_memory(sharded, **shapes).items()}
+        fits = {name for name, peak in peaks.items() if peak <= memory_budget}
+        if not fits:
+            best_name = min(peaks, key=peaks.get)
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes fits no backend: the smallest modelled peak per attention layer "
+                f"is {peaks[best_name]} bytes ({best_name!r}; {', '.join(f'{n}={p}' for n, p in peaks.items())}); "
+                "raise the budget, use more CP ranks (fewer tokens per rank), or memory_budget=None")
     if sharded.cp_size == 1:
         return "allgather"
-    times = backend_times(sharded, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          dtype_bytes=dtype_bytes, causal=causal, window=window, hardware=hardware, overlap=overlap)
+    times = backend_times(sharded, hardware=hardware, overlap=overlap, **shapes)
+    if fits is not None:
+        times = {name: t for name, t in times.items() if name in fits}
     best = min(times.values())
     return next(name for name in TIMED_BACKENDS if name in times and times[name] <= best * 1.01)

@@ -44,6 +44,9 @@ class AttentionOptions:
             divisor of the key/value heads, smaller saves memory).
         hardware: the rates ``backend="auto"``'s step-time model prices with (a ``cp_packing.cost.Hardware``;
             ``None``: ``cost.DEFAULT_HARDWARE``, an H100-class node with InfiniBand between nodes).
+        memory_budget: bytes one attention layer may allocate at a rank (forward or backward, above its inputs):
+            ``backend="auto"`` only picks a backend whose modelled peak (``cp_packing.cost.backend_memory``) fits,
+            and raises a ValueError when none does (``None``: no budget).
         check_layers: every layer's call checked against the other ranks (a small agreement per layer, so a per-layer
             mistake on one rank raises everywhere): ``True``, ``False``, or ``None`` = the first
             :data:`CHECKED_STEPS` steps of a CP group.
@@ -66,6 +69,7 @@ class AttentionOptions:
     heads_k_stride: int | None = None
     hardware: Any = None
     check_layers: bool | None = None
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", *BACKENDS):
@@ -92,6 +96,8 @@ class AttentionOptions:
             check_int(self.heads_k_stride, "heads_k_stride", min=1)
         if self.check_layers is not None:
             check_bool(self.check_layers, "check_layers")
+        if self.memory_budget is not None:
+            check_int(self.memory_budget, "memory_budget", min=1)
         if self.hardware is not None:
             from cp_packing.cost import Hardware
 

@@ -52,3 +52,12 @@ def test_bench_planner_quick_times_local_beside_the_metadata_and_the_min_heap():
     out = _quick("bench_planner.py")
     rows = [line for line in out.splitlines() if line.startswith("| lognormal") or line.startswith("| huge")]
     assert len(rows) == 8 and all(len(row.split("|")) == 14 for row in rows), out
+
+
+@pytest.mark.distributed
+def test_bench_memory_quick_measures_every_backend_and_layout():
+    out = _quick("bench_memory.py")
+    for backend in ("allgather", "exchange", "ulysses", "hybrid"):
+        for layout in ("contiguous", "zigzag", "balanced", "local"):
+            assert f"| {backend} | {layout} |" in out
+    assert "| cp 2, busiest rank |" in out and "one process (cp 1)" in out

@@ -441,26 +441,74 @@ def test_a_per_layer_window_refuses_a_cost_that_could_overflow():
         causal_cost(cu, torch.tensor([0]), torch.tensor([1]), window=[None, None, None])
 
 
-def test_the_step_time_model_picks_layout_and_backend_together():
-    """choose_step: the (layout, backend) with the least modelled busiest-rank time; the exchange where documents
-    fit on ranks (it moves nothing), the all-gather or Ulysses where one long document makes the need everything;
-    slower links across nodes make communication weigh more."""
-    from cp_packing.cost import Hardware, choose_step
+def test_the_step_time_model_picks_the_backend():
+    """choose_backend (backend="auto"): the least modelled busiest-rank time; the exchange where documents fit on
+    ranks (it moves nothing); slower links across nodes make communication weigh more."""
+    from cp_packing.cost import Hardware, backend_times, choose_backend
 
     blocks = packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8]))
-    layout, backend, table = choose_step(blocks, cp_size=4, num_heads=4, num_kv_heads=4, head_dim=8)
-    assert backend == "exchange" and table[(layout, backend)] == min(table.values())
-    doc_ids = synthetic_doc_ids("lognormal", 8, 8192, seed=3)
-    params = packed_seq_params_from_doc_ids(doc_ids)
-    kw = dict(cp_size=8, num_heads=32, num_kv_heads=8, head_dim=128)
-    layout, backend, table = choose_step(params, **kw)
-    assert table[(layout, backend)] <= min(table.values()) * 1.01
-    assert table[(layout, backend)] <= table[("balanced", "allgather")]  # never worse than today's default
+    s = shard_packed_seq_params(blocks, cp_size=4, cp_rank=0, layout="contiguous")
+    assert choose_backend(s, num_heads=4, num_kv_heads=4, head_dim=8) == "exchange"
+    params = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 8, 8192, seed=3))
+    s = shard_packed_seq_params(params, cp_size=8, cp_rank=0, layout="balanced")
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+    times = backend_times(s, **kw)
+    assert times[choose_backend(s, **kw)] <= min(times.values()) * 1.01
     slow = Hardware(inter_node_bytes=1e9, gpus_per_node=4)  # cp 8 crosses nodes on a slow network
-    _, _, slow_table = choose_step(params, hardware=slow, **kw)
-    assert slow_table[("balanced", "allgather")] > table[("balanced", "allgather")]
+    assert backend_times(s, hardware=slow, **kw)["allgather"] > times["allgather"]
     with pytest.raises(ValueError, match="flops must be a finite rate > 0"):
         Hardware(flops=float("inf"))
+
+
+def _memory_case(layout: str, cp: int = 4):
+    params = packed_seq_params_from_doc_ids(synthetic_doc_ids("lognormal", 1, 4096, seed=1, median=512, multiple=8))
+    return params, shard_packed_seq_params(params, cp_size=cp, cp_rank=0, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "local"])
+def test_memory_model_saved_is_the_share_and_the_exchange_peaks_below_the_allgather(layout):
+    """backend_memory: every backend saves the rank's share of the one-process figure (they send again in
+    backward); more ranks, less peak; the exchange's and the all-gather's peaks grow with the keys a rank needs
+    (zigzag needs nearly every key, local few)."""
+    from cp_packing.cost import backend_memory
+
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64)
+    params, s = _memory_case(layout)
+    one = backend_memory(shard_packed_seq_params(params, cp_size=1, cp_rank=0, layout="contiguous"), **kw)
+    four = backend_memory(s, **kw)
+    assert set(four) == {"allgather", "exchange", "ulysses"}
+    assert {saved for saved, _ in four.values()} == {one["allgather"][0] // 4}
+    local = backend_memory(_memory_case("local")[1], **kw)
+    if layout == "zigzag":
+        assert four["exchange"][1] > local["exchange"][1] and four["allgather"][1] > local["allgather"][1]
+    assert all(peak < one["allgather"][1] for _, peak in four.values())
+    assert all(peak > saved // 2 for saved, peak in four.values())  # at least the output and the gradients
+
+
+def test_memory_budget_excludes_backends_that_do_not_fit():
+    """AttentionOptions(memory_budget=...) reaches auto: a budget under the all-gather's modelled peak but over the
+    exchange's picks the exchange even where the time model prefers the all-gather; none fits: a clear error."""
+    from cp_packing.attention.plan import AttentionShapes, _choose_backend
+    from cp_packing.cost import Hardware, backend_memory
+    from cp_packing.options import AttentionOptions
+
+    params = packed_seq_params_from_doc_ids(torch.tensor([[1] * 64]))  # one document: the exchange needs it all
+    s = shard_packed_seq_params(params, cp_size=4, cp_rank=1, layout="contiguous")
+    memory = backend_memory(s, num_heads=4, num_kv_heads=1, head_dim=8, dtype_bytes=4)
+    slow = Hardware(flops=1e30)  # compute is free: the fewest bytes win, and the exchange ties the all-gather
+
+    def auto(**options):
+        return _choose_backend(s, AttentionOptions(hardware=slow, **options), AttentionShapes(4, 1, 8, torch.float32),
+                               "cpu", causal=True, window=None, softcap=None, sinks=False)
+
+    assert auto() == "allgather"  # the time model's tie
+    budget = memory["allgather"][1] - 1
+    fits = [name for name, (_, peak) in memory.items() if peak <= budget]
+    assert fits and auto(memory_budget=budget) in fits
+    with pytest.raises(ValueError, match="memory_budget=1 bytes fits no backend"):
+        auto(memory_budget=1)
+    with pytest.raises(ValueError, match="memory_budget"):
+        AttentionOptions(memory_budget=0)
 
 
 def test_auto_prices_with_the_options_hardware():

@@ -354,7 +354,8 @@ def test_rows_moved_are_exactly_the_needed_keys(cp):
 def test_overlap_runs_the_local_part_while_the_keys_travel(cp):
     """With overlap (no window), where this rank receives keys: forward = all-to-all, the local kernel, wait, the
     remote kernel; backward = the all-to-all again, the local backward, wait, the remote part's backward, then the
-    gradients' all-to-all. Serialized (or under a window): wait before the one kernel call."""
+    gradients' all-to-all. Serialized (or under a window): wait before the one kernel call (a backward part with
+    more keys than queries runs per key/value head under GQA: consecutive calls count as one)."""
     results = _results(cp)
     serial_backward = ["all_to_all_single", "wait", "bwd", "all_to_all_single", "wait"]
     for case in _cases(cp):
@@ -363,6 +364,8 @@ def test_overlap_runs_the_local_part_while_the_keys_travel(cp):
             if not r["communicate"] or case.layers > 1:
                 continue
             kinds = [e[0] for e in r["events"]]
+            # a part's backward may run one key/value head at a time (kernels.run_backward_per_kv_head): one call
+            kinds = [k for i, k in enumerate(kinds) if k != "bwd" or i == 0 or kinds[i - 1] != "bwd"]
             where = f"cp={cp} rank {rank} {case.name}: {kinds}"
             if sum(r["recv_splits"]) == 0:  # nothing to attend remotely: one kernel call each way
                 assert kinds == ["all_to_all_single", "wait", "fwd", *serial_backward], where

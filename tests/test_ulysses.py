@@ -100,13 +100,14 @@ def _dist_bytes(rank, world_size, H, H_kv):
 @pytest.mark.distributed
 def test_ulysses_all_to_all_moves_the_expected_elements():
     """Forward: one all-to-all of q, k, v ((H + 2 H_kv rep) head-slices of T_local tokens) and one of the output
-    (H); backward: dout (H) and dq, dk, dv (H + 2 H_kv rep). With H_kv=1 < cp=4 each key/value head goes out 4 times."""
+    (H); backward (nothing of the head shard is saved): dout and out (2 H), q, k, v again and dq, dk, dv
+    (H + 2 H_kv rep each). With H_kv=1 < cp=4 each key/value head goes out 4 times."""
     cp, H, H_kv, rep = 4, 8, 1, 4
     T_local = 2 * 8 * cp // cp
     for errs, sent in run_distributed(_dist_bytes, cp, H, H_kv, timeout=TIMEOUT):
         assert max(errs.values()) < TOL, errs
         qkv = (H + 2 * H_kv * rep) * T_local * D
-        assert sent == [qkv, H * T_local * D, H * T_local * D, qkv], sent
+        assert sent == [qkv, H * T_local * D, 2 * H * T_local * D, qkv, qkv], sent
 
 
 def _dist_forward_bytes(rank, world_size, cases):

@@ -24,7 +24,8 @@ from cp_packing.layouts.need import chunked_segments, split_plan
 from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = ["AllGatherKeys", "allgather_keys", "backward", "backward_impl", "build_key_index",
-           "build_tables", "fake", "forward", "forward_impl", "from_wire", "lse_like", "to_wire"]
+           "build_tables", "fake", "forward", "forward_impl", "from_wire", "gather_keys", "lse_like", "scatter_keys",
+           "to_wire"]
 
 
 # -------------------------------------------------------------------------------------------------- key index
@@ -155,37 +156,46 @@ def build_key_index(
 # One forward and one backward, run by the attention op (ops.py) and by the hybrid backend.
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if group is None:
-        return k, v
-    return all_gather_tokens(k, group, cp_size), all_gather_tokens(v, group, cp_size)
+def gather_keys(x: torch.Tensor, keys: AllGatherKeys, group, cp_size: int) -> torch.Tensor:
+    """``x`` ``[T_local, H_kv, D]`` all-gathered and its keys selected: ``[N_k, H_kv, D]`` (the gathered buffer is
+    freed on return unless the keys are a view of it). K and V go one after the other, so at most one gathered
+    buffer is live beside the selected keys."""
+    return keys.select(x if group is None else all_gather_tokens(x, group, cp_size))
 
 
 def forward_impl(q, k, v, sinks, keys: AllGatherKeys, group, cp_size: int, scale: float | None, causal: bool,
                  kernel: str, window: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather K/V, select each run's keys, the kernel: ``out [T_local, H, D]``, ``lse [H, T_local]`` (sinks in)."""
-    k_all, v_all = _gather_kv(k, v, group, cp_size)  # [cp * T_local, H_kv, D]
-    return kernels.run_forward(kernel, q, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
-                               keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale, causal, window,
-                               softcap, sinks)
+    k_keys = gather_keys(k, keys, group, cp_size)  # [N_k, H_kv, D]
+    v_keys = gather_keys(v, keys, group, cp_size)
+    return kernels.run_forward(kernel, q, k_keys, v_keys, keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+                               keys.max_seqlen_k, scale, causal, window, softcap, sinks)
 
 
 def backward_impl(dout, q, k, v, sinks, out, lse, keys: AllGatherKeys, group, cp_size: int, scale: float | None,
                   causal: bool, kernel: str, window: int | None, softcap: float | None):
     """Re-gather K/V, the kernel's backward from the saved ``out``/``lse``, reduce-scatter dK/dV:
-    ``(dq, dk, dv, dsinks)`` (``dsinks`` None without sinks)."""
-    k_all, v_all = _gather_kv(k, v, group, cp_size)  # re-gathered: only local tensors were saved
-    dq, dk_keys, dv_keys = kernels.run_backward(kernel, dout, q, keys.select(k_all), keys.select(v_all), out, lse,
-                                                keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
-                                                keys.max_seqlen_k, scale, causal, window, softcap)
+    ``(dq, dk, dv, dsinks)`` (``dsinks`` None without sinks). Each gathered or full-size buffer is freed once
+    used (K's before V's is gathered; dK reduce-scattered before dV's full-size buffer is made)."""
+    k_keys = gather_keys(k, keys, group, cp_size)  # re-gathered: only local tensors were saved
+    v_keys = gather_keys(v, keys, group, cp_size)
+    dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(kernel, dout, q, k_keys, v_keys, out, lse, keys.cu_seqlens_q,
+                                                keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, scale,
+                                                causal, window, softcap)
+    del k_keys, v_keys
     # this rank's queries' share of the sinks' gradient: the shares sum over the CP group to the batch's
     dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None else None
-    total = k_all.shape[0]
-    dk_all, dv_all = keys.scatter_add(dk_keys, total), keys.scatter_add(dv_keys, total)  # [cp * T_local, H_kv, D]
-    if group is not None:
-        dk_all = reduce_scatter_tokens(dk_all, group, cp_size)  # [T_local, H_kv, D]
-        dv_all = reduce_scatter_tokens(dv_all, group, cp_size)
-    return dq, dk_all, dv_all, dsinks
+    total = cp_size * k.shape[0]
+    dk = scatter_keys(dk_keys, keys, total, group, cp_size)  # [T_local, H_kv, D]
+    del dk_keys
+    dv = scatter_keys(dv_keys, keys, total, group, cp_size)
+    return dq, dk, dv, dsinks
+
+
+def scatter_keys(grad_keys, keys: AllGatherKeys, total: int, group, cp_size: int) -> torch.Tensor:
+    """Adjoint of :func:`gather_keys`: ``[N_k, ...]`` onto the gathered rows, reduce-scattered (SUM)."""
+    full = keys.scatter_add(grad_keys, total)  # [cp * T_local, H_kv, D]
+    return full if group is None else reduce_scatter_tokens(full, group, cp_size)
 
 
 # --------------------------------------------------------------------------------- the step plan's tables

@@ -202,8 +202,9 @@ def _merge(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)  # [H, T]
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     out = out_a.to(lse.dtype, copy=True).mul_(torch.exp(lse_a - safe).T.unsqueeze(-1))  # 0 where a part is empty
-    out.addcmul_(out_b.to(lse.dtype), torch.exp(lse_b - safe).T.unsqueeze(-1))
-    return out.to(out_a.dtype), lse
+    del out_a
+    out.addcmul_(out_b, torch.exp(lse_b - safe).T.unsqueeze(-1))  # out_b promoted element by element, no copy
+    return out.to(out_b.dtype), lse
 
 
 def _a2a(buffer: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
@@ -216,25 +217,34 @@ def _send_kv(t: ExchangeTables, k, v, group):
     """Start the K/V exchange: ``(received [R, 2, H_kv, D], work)``, or ``(None, None)`` when nothing moves."""
     if not t.communicate:
         return None, None
-    return _a2a(torch.stack([k.index_select(0, t.send_index), v.index_select(0, t.send_index)], 1),
-                t.recv_splits, t.send_splits, group)
+    return _a2a(torch.stack([k, v], 1).index_select(0, t.send_index), t.recv_splits, t.send_splits, group)
 
 
-def _call(layer, q, k_buf, v_buf, t: ExchangeTables, keys: _Keys, causal):
-    return kernels.run_forward(layer.kernel, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index),
-                               t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, layer.scale,
-                               causal, layer.window, layer.softcap)
+def _select(k_buf, v_buf, keys: _Keys):
+    return k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index)
 
 
-def _call_backward(layer, dout, q, k_buf, v_buf, out, lse, t: ExchangeTables, keys: _Keys, causal):
-    """``(dq, dk, dv)`` of one call, dk/dv scattered back onto the buffer's rows."""
-    dq, dk_keys, dv_keys = kernels.run_backward(
-        layer.kernel, dout, q, k_buf.index_select(0, keys.index), v_buf.index_select(0, keys.index), out, lse,
-        t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q, keys.max_seqlen_k, layer.scale, causal, layer.window,
-        layer.softcap)
-    dk = torch.zeros_like(k_buf).index_add_(0, keys.index, dk_keys)
-    dv = torch.zeros_like(v_buf).index_add_(0, keys.index, dv_keys)
-    return dq, dk, dv
+def _call(layer, q, k_keys, v_keys, t: ExchangeTables, keys: _Keys, causal):
+    """One kernel call on selected keys (``_select``)."""
+    return kernels.run_forward(layer.kernel, q, k_keys, v_keys, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
+                               keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
+
+
+def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, rows: int):
+    """``(dq, grad)`` of one call on selected keys ``kv = [k_keys, v_keys]`` (emptied here, so they are freed once
+    used): ``grad`` ``[rows, 2, H_kv, D]``, their dK/dV added onto the buffer's rows (made after the kernel, so it
+    is not live beside the kernel's own buffers)."""
+    k_keys, v_keys = kv
+    kv.clear()
+    dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(
+        layer.kernel, dout, q, k_keys, v_keys, out, lse, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
+        keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
+    del k_keys, v_keys
+    grad = dk_keys.new_zeros((rows, 2, *dk_keys.shape[1:]))
+    grad[:, 0].index_add_(0, keys.index, dk_keys)
+    del dk_keys
+    grad[:, 1].index_add_(0, keys.index, dv_keys)
+    return dq, grad
 
 
 def _overlapped(t: ExchangeTables, layer) -> bool:
@@ -250,15 +260,18 @@ def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
         if work is not None:
             work.wait()
         if t.remote is None:
-            out, lse = _call(layer, q, k, v, t, t.local, t.causal)
+            out, lse = _call(layer, q, *_select(k, v, t.local), t, t.local, t.causal)
         else:
-            k_buf, v_buf = torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]])
-            out, lse = _call(layer, q, k_buf, v_buf, t, t.joint, t.causal)
+            selected = _select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)
+            del recv
+            out, lse = _call(layer, q, *selected, t, t.joint, t.causal)
     else:
-        out_a, lse_a = _call(layer, q, k, v, t, t.local, t.causal)  # while the keys are in flight
+        out_a, lse_a = _call(layer, q, *_select(k, v, t.local), t, t.local, t.causal)  # while the keys fly
         work.wait()
-        out_b, lse_b = _call(layer, q, recv[:, 0], recv[:, 1], t, t.remote, False)
+        selected = _select(recv[:, 0], recv[:, 1], t.remote)
         del recv
+        out_b, lse_b = _call(layer, q, *selected, t, t.remote, False)
+        del selected
         out, lse = _merge(out_a, lse_a, out_b, lse_b)
     if sinks is not None:
         out, lse = kernels.add_sinks(out, lse, sinks)
@@ -268,37 +281,43 @@ def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
 def backward(dout, q, k, v, sinks, saved, tables, layer):
     """The op's backward: the keys are exchanged AGAIN (nothing received is kept for backward: saved memory is the
     layer's local tensors only), the local part's backward runs while they are in flight, then the remote part's,
-    and the reverse all-to-all returns every received key's dK/dV to its owner: ``(dq, dk, dv, dsinks)``."""
+    and the reverse all-to-all returns every received key's dK/dV to its owner: ``(dq, dk, dv, dsinks)``.
+    dK/dV build up in place: one ``[T_local, 2, H_kv, D]`` buffer for the held keys, one ``[R, 2, H_kv, D]`` for
+    the received ones (what the reverse all-to-all sends)."""
     out, lse = saved
     t = from_wire(tables)
     T_local = k.shape[0]
     recv, work = _send_kv(t, k, v, layer.group)
+    received = 0 if recv is None else recv.shape[0]
+    grad_recv = k.new_zeros((0, 2, *k.shape[1:]))  # dK/dV of the received keys (none received)
     if not _overlapped(t, layer):
         if work is not None:
             work.wait()
         if t.remote is None:
-            dq, dk, dv = _call_backward(layer, dout, q, k, v, out, lse, t, t.local, t.causal)
-            grad_recv = k.new_zeros((0, 2, *k.shape[1:]))
+            dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local,
+                                            t.causal, T_local)
         else:
-            k_buf, v_buf = torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]])
+            selected = [*_select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)]
             del recv
-            dq, dk_buf, dv_buf = _call_backward(layer, dout, q, k_buf, v_buf, out, lse, t, t.joint, t.causal)
-            dk, dv = dk_buf[:T_local], dv_buf[:T_local]
-            grad_recv = torch.stack([dk_buf[T_local:], dv_buf[T_local:]], 1)
+            dq, grad = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal, T_local + received)
+            grad_local, grad_recv = grad[:T_local], grad[T_local:]
     else:
-        dq, dk, dv = _call_backward(layer, dout, q, k, v, out, lse, t, t.local, t.causal)  # while the keys fly
+        dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal,
+                                        T_local)  # while the keys are in flight
         work.wait()
-        dq_b, dk_r, dv_r = _call_backward(layer, dout, q, recv[:, 0], recv[:, 1], out, lse, t, t.remote, False)
+        selected = [*_select(recv[:, 0], recv[:, 1], t.remote)]
         del recv
+        dq_b, grad_recv = _call_backward(layer, dout, q, selected, out, lse, t, t.remote, False, received)
         dq.add_(dq_b)
-        grad_recv = torch.stack([dk_r, dv_r], 1)
+        del dq_b
     if t.communicate:
         returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
+        del grad_recv
         work.wait()
-        dk = dk.index_add(0, t.send_index, returned[:, 0])  # every received key's gradient, back at its owner
-        dv = dv.index_add(0, t.send_index, returned[:, 1])
+        grad_local.index_add_(0, t.send_index, returned)  # every received key's gradient, back at its owner
+        del returned
     dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None else None
-    return dq, dk, dv, dsinks
+    return dq, grad_local[:, 0].contiguous(), grad_local[:, 1].contiguous(), dsinks
 
 
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:

@@ -13,8 +13,16 @@ from __future__ import annotations
 import torch
 
 from cp_packing.attention import kernels
-from cp_packing.attention.allgather import AllGatherKeys, build_key_index, from_wire, lse_like, to_wire
-from cp_packing.attention.comm import all_gather_tokens, heads_to_seq, reduce_scatter_tokens, seq_to_heads
+from cp_packing.attention.allgather import (
+    AllGatherKeys,
+    build_key_index,
+    from_wire,
+    gather_keys,
+    lse_like,
+    scatter_keys,
+    to_wire,
+)
+from cp_packing.attention.comm import heads_to_seq, seq_to_heads
 from cp_packing.attention.ulysses import (
     check_ulysses_heads,
     head_slice,
@@ -97,39 +105,56 @@ def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None
     return to_wire(_group_keys(ctx.sharded, ctx.options.ulysses_size, causal, ctx.device))
 
 
+def _head_shard(q, k, v, ugroup, U: int) -> list[torch.Tensor]:
+    """``[qh, kh, vh]``: the Ulysses group's tokens, this rank's heads (sent again in backward: nothing is saved)."""
+    k, v = replicate_kv(k, v, kv_replication(q.shape[1], k.shape[1], U))
+    return [x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U)]  # [U * T_local, h, D]
+
+
 def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
-    """The op's forward: ``[out, lse_h, qh, kh, vh, out_h]``."""
+    """The op's forward: ``[out, lse_h]`` (backward sends and gathers again: the layer saves its local tensors)."""
     ugroup, agroup = layer.subgroups
     U = layer.ulysses_size
     A = layer.cp_size // U
     keys = from_wire(tables)
-    k, v = replicate_kv(k, v, kv_replication(q.shape[1], k.shape[1], U))
-    qh, kh, vh = (x.contiguous() for x in seq_to_heads([q, k, v], ugroup, U))  # [U * T_local, h, D]
-    k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # [T, h_kv, D]
+    qh, kh, vh = _head_shard(q, k, v, ugroup, U)
+    k_keys = gather_keys(kh, keys, agroup, A)
+    del kh
+    v_keys = gather_keys(vh, keys, agroup, A)
+    del vh
     mine = head_slice(q.shape[1], U, layer.cp_rank % U)
-    out_h, lse = kernels.run_forward(layer.kernel, qh, keys.select(k_all), keys.select(v_all), keys.cu_seqlens_q,
-                                     keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k, layer.scale,
-                                     layer.causal, None, layer.softcap, None if sinks is None else sinks[mine])
+    out_h, lse = kernels.run_forward(layer.kernel, qh, k_keys, v_keys, keys.cu_seqlens_q, keys.cu_seqlens_k,
+                                     keys.max_seqlen_q, keys.max_seqlen_k, layer.scale, layer.causal, None,
+                                     layer.softcap, None if sinks is None else sinks[mine])
+    del qh, k_keys, v_keys
     (out,) = heads_to_seq([out_h], ugroup, U)
-    return [out, lse.contiguous(), qh, kh, vh, out_h]
+    return [out, lse.contiguous()]
 
 
 def backward(dout, q, k, v, sinks, saved, tables, layer):
-    """The op's backward (K/V re-gathered across the all-gather group): ``(dq, dk, dv, dsinks)``."""
-    _, lse, qh, kh, vh, out_h = saved
+    """The op's backward (q/k/v sent to the head shard and K/V gathered again): ``(dq, dk, dv, dsinks)``."""
+    out, lse = saved
     ugroup, agroup = layer.subgroups
     U = layer.ulysses_size
     A = layer.cp_size // U
     keys = from_wire(tables)
-    (douth,) = seq_to_heads([dout], ugroup, U)
-    k_all, v_all = (x if agroup is None else all_gather_tokens(x, agroup, A) for x in (kh, vh))  # re-gathered
-    dqh, dk_keys, dv_keys = kernels.run_backward(layer.kernel, douth, qh, keys.select(k_all), keys.select(v_all),
-                                                 out_h, lse, keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
+    douth, out_h = (x.contiguous() for x in seq_to_heads([dout, out], ugroup, U))
+    qh, kh, vh = _head_shard(q, k, v, ugroup, U)
+    total = kh.shape[0] * A  # rows of the gathered buffer
+    k_keys = gather_keys(kh, keys, agroup, A)
+    del kh
+    v_keys = gather_keys(vh, keys, agroup, A)
+    del vh
+    dqh, dk_keys, dv_keys = kernels.run_backward_per_kv_head(layer.kernel, douth, qh, k_keys, v_keys, out_h, lse,
+                                                 keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q,
                                                  keys.max_seqlen_k, layer.scale, layer.causal, None, layer.softcap)
+    del qh, k_keys, v_keys
     dsinks = sliced_sinks_grad(douth, out_h, lse, sinks, head_slice(q.shape[1], U, layer.cp_rank % U), True)
-    dkh, dvh = (keys.scatter_add(x, k_all.shape[0]) for x in (dk_keys, dv_keys))  # [T, h_kv, D]
-    if agroup is not None:
-        dkh, dvh = (reduce_scatter_tokens(x, agroup, A) for x in (dkh, dvh))  # [U * T_local, h_kv, D]
+    del douth, out_h
+    dkh = scatter_keys(dk_keys, keys, total, agroup, A)  # [U * T_local, h_kv, D]
+    del dk_keys
+    dvh = scatter_keys(dv_keys, keys, total, agroup, A)
+    del dv_keys
     dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ugroup, U)
     return (dq, *sum_replicas(dk, dv, kv_replication(q.shape[1], k.shape[1], U)), dsinks)
 
@@ -137,6 +162,4 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     U = layer.ulysses_size
     T, h = q.shape[0] * U, q.shape[1] // U
-    h_kv = k.shape[1] * kv_replication(int(q.shape[1]), int(k.shape[1]), U) // U
-    return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
-            k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
+    return [torch.empty_like(q), lse_like(q, T, h)]

@@ -64,6 +64,7 @@ __all__ = [
     "check_sinks",
     "resolve_kernel",
     "run_backward",
+    "run_backward_per_kv_head",
     "run_forward",
     "select_kernel",
     "sink_grad",
@@ -661,6 +662,25 @@ def run_backward(kernel: str, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """``varlen_attention_backward`` without its checks (see :func:`run_forward`): ``(dq, dk, dv)``."""
     return _BACKWARD[kernel](dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              _scale(scale, q.shape[2]), causal, window, softcap)
+
+
+def run_backward_per_kv_head(kernel: str, dout, q, k, v, out, lse, *meta):
+    """:func:`run_backward` one key/value head (and its query heads) at a time when there are more keys than
+    queries under GQA: flash-attn expands dK/dV to the query heads (``[T_k, H, D]`` each) inside its backward, and
+    a rank attending far more keys than it holds (the all-gather, the exchange's received keys) would hold that for
+    all of them. Attention is independent per head, so the result is the same; ``meta`` as :func:`run_backward`'s
+    arguments after ``lse``."""
+    H, H_kv = q.shape[1], k.shape[1]
+    if H == H_kv or k.shape[0] <= q.shape[0]:
+        return run_backward(kernel, dout, q, k, v, out, lse, *meta)
+    rep = H // H_kv
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for g in range(H_kv):
+        heads, kv = slice(g * rep, (g + 1) * rep), slice(g, g + 1)
+        dq[:, heads], dk[:, kv], dv[:, kv] = run_backward(
+            kernel, dout[:, heads].contiguous(), q[:, heads].contiguous(), k[:, kv].contiguous(),
+            v[:, kv].contiguous(), out[:, heads].contiguous(), lse[heads].contiguous(), *meta)
+    return dq, dk, dv
 
 
 def varlen_attention_forward(

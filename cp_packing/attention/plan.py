@@ -162,8 +162,8 @@ def _choose_backend(sharded: ShardedPackedSeqParams, options: AttentionOptions, 
         size = (shapes.dtype or DEFAULT_SHAPES.dtype).itemsize
         chosen = choose_backend(sharded, num_heads=shapes.num_heads, num_kv_heads=shapes.num_kv_heads,
                                 head_dim=shapes.head_dim, dtype_bytes=size, causal=causal, window=window,
-                                overlap=options.overlap, **({} if options.hardware is None else
-                                                            {"hardware": options.hardware}))
+                                overlap=options.overlap, memory_budget=options.memory_budget,
+                                **({} if options.hardware is None else {"hardware": options.hardware}))
         return "allgather" if chunk and chosen not in ("allgather", "exchange") else chosen
     _raise_refusal(backend_refusal(backend, layout=layout, causal=causal, window=window, softcap=softcap,
                                    sinks=sinks, kernel=options.kernel))

@@ -143,38 +143,49 @@ def _head_shapes(q, k, cp_size: int) -> tuple[int, int, int]:
     return q.shape[0] * cp_size, q.shape[1] // cp_size, k.shape[1] * rep // cp_size
 
 
+def _head_shard(q, k, v, group, cp_size: int, perm) -> list[torch.Tensor]:
+    """``[qh, kh, vh]``: every rank's tokens in global order, this rank's heads (k/v replicated first when ``cp``
+    does not divide their heads); the forward and, again, the backward (nothing of it is saved)."""
+    k, v = replicate_kv(k, v, kv_replication_factor(k.shape[1], cp_size))  # [T_local, H_kv * rep, D]
+    return [x.contiguous() for x in _to_global(seq_to_heads([q, k, v], group, cp_size), perm)]  # [T, h, D]
+
+
 def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
-    """The op's forward: ``[out, lse_h, qh, kh, vh, out_h]`` (the head shard is kept for backward)."""
+    """The op's forward: ``[out, lse_h]``. Backward sends q, k, v (and out) to the head shard again, so the layer
+    saves its local tensors only."""
     perm, cu_seqlens, max_seqlen = from_wire(tables)
     cp_size, group = layer.cp_size, layer.group
-    k, v = replicate_kv(k, v, kv_replication_factor(k.shape[1], cp_size))  # [T_local, H_kv * rep, D]
-    heads = _to_global(seq_to_heads([q, k, v], group, cp_size), perm)  # [T, H/cp | H_kv rep/cp, D]
-    qh, kh, vh = (x.contiguous() for x in heads)
+    qh, kh, vh = _head_shard(q, k, v, group, cp_size, perm)
     mine = head_slice(q.shape[1], cp_size, layer.cp_rank)
     out_h, lse = kernels.run_forward(layer.kernel, qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                      layer.scale, layer.causal, layer.window, layer.softcap,
                                      None if sinks is None else sinks[mine])  # [T, H/cp, D], [H/cp, T]
+    del qh, kh, vh
     (out,) = heads_to_seq(_to_gathered([out_h], perm), group, cp_size)
-    return [out, lse.contiguous(), qh, kh, vh, out_h]
+    return [out, lse.contiguous()]
 
 
 def backward(dout, q, k, v, sinks, saved, tables, layer):
     """The op's backward: ``(dq, dk, dv, dsinks)``."""
-    _, lse, qh, kh, vh, out_h = saved
+    out, lse = saved
     perm, cu_seqlens, max_seqlen = from_wire(tables)
     cp_size, group = layer.cp_size, layer.group
-    (douth,) = _to_global(seq_to_heads([dout], group, cp_size), perm)  # transposed output a2a
+    douth, out_h = (x.contiguous() for x in _to_global(seq_to_heads([dout, out], group, cp_size), perm))
+    qh, kh, vh = _head_shard(q, k, v, group, cp_size, perm)
     dqh, dkh, dvh = kernels.run_backward(layer.kernel, douth, qh, kh, vh, out_h, lse, cu_seqlens, cu_seqlens,
                                          max_seqlen, max_seqlen, layer.scale, layer.causal, layer.window,
                                          layer.softcap)
+    del qh, kh, vh
     dsinks = sliced_sinks_grad(douth, out_h, lse, sinks, head_slice(q.shape[1], cp_size, layer.cp_rank), True)
-    dq, dk, dv = heads_to_seq(_to_gathered([dqh, dkh, dvh], perm), group, cp_size)
+    del douth, out_h
+    grads = _to_gathered([dqh, dkh, dvh], perm)
+    del dqh, dkh, dvh
+    dq, dk, dv = heads_to_seq(grads, group, cp_size)
     return (dq, *sum_replicas(dk, dv, kv_replication_factor(k.shape[1], cp_size)), dsinks)
 
 
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
     from cp_packing.attention.allgather import lse_like
 
-    T, h, h_kv = _head_shapes(q, k, layer.cp_size)
-    return [torch.empty_like(q), lse_like(q, T, h), q.new_empty((T, h, q.shape[2])),
-            k.new_empty((T, h_kv, k.shape[2])), v.new_empty((T, h_kv, v.shape[2])), q.new_empty((T, h, q.shape[2]))]
+    T, h, _ = _head_shapes(q, k, layer.cp_size)
+    return [torch.empty_like(q), lse_like(q, T, h)]
