@@ -629,7 +629,8 @@ def shard_key_start_edited_between_layers(rank, world):
 
 @case("silent_wrong", 2, {r: ("AgreementError", r"disagree on causal") for r in (0, 1)},
       xfail=_AFTER + "the all-gather moves the same bytes whatever causal is: rank 1 runs layer 2 non-causally and "
-            "every rank returns, silently")
+            "every rank returns from this step; the NEXT step's agreement compares the layers' argument digests and "
+            "raises on every rank (tests/test_layer_arguments.py), so the wrong step is named, not repeated")
 def causal_differs_in_layer_2_after_checked_steps(rank, world):
     _warm_up(rank, world, dist.group.WORLD)
     causal_differs_in_layer_2(rank, world)
