@@ -46,7 +46,7 @@ from cp_packing.sharding import ShardedPackedSeqParams
 check_transformers_version()
 from transformers import Trainer  # noqa: E402 - after the version check
 
-__all__ = ["CPMesh", "CPTrainer", "CPTrainerMixin", "OutputProjection", "cp_batch", "cp_mesh_from_world",
+__all__ = ["CPMesh", "CPTrainer", "CPTrainerMixin", "OutputProjection", "cp_batch",
            "forward_hidden", "output_projection"]
 
 logger = logging.getLogger("cp_packing")
@@ -213,20 +213,6 @@ class _CPCollator:
         batch = _global_batch(self.inner(features), self.cp_size, self.layout)
         counts = torch.tensor([batch.doc_ids.numel(), int((batch.doc_ids != 0).sum())], dtype=torch.int64)
         return {**batch.tensors, "cp_num_tokens": counts}
-
-
-# -------------------------------------------------------------------------------------------------- the mesh
-
-
-def cp_mesh_from_world(cp_size: int) -> CPMesh:
-    """``CPMesh.from_world(cp_size)``: the DP x CP mesh of the initialised world (consecutive global ranks form a CP
-    group; without a process group, the one-process mesh). Kept for callers of the trainer's former mesh type:
-    ``cp_packing.trainer.CPMesh`` is :class:`cp_packing.groups.CPMesh`.
-
-    >>> cp_mesh_from_world(1).world_size  # no process group: one process
-    1
-    """
-    return CPMesh.from_world(cp_size)
 
 
 # ------------------------------------------------------------------------------------ the loss without the logits
