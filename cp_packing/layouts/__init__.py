@@ -14,8 +14,9 @@ run's last token, which is what the all-gather attention backend uses for every 
 
 ``PLANS`` maps each layout name to its all-ranks plan function (one module each: ``contiguous``, ``zigzag``,
 ``balanced``, ``local``; ``balanced`` and ``local`` depend on the attention's sliding ``window``, ``layouts/work.py``
-has the closed forms); :func:`layout_plan` validates and caches a plan, and a rank's runs are its slice
-(``RUNS``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md, docs/balance.md).
+has the closed forms); :func:`layout_plan` validates a plan and caches it (the one plan cache), and a rank's runs
+are its slice (``RUNS``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md,
+docs/balance.md).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import numpy as np
 import torch
 
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
-from cp_packing.layouts.balanced import balanced_plan_arrays, balanced_runs, planned_weights
+from cp_packing.layouts.balanced import balanced_plan, balanced_plan_arrays, balanced_runs, planned_weights
 from cp_packing.layouts.contiguous import contiguous_plan, contiguous_runs
-from cp_packing.layouts.local import local_plan_arrays, local_runs
+from cp_packing.layouts.local import local_plan, local_plan_arrays, local_runs
 from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan, zigzag_runs
 
 __all__ = [
@@ -50,9 +51,10 @@ __all__ = [
 RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 
-#: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights) -> (offsets [cp + 1],
-#: run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by position. ``weights``
-#: is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``, else None.
+#: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights, **options) ->
+#: (offsets [cp + 1], run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by
+#: position. ``weights`` is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``,
+#: else None. Not cached: ``layout_plan`` holds the one plan cache.
 PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays,
                            "local": local_plan_arrays}
 
@@ -117,17 +119,22 @@ class LayoutPlan:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(cu_bytes: bytes, cp_size: int, layout: str, weights: object) -> LayoutPlan:
+def _cached_plan(cu_bytes: bytes, cp_size: int, layout: str, weights: object, options: tuple = ()) -> LayoutPlan:
+    """The one plan cache of the library (``options``: the layout's parameters, ``(name, value)`` pairs)."""
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     if int(cu[-1]) == 0:
         z = np.zeros(0, dtype=np.int64)
         offsets, run_start, run_len = np.zeros(cp_size + 1, dtype=np.int64), z, z
     else:
-        offsets, run_start, run_len = PLANS[layout](cu, cp_size, weights)
+        offsets, run_start, run_len = PLANS[layout](cu, cp_size, weights, **dict(options))
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, run_start, run_len)]
     for a in arrays:
         a.flags.writeable = False
     return LayoutPlan(layout, cp_size, *arrays, int(cu[-1]))
+
+
+for _fn in (balanced_plan, local_plan):  # functools' hit/miss counts of the one cache, under the old names
+    _fn.cache_info, _fn.cache_clear = _cached_plan.cache_info, _cached_plan.cache_clear  # type: ignore[attr-defined]
 
 
 def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None) -> LayoutPlan:
@@ -152,6 +159,11 @@ def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: 
     >>> plan.offsets.tolist(), plan.run_start.tolist(), plan.run_len.tolist()
     ([0, 4, 6], [0, 3, 4, 7, 1, 5], [1, 1, 1, 1, 2, 2])
     """
+    return _layout_plan(cu_seqlens, cp_size, layout, window)
+
+
+def _layout_plan(cu_seqlens: torch.Tensor, cp_size: int, layout: str, window: object, options: tuple = ()):
+    """``layout_plan`` with the layout's ``options`` (``local``'s tolerance)."""
     check_cp(cp_size)
     check_layout(layout)
     window = check_windows(window)
@@ -160,7 +172,7 @@ def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: 
     if layout == "zigzag":
         check_zigzag_divisible(torch.from_numpy(cu), cp_size)
     weights = planned_weights(cu, cp_size, window) if layout in WINDOWED_LAYOUTS else None
-    return _cached_plan(cu.tobytes(), cp_size, layout, weights)
+    return _cached_plan(cu.tobytes(), cp_size, layout, weights, options)
 
 
 def layout_runs(
