@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_packing.cost import layout_cost
-from cp_packing.layouts import RUNS, global_token_order, layout_runs
+from cp_packing.layouts import PLANS, global_token_order, layout_runs
 from cp_packing.layouts import local as local_module
 from cp_packing.layouts.balanced import balanced_runs
-from cp_packing.layouts.local import TOLERANCE, local_plan, local_runs
+from cp_packing.layouts.local import TOLERANCE, local_plan, local_plan_arrays, local_runs
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
 from cp_packing.testing import synthetic_doc_ids
@@ -248,7 +248,7 @@ def test_the_tolerance_is_the_knob():
 
 def test_registered_as_a_layout_name():
     cu = packed_seq_params_from_doc_ids(lognormal(2048, 4, 1, t_local=512)).cu_seqlens
-    assert RUNS["local"] is local_runs
+    assert PLANS["local"] is local_plan_arrays
     offsets, run_start, run_len = local_plan(cu, cp_size=4, tolerance=TOLERANCE)  # what layout="local" uses
     for r in range(4):
         want = run_start[offsets[r] : offsets[r + 1]], run_len[offsets[r] : offsets[r + 1]]

@@ -15,7 +15,7 @@ run's last token, which is what the all-gather attention backend uses for every 
 ``PLANS`` maps each layout name to its all-ranks plan function (one module each: ``contiguous``, ``zigzag``,
 ``balanced``, ``local``; ``balanced`` and ``local`` depend on the attention's sliding ``window``, ``layouts/work.py``
 has the closed forms); :func:`layout_plan` validates a plan and caches it (the one plan cache), and a rank's runs
-are its slice (``RUNS``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md,
+are its slice (``layout_plan(...).runs(rank)``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md,
 docs/balance.md).
 """
 
@@ -29,15 +29,14 @@ import numpy as np
 import torch
 
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
-from cp_packing.layouts.balanced import balanced_plan, balanced_plan_arrays, balanced_runs, planned_weights
-from cp_packing.layouts.contiguous import contiguous_plan, contiguous_runs
-from cp_packing.layouts.local import local_plan, local_plan_arrays, local_runs
-from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan, zigzag_runs
+from cp_packing.layouts.balanced import balanced_plan, balanced_plan_arrays, planned_weights
+from cp_packing.layouts.contiguous import contiguous_plan
+from cp_packing.layouts.local import local_plan, local_plan_arrays
+from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan
 
 __all__ = [
     "LAYOUTS",
     "PLANS",
-    "RUNS",
     "LayoutPlan",
     "check_layout",
     "check_zigzag_divisible",
@@ -48,7 +47,6 @@ __all__ = [
     "layout_token_index",
 ]
 
-RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 
 #: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights, **options) ->
@@ -57,11 +55,6 @@ PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 #: else None. Not cached: ``layout_plan`` holds the one plan cache.
 PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays,
                            "local": local_plan_arrays}
-
-#: Layout name -> per-rank runs function ``(cu_seqlens, *, cp_size, cp_rank, window) -> (run_start, run_len)``
-#: (a slice of the layout's plan).
-RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs,
-                          "local": local_runs}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
 LAYOUTS = tuple(PLANS)

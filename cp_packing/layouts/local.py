@@ -548,7 +548,7 @@ def local_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights,
 def local_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: int | Sequence[int | None] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``local``, the ``RUNS`` contract of ``cp_packing.layouts``: its slice of
+    """Rank ``cp_rank``'s runs under ``local`` (``layout_runs(..., layout="local")``): its slice of
     ``local_plan`` at ``TOLERANCE``, int64 ``(run_start, run_len)`` on ``cu_seqlens.device``, ordered by global
     position, ``T // cp_size`` tokens (``window``: as in ``local_plan``; every rank must pass the same).
 
