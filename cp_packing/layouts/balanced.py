@@ -32,9 +32,9 @@ tokens; only the ``cp - 1`` fill cuts of step 4 can leave a shorter piece (and s
 
 The plan is a function of the ``cu_seqlens`` values, ``cp`` and the window only (integer math, stable sorts, float64
 steps that are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp, window weights)`` in the
-one plan cache of ``cp_packing.layouts`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a window
-at least as long as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on the host (a CUDA
-``cu_seqlens`` is copied: one host sync per call).
+one plan cache of ``cp_packing.layouts`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a
+window at least as long as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on
+the host (a CUDA ``cu_seqlens`` is copied: one host sync per call).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ rank. Picture, ``T = 12``, ``cp = 3``, segments ``A`` (7 tokens), ``B`` (3), ``C
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 __all__ = ["contiguous_plan"]
 

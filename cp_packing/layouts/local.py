@@ -55,7 +55,8 @@ segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is co
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ from cp_packing._checks import check_number
 from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs
 from cp_packing.layouts.work import WindowWeights, head_cost, range_cost
 
-__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
+__all__ = ["Local", "local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
 
 #: The knob: the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer remote keys, and
 #: (over ``_STUCK``) how far a rank may end from its share before a segment is folded to get it closer. Smaller: more
@@ -503,6 +504,26 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
                       np.concatenate([whole[ok], rank]), np.concatenate([np.zeros(ok.size, dtype=np.int64), pos0]), cp)
 
 
+@dataclass(frozen=True)
+class Local:
+    """The ``local`` layout with its knob, accepted wherever a layout name is: ``layout=Local(tolerance=0.05)``
+    (``"local"`` is ``Local()``). Its repr names the tolerance, so the step agreement's plan digest covers it.
+
+    >>> Local(tolerance=0)
+    Local(tolerance=0.0)
+    """
+
+    tolerance: float = TOLERANCE
+    name: ClassVar[str] = "local"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tolerance", check_number(self.tolerance, "tolerance", min=0.0))
+
+    def options(self) -> tuple:
+        """The plan's parameters past the defaults, ``(name, value)`` pairs (part of the plan cache's key)."""
+        return () if self.tolerance == TOLERANCE else (("tolerance", self.tolerance),)
+
+
 def local_plan(
     cu_seqlens: torch.Tensor, *, cp_size: int, window: int | Sequence[int | None] | None = None,
     tolerance: float = TOLERANCE,
@@ -531,10 +552,9 @@ def local_plan(
     >>> offsets.tolist(), run_start.tolist(), run_len.tolist()  # rank 0: the ring [0, 4) + [12, 16) of the long one
     ([0, 4, 7], [0, 12, 16, 18, 4, 20, 22], [4, 4, 2, 2, 8, 2, 2])
     """
-    from cp_packing.layouts import _layout_plan  # the one plan cache (the package imports this module)
+    from cp_packing.layouts import layout_plan  # the one plan cache (the package imports this module)
 
-    tol = check_number(tolerance, "tolerance", min=0.0)
-    plan = _layout_plan(cu_seqlens, cp_size, "local", window, () if tol == TOLERANCE else (("tolerance", tol),))
+    plan = layout_plan(cu_seqlens, cp_size=cp_size, layout=Local(tolerance=tolerance), window=window)
     return tuple(torch.from_numpy(a.copy()) for a in (plan.offsets, plan.run_start, plan.run_len))
 
 
