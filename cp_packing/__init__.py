@@ -64,9 +64,9 @@ def clear_caches() -> None:
     >>> clear_caches()
     """
     from cp_packing.attention import hybrid, kernels, ops, plan
-    from cp_packing.layouts import _cached_plan, balanced, choose, local
+    from cp_packing.layouts import _cached_plan, choose
 
-    for cached in (_cached_plan, balanced._cached_plan, local._cached_plan, choose._cached_choice,
+    for cached in (_cached_plan, choose._cached_choice,
                    kernels._parameter_names, ops._kernel, ops._decode):
         cached.cache_clear()
     plan.clear_caches()

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from cp_packing._checks import as_signed, check_bool, check_cp, check_tensor, check_windows
-from cp_packing.layouts import check_layout, expand_runs, global_token_order, layout_plan
+from cp_packing.layouts import Local, check_layout, expand_runs, global_token_order, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu
 from cp_packing.packed_seq import PackedSeqParams, check_params
 
@@ -37,7 +37,8 @@ class ShardedPackedSeqParams:
     """One CP rank's share of a packed batch; every field means the same thing in every layout.
 
     Attributes:
-        cp_size, cp_rank, layout: the CP group size, this rank, the layout name (``"auto"`` resolved).
+        cp_size, cp_rank, layout: the CP group size, this rank, the layout name (``"auto"`` resolved) or the layout
+            object given (``Local(tolerance=)``).
         global_params: the ``PackedSeqParams`` of the whole batch this shard came from.
         token_index: int64 ``[T_local]``, the global flat position of each local token.
         doc_ids: ``[T_local]`` (the map's dtype), this rank's slice of the doc map (for loss masking).
@@ -55,7 +56,7 @@ class ShardedPackedSeqParams:
 
     cp_size: int
     cp_rank: int
-    layout: str
+    layout: str | Local
     global_params: PackedSeqParams = field(repr=False)
     token_index: torch.Tensor
     doc_ids: torch.Tensor
@@ -138,7 +139,7 @@ class ShardedPackedSeqParams:
 
 
 def shard_packed_seq_params(
-    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str = "auto",
+    params: PackedSeqParams, *, cp_size: int, cp_rank: int, layout: str | Local = "auto",
     window: int | Sequence[int | None] | None = None,
 ) -> ShardedPackedSeqParams:
     """This rank's share of a packed batch: local tokens, positions, doc ids and runs.
@@ -152,7 +153,8 @@ def shard_packed_seq_params(
         cp_rank: this rank, in ``[0, cp_size)``.
         layout: ``"auto"`` (default: per batch, the valid layout with the lowest busiest-rank cost; the chosen name
             is in the result's ``layout``), ``"contiguous"``, ``"zigzag"`` (every segment a multiple of
-            ``2*cp_size``, see ``pad_segments``), ``"balanced"`` or ``"local"``. See docs/layouts.md.
+            ``2*cp_size``, see ``pad_segments``), ``"balanced"`` or ``"local"``, or a layout object that carries
+            its parameters (``cp_packing.layouts.Local(tolerance=)``). See docs/layouts.md.
         window: the model's sliding window, so that the work is balanced as the model does it: ``None`` (full
             causal), an int, or a per-layer list of ``int | None`` (``None`` = a global layer; the cost is the sum
             over the layers). A token at position ``p`` costs ``min(p + 1, window)``: ``balanced`` is planned for

@@ -11,12 +11,11 @@ import pytest
 import cp_packing
 from cp_packing import packed_seq_params_from_doc_ids, shard_packed_seq_params
 from cp_packing.attention import hybrid, kernels, ops, plan
-from cp_packing.layouts import _cached_plan, balanced, choose, local
+from cp_packing.layouts import _cached_plan, choose
 from cp_packing.testing import run_distributed, synthetic_doc_ids
 from tests.test_allgather_attention import compare
 
-LRU = {"layout plans": _cached_plan, "balanced plans": balanced._cached_plan, "local plans": local._cached_plan,
-       "auto layout choices": choose._cached_choice, "kernel signatures": kernels._parameter_names,
+LRU = {"layout plans": _cached_plan, "auto layout choices": choose._cached_choice, "kernel signatures": kernels._parameter_names,
        "resolved kernels": ops._kernel, "layer specs": ops._decode}
 
 

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from cp_packing.layouts import (
     LAYOUTS,
-    RUNS,
+    PLANS,
     check_layout,
     check_zigzag_divisible,
     expand_runs,
     global_token_order,
+    layout_plan,
     layout_runs,
     layout_token_index,
 )
@@ -38,15 +39,13 @@ def maps_for_every_layout(draw):
 
 
 def test_registry_names_one_all_ranks_plan_and_its_per_rank_slice_per_layout():
-    from cp_packing.layouts import PLANS, layout_plan
-
-    assert LAYOUTS == ("contiguous", "zigzag", "balanced", "local") == tuple(RUNS) == tuple(PLANS)
-    assert [fn.__module__ for fn in RUNS.values()] == [f"cp_packing.layouts.{name}" for name in LAYOUTS]
+    assert LAYOUTS == ("contiguous", "zigzag", "balanced", "local") == tuple(PLANS)
+    assert [fn.__module__ for fn in PLANS.values()] == [f"cp_packing.layouts.{name}" for name in LAYOUTS]
     cu = torch.tensor([0, 8, 16, 24, 32])
     for name in LAYOUTS:  # the per-rank runs are slices of the all-ranks plan
         plan = layout_plan(cu, cp_size=2, layout=name)
         for r in range(2):
-            start, length = RUNS[name](cu, cp_size=2, cp_rank=r)
+            start, length = layout_runs(cu, cp_size=2, cp_rank=r, layout=name)
             assert start.tolist() == plan.runs(r)[0].tolist() and length.tolist() == plan.runs(r)[1].tolist()
 
 

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_packing.cost import layout_cost
-from cp_packing.layouts import RUNS, global_token_order, layout_runs
+from cp_packing.layouts import PLANS, global_token_order, layout_runs
 from cp_packing.layouts import local as local_module
 from cp_packing.layouts.balanced import balanced_runs
-from cp_packing.layouts.local import TOLERANCE, local_plan, local_runs
+from cp_packing.layouts.local import TOLERANCE, local_plan, local_plan_arrays, local_runs
 from cp_packing.packed_seq import packed_seq_params_from_doc_ids
 from cp_packing.sharding import shard_packed_seq_params
 from cp_packing.testing import synthetic_doc_ids
@@ -248,7 +248,7 @@ def test_the_tolerance_is_the_knob():
 
 def test_registered_as_a_layout_name():
     cu = packed_seq_params_from_doc_ids(lognormal(2048, 4, 1, t_local=512)).cu_seqlens
-    assert RUNS["local"] is local_runs
+    assert PLANS["local"] is local_plan_arrays
     offsets, run_start, run_len = local_plan(cu, cp_size=4, tolerance=TOLERANCE)  # what layout="local" uses
     for r in range(4):
         want = run_start[offsets[r] : offsets[r + 1]], run_len[offsets[r] : offsets[r + 1]]
@@ -318,3 +318,39 @@ def test_bench_exchange_bytes_quick_runs():
     assert r.returncode == 0, r.stderr
     for line in ("lognormal 8k:", "min-heap+exchange", "targets:", "local's tolerance", "planning time"):
         assert line in r.stdout
+
+
+def test_a_layout_object_carries_its_tolerance():
+    """``Local(tolerance=)`` is accepted wherever a layout name is: its plan is the pure planner's at that tolerance
+    (not a cached plan of another tolerance), ``Local()`` is ``"local"``, and the shard and the agreement's plan
+    digest carry the tolerance."""
+    from cp_packing.agreement import digest
+    from cp_packing.layouts import Local, layout_plan
+    from cp_packing.layouts.balanced import planned_weights
+
+    doc_ids = lognormal(8192, 8, 0, t_local=1024)
+    params = packed_seq_params_from_doc_ids(doc_ids)
+    cu = params.cu_seqlens
+    cu_np = cu.to(torch.int64).numpy()
+    local_plan.cache_clear()
+    plans = {}
+    for tol in (0.0, 0.5, TOLERANCE):
+        plan = layout_plan(cu, cp_size=8, layout=Local(tolerance=tol))
+        want = local_plan_arrays(cu_np, 8, planned_weights(cu_np, 8, None), tolerance=tol)  # uncached
+        assert all(np.array_equal(a, b) for a, b in zip((plan.offsets, plan.run_start, plan.run_len), want)), tol
+        plans[tol] = plan.run_start.tolist(), plan.run_len.tolist()
+    assert plans[0.0] != plans[TOLERANCE]  # the map tells the tolerances apart, so the cache key must too
+    assert layout_plan(cu, cp_size=8, layout="local") is layout_plan(cu, cp_size=8, layout=Local())
+    assert local_plan.cache_info().misses == 3
+    sharded = shard_packed_seq_params(params, cp_size=8, cp_rank=3, layout=Local(tolerance=0.0))
+    plan = layout_plan(cu, cp_size=8, layout=Local(tolerance=0.0))
+    assert sharded.layout == Local(tolerance=0.0)
+    assert np.array_equal(sharded.token_index.numpy(), expand(*plan.runs(3)))
+    assert torch.equal(sharded.global_token_order()[3], sharded.token_index)
+    # the step agreement's "plan" digest hashes the layout's repr, which names the tolerance
+    assert repr(Local(tolerance=0)) == "Local(tolerance=0.0)"
+    assert digest(cu, Local(tolerance=0.0), 8, None) != digest(cu, Local(), 8, None) != digest(cu, "local", 8, None)
+    with pytest.raises(ValueError, match=r"tolerance must be >= 0\.0"):
+        Local(tolerance=-0.1)
+    with pytest.raises(TypeError, match="tolerance must be a number"):
+        layout_plan(cu, cp_size=8, layout=Local(tolerance="0.01"))

@@ -12,10 +12,12 @@ lies inside ONE segment::
 segment boundary, a run's keys under causal attention are the global tokens from its segment's start up to the
 run's last token, which is what the all-gather attention backend uses for every layout.
 
-``PLANS`` maps each layout name to its all-ranks plan function (one module each: ``contiguous``, ``zigzag``,
-``balanced``, ``local``; ``balanced`` and ``local`` depend on the attention's sliding ``window``, ``layouts/work.py``
-has the closed forms); :func:`layout_plan` validates and caches a plan, and a rank's runs are its slice
-(``RUNS``, :func:`layout_runs`). ``layout="auto"`` is ``layouts/choose.py`` (docs/layouts.md, docs/balance.md).
+``PLANS``, the one registry, maps each layout name to its pure all-ranks plan function (one module each:
+``contiguous``, ``zigzag``, ``balanced``, ``local``; ``balanced`` and ``local`` depend on the attention's sliding
+``window``, ``layouts/work.py`` has the closed forms). A layout is a name or a small frozen object that carries its
+parameters (``Local(tolerance=)``). :func:`layout_plan` validates a plan and caches it (the one plan cache); a rank's
+runs are its slice (``layout_plan(...).runs(rank)``, :func:`layout_runs`). ``layout="auto"`` is
+``layouts/choose.py`` (docs/layouts.md, docs/balance.md).
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ import numpy as np
 import torch
 
 from cp_packing._checks import check_choice, check_cp, check_cu_seqlens, check_divisible, check_windows
-from cp_packing.layouts.balanced import balanced_plan_arrays, balanced_runs, planned_weights
-from cp_packing.layouts.contiguous import contiguous_plan, contiguous_runs
-from cp_packing.layouts.local import local_plan_arrays, local_runs
-from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan, zigzag_runs
+from cp_packing.layouts.balanced import balanced_plan, balanced_plan_arrays, planned_weights
+from cp_packing.layouts.contiguous import contiguous_plan
+from cp_packing.layouts.local import Local, local_plan, local_plan_arrays
+from cp_packing.layouts.zigzag import check_zigzag_divisible, zigzag_plan
 
 __all__ = [
     "LAYOUTS",
+    "Local",
     "PLANS",
-    "RUNS",
     "LayoutPlan",
     "check_layout",
     "check_zigzag_divisible",
@@ -47,19 +49,14 @@ __all__ = [
     "layout_token_index",
 ]
 
-RunsFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 PlanFn = Callable[..., "tuple[np.ndarray, np.ndarray, np.ndarray]"]
 
-#: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights) -> (offsets [cp + 1],
-#: run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by position. ``weights``
-#: is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``, else None.
+#: Layout name -> pure all-ranks plan function ``(cu int64 [N + 1] NumPy, cp_size, weights, **options) ->
+#: (offsets [cp + 1], run_start [R], run_len [R])``: rank r's runs are ``[offsets[r], offsets[r + 1])``, ordered by
+#: position. ``weights`` is ``balanced.planned_weights(cu, cp_size, window)`` for the layouts of ``WINDOWED_LAYOUTS``,
+#: else None. Not cached: ``layout_plan`` holds the one plan cache.
 PLANS: dict[str, PlanFn] = {"contiguous": contiguous_plan, "zigzag": zigzag_plan, "balanced": balanced_plan_arrays,
                            "local": local_plan_arrays}
-
-#: Layout name -> per-rank runs function ``(cu_seqlens, *, cp_size, cp_rank, window) -> (run_start, run_len)``
-#: (a slice of the layout's plan).
-RUNS: dict[str, RunsFn] = {"contiguous": contiguous_runs, "zigzag": zigzag_runs, "balanced": balanced_runs,
-                          "local": local_runs}
 
 #: The layout names, in order of preference on a tie (``choose_layout``).
 LAYOUTS = tuple(PLANS)
@@ -68,13 +65,14 @@ LAYOUTS = tuple(PLANS)
 WINDOWED_LAYOUTS = ("balanced", "local")
 
 
-def check_layout(layout: object) -> str:
-    """``layout`` if it names a layout of ``LAYOUTS``; else a ValueError listing them.
+def check_layout(layout: object) -> str | Local:
+    """``layout`` if it names a layout of ``LAYOUTS`` or is a layout object (:class:`Local`); else a ValueError
+    listing them.
 
     >>> check_layout("zigzag")
     'zigzag'
     """
-    return check_choice(layout, "layout", LAYOUTS)
+    return layout if isinstance(layout, Local) else check_choice(layout, "layout", LAYOUTS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +80,7 @@ class LayoutPlan:
     """Every rank's runs of one layout on one batch (read-only NumPy int64; shared: hand out copies).
 
     Attributes:
-        layout, cp_size: the layout and the CP group size.
+        layout, cp_size: the layout's name and the CP group size.
         offsets: ``[cp + 1]``: rank r's runs are ``[offsets[r], offsets[r + 1])``.
         run_start, run_len: ``[R]``: global start and length of every run, each inside one segment, ranks in order,
             a rank's runs ordered by position.
@@ -117,27 +115,33 @@ class LayoutPlan:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(cu_bytes: bytes, cp_size: int, layout: str, weights: object) -> LayoutPlan:
+def _cached_plan(cu_bytes: bytes, cp_size: int, layout: str, weights: object, options: tuple = ()) -> LayoutPlan:
+    """The one plan cache of the library (``options``: the layout's parameters, ``(name, value)`` pairs)."""
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     if int(cu[-1]) == 0:
         z = np.zeros(0, dtype=np.int64)
         offsets, run_start, run_len = np.zeros(cp_size + 1, dtype=np.int64), z, z
     else:
-        offsets, run_start, run_len = PLANS[layout](cu, cp_size, weights)
+        offsets, run_start, run_len = PLANS[layout](cu, cp_size, weights, **dict(options))
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (offsets, run_start, run_len)]
     for a in arrays:
         a.flags.writeable = False
     return LayoutPlan(layout, cp_size, *arrays, int(cu[-1]))
 
 
-def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None) -> LayoutPlan:
+for _fn in (balanced_plan, local_plan):  # functools' hit/miss counts of the one cache, under the old names
+    _fn.cache_info, _fn.cache_clear = _cached_plan.cache_info, _cached_plan.cache_clear  # type: ignore[attr-defined]
+
+
+def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str | Local, window: object = None) -> LayoutPlan:
     """Every rank's runs of ``layout`` on this batch: validated once, planned once per ``(cu_seqlens values,
-    cp_size, layout, window)`` (cached), a host copy of ``cu_seqlens`` per call.
+    cp_size, layout and its parameters, window)`` (cached), a host copy of ``cu_seqlens`` per call.
 
     Args:
         cu_seqlens: int ``[num_segments + 1]`` global cumulative segment lengths (the seed's; CPU or CUDA).
         cp_size: the context-parallel group size.
-        layout: one of :data:`LAYOUTS` (``"contiguous"``, ``"zigzag"``, ``"balanced"``, ``"local"``).
+        layout: one of :data:`LAYOUTS` (``"contiguous"``, ``"zigzag"``, ``"balanced"``, ``"local"``), or a layout
+            object that carries its parameters (``Local(tolerance=)``).
         window: the attention's sliding window(s) that window-aware layouts (``balanced``, ``local``) plan for
             (``None``, an int or a per-layer list of ``int | None``); the others do not depend on it.
 
@@ -154,17 +158,18 @@ def layout_plan(cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: 
     """
     check_cp(cp_size)
     check_layout(layout)
+    name, options = (layout.name, layout.options()) if isinstance(layout, Local) else (layout, ())
     window = check_windows(window)
     cu = check_cu_seqlens(cu_seqlens)
     check_divisible(int(cu[-1]), cp_size)
-    if layout == "zigzag":
+    if name == "zigzag":
         check_zigzag_divisible(torch.from_numpy(cu), cp_size)
-    weights = planned_weights(cu, cp_size, window) if layout in WINDOWED_LAYOUTS else None
-    return _cached_plan(cu.tobytes(), cp_size, layout, weights)
+    weights = planned_weights(cu, cp_size, window) if name in WINDOWED_LAYOUTS else None
+    return _cached_plan(cu.tobytes(), cp_size, name, weights, options)
 
 
 def layout_runs(
-    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str | Local, window: object = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The runs of global tokens that rank ``cp_rank`` holds, in local order: a slice of :func:`layout_plan`.
 
@@ -224,7 +229,7 @@ def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> t
 
 
 def layout_token_index(
-    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str, window: object = None
+    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str | Local, window: object = None
 ) -> torch.Tensor:
     """int64 ``[T_local]``: global flat position of each token that rank ``cp_rank`` holds, in local order
     (``window``: as in ``layout_plan``).
@@ -238,7 +243,7 @@ def layout_token_index(
 
 
 def global_token_order(
-    cu_seqlens: torch.Tensor, *, cp_size: int, layout: str, window: object = None
+    cu_seqlens: torch.Tensor, *, cp_size: int, layout: str | Local, window: object = None
 ) -> torch.Tensor:
     """int64 ``[cp_size, T_local]`` on ``cu_seqlens.device``: row r is rank r's ``token_index`` (``window``: as in
     ``layout_plan``). One plan and one pass over T for all ranks.

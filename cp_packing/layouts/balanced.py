@@ -31,15 +31,14 @@ segment on one rank are merged. Pieces cut on purpose (long chunks, mid pieces) 
 tokens; only the ``cp - 1`` fill cuts of step 4 can leave a shorter piece (and short documents stay whole).
 
 The plan is a function of the ``cu_seqlens`` values, ``cp`` and the window only (integer math, stable sorts, float64
-steps that are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp, window weights)`` with
-``functools.lru_cache`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a window at least as long
-as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on the host (a CUDA
-``cu_seqlens`` is copied: one host sync per call).
+steps that are the same wherever the same NumPy runs), cached per ``(cu_seqlens bytes, cp, window weights)`` in the
+one plan cache of ``cp_packing.layouts`` (the weights of ``window_weights(window, max_seqlen=, reduce=True)``: a
+window at least as long as every segment plans exactly as no window, and ``[w] * 32`` as ``w``); it runs in NumPy on
+the host (a CUDA ``cu_seqlens`` is copied: one host sync per call).
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from typing import Sequence
@@ -47,11 +46,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cp, check_cu_seqlens, check_divisible, check_weighted_cost_tokens
+from cp_packing._checks import check_weighted_cost_tokens
 from cp_packing.layouts.work import WindowWeights, head_cost, range_cost, window_weights
 
 __all__ = ["balanced_plan", "balanced_plan_arrays", "balanced_runs", "contiguous_plan_arrays", "merge_runs",
-           "plan_key", "planned_weights", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
+           "planned_weights", "MIN_CHUNK", "HEAVY", "LPT_FRACTION", "LPT_ROUNDS"]
 
 #: The smallest piece the planner cuts on purpose. Short runs waste the tiles of a flash kernel.
 MIN_CHUNK = 32
@@ -64,8 +63,6 @@ LPT_FRACTION = 0.0005
 #: Twice as many under a window: there, every document longer than the window costs about ``w`` per token, far above
 #: the short ones, so more items carry an excess the fill would pour unevenly.
 LPT_ROUNDS = 64
-
-_CACHE_SIZE = 16
 
 _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
 
@@ -334,19 +331,6 @@ def contiguous_plan_arrays(cu: np.ndarray, cp: int):
     return offsets.astype(np.int64), run_start, run_len
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_plan(cu_bytes: bytes, cp: int, weights: WindowWeights):
-    cu = np.frombuffer(cu_bytes, dtype=np.int64)
-    if int(cu[-1]) == 0:
-        z = np.zeros(0, dtype=np.int64)
-        plan = (np.zeros(cp + 1, dtype=np.int64), z, z)
-    else:
-        plan = _plan(cu, cp, weights)
-    for a in plan:
-        a.flags.writeable = False  # shared by every caller: hand out copies only
-    return plan
-
-
 def planned_weights(cu: np.ndarray, cp_size: int, window: object) -> WindowWeights:
     """The window weights the plan of ``cu`` (int64 NumPy, validated) balances: ``window_weights(window,
     max_seqlen=, reduce=True)`` (a window at least as long as every segment is no window), checked to fit int64."""
@@ -357,16 +341,9 @@ def planned_weights(cu: np.ndarray, cp_size: int, window: object) -> WindowWeigh
 
 
 def balanced_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights) -> tuple[np.ndarray, ...]:
-    """``(offsets, run_start, run_len)`` (read-only NumPy, cached) of a validated ``cu`` and ``planned_weights``."""
-    return _cached_plan(np.ascontiguousarray(cu, dtype=np.int64).tobytes(), cp_size, weights)
-
-
-def plan_key(cu_seqlens: object, cp_size: int, window: object) -> tuple[np.ndarray, WindowWeights]:
-    """Validated ``(cu int64, window weights)``: the plan's cache key with ``cp_size``."""
-    check_cp(cp_size)
-    cu = check_cu_seqlens(cu_seqlens)
-    check_divisible(int(cu[-1]), cp_size)
-    return cu, planned_weights(cu, cp_size, window)
+    """``(offsets, run_start, run_len)`` of a validated, non-empty ``cu`` and ``planned_weights``: pure, not cached
+    (``layouts.PLANS["balanced"]``; ``layout_plan`` caches it)."""
+    return _plan(cu, cp_size, weights)
 
 
 def balanced_plan(
@@ -398,8 +375,10 @@ def balanced_plan(
     >>> balanced_plan(torch.tensor([0, 2, 5, 6]), cp_size=3, window=[4, None])[1].tolist()  # 4 >= every segment
     [0, 2, 4, 5]
     """
-    cu, weights = plan_key(cu_seqlens, cp_size, window)
-    return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size, weights))
+    from cp_packing.layouts import layout_plan  # the one plan cache (the package imports this module)
+
+    plan = layout_plan(cu_seqlens, cp_size=cp_size, layout="balanced", window=window)
+    return tuple(torch.from_numpy(a.copy()) for a in (plan.offsets, plan.run_start, plan.run_len))
 
 
 def balanced_runs(
@@ -419,16 +398,6 @@ def balanced_runs(
     >>> balanced_runs(torch.tensor([0, 2, 5, 6]), cp_size=3, cp_rank=1)
     (tensor([2]), tensor([2]))
     """
-    check_cp(cp_size, cp_rank)
-    cu, weights = plan_key(cu_seqlens, cp_size, window)
-    offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights)
-    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
-    device = cu_seqlens.device
-    return (
-        torch.from_numpy(run_start[lo:hi].copy()).to(device),
-        torch.from_numpy(run_len[lo:hi].copy()).to(device),
-    )
+    from cp_packing.layouts import layout_runs  # the one plan cache (the package imports this module)
 
-
-balanced_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]  # functools' own hit/miss counts
-balanced_plan.cache_clear = _cached_plan.cache_clear  # type: ignore[attr-defined]
+    return layout_runs(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout="balanced", window=window)

@@ -13,9 +13,8 @@ rank. Picture, ``T = 12``, ``cp = 3``, segments ``A`` (7 tokens), ``B`` (3), ``C
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-__all__ = ["contiguous_plan", "contiguous_runs"]
+__all__ = ["contiguous_plan"]
 
 
 def contiguous_plan(cu: np.ndarray, cp_size: int, window: object = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,17 +42,3 @@ def contiguous_plan(cu: np.ndarray, cp_size: int, window: object = None) -> tupl
     offsets[-1] = run_start.size
     return offsets, run_start, run_len
 
-
-def contiguous_runs(
-    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``contiguous`` (a slice of :func:`contiguous_plan`), int64 on
-    ``cu_seqlens.device``.
-
-    >>> contiguous_runs(torch.tensor([0, 7, 10, 12]), cp_size=3, cp_rank=1)
-    (tensor([4, 7]), tensor([3, 1]))
-    """
-    offsets, run_start, run_len = contiguous_plan(cu_seqlens.to("cpu", torch.int64).numpy(), cp_size)
-    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
-    return (torch.from_numpy(run_start[lo:hi].copy()).to(cu_seqlens.device),
-            torch.from_numpy(run_len[lo:hi].copy()).to(cu_seqlens.device))

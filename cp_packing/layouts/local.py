@@ -46,8 +46,8 @@ A larger tolerance lets an uneven candidate win for fewer remote keys.
 Runs: every run lies in one segment; a rank's runs are ordered by global position and touching pieces of one
 segment are merged. Under a sliding ``window`` every cost is ``sum min(p + 1, window)`` (``layouts/work.py``); the
 plan is the same construction (heads by bisection). The plan is a function of the ``cu_seqlens`` values, ``cp``, the
-window and the tolerance only (integer costs, stable sorts), cached like ``balanced``'s with
-``functools.lru_cache``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
+window and the tolerance only (integer costs, stable sorts), cached like ``balanced``'s in the one plan cache of
+``cp_packing.layouts``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
 work per boundary (no loop over the ranks of ``T / cp`` pricing each: time near-linear in the segments, about flat
 in ``cp``; a Python loop over boundaries only where they do not nest, and one round per boundary cutting the same
 segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is copied (one host sync per call).
@@ -55,17 +55,17 @@ segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is co
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 
-from cp_packing._checks import check_cp, check_number
-from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs, plan_key
+from cp_packing._checks import check_number
+from cp_packing.layouts.balanced import contiguous_plan_arrays, merge_runs
 from cp_packing.layouts.work import WindowWeights, head_cost, range_cost
 
-__all__ = ["local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
+__all__ = ["Local", "local_plan", "local_plan_arrays", "local_runs", "TOLERANCE", "FOLD_LADDER", "FOLD_ROUNDS"]
 
 #: The knob: the busiest / mean a candidate may have (``1 + TOLERANCE``) to be chosen for fewer remote keys, and
 #: (over ``_STUCK``) how far a rank may end from its share before a segment is folded to get it closer. Smaller: more
@@ -81,7 +81,6 @@ FOLD_ROUNDS = 3
 #: _STUCK`` folds a segment; inexact boundaries off by more than ``_SPREAD`` have their misses spread.
 _EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
 
-_CACHE_SIZE = 16
 
 _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
 
@@ -505,15 +504,24 @@ def _plan(cu: np.ndarray, cp: int, weights: WindowWeights, tol: float):
                       np.concatenate([whole[ok], rank]), np.concatenate([np.zeros(ok.size, dtype=np.int64), pos0]), cp)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _cached_plan(cu_bytes: bytes, cp: int, weights: WindowWeights, tol: float):
-    """The plan of ``_plan``, read-only (every caller shares it and gets copies); no runs for an empty stream."""
-    cu = np.frombuffer(cu_bytes, dtype=np.int64)
-    none = np.zeros(0, dtype=np.int64)
-    plan = _plan(cu, cp, weights, tol) if cu[-1] > 0 else (np.zeros(cp + 1, dtype=np.int64), none, none)
-    for a in plan:
-        a.flags.writeable = False
-    return plan
+@dataclass(frozen=True)
+class Local:
+    """The ``local`` layout with its knob, accepted wherever a layout name is: ``layout=Local(tolerance=0.05)``
+    (``"local"`` is ``Local()``). Its repr names the tolerance, so the step agreement's plan digest covers it.
+
+    >>> Local(tolerance=0)
+    Local(tolerance=0.0)
+    """
+
+    tolerance: float = TOLERANCE
+    name: ClassVar[str] = "local"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tolerance", check_number(self.tolerance, "tolerance", min=0.0))
+
+    def options(self) -> tuple:
+        """The plan's parameters past the defaults, ``(name, value)`` pairs (part of the plan cache's key)."""
+        return () if self.tolerance == TOLERANCE else (("tolerance", self.tolerance),)
 
 
 def local_plan(
@@ -544,33 +552,29 @@ def local_plan(
     >>> offsets.tolist(), run_start.tolist(), run_len.tolist()  # rank 0: the ring [0, 4) + [12, 16) of the long one
     ([0, 4, 7], [0, 12, 16, 18, 4, 20, 22], [4, 4, 2, 2, 8, 2, 2])
     """
-    cu, weights = plan_key(cu_seqlens, cp_size, window)
-    tol = check_number(tolerance, "tolerance", min=0.0)
-    return tuple(torch.from_numpy(a.copy()) for a in _cached_plan(cu.tobytes(), cp_size, weights, tol))
+    from cp_packing.layouts import layout_plan  # the one plan cache (the package imports this module)
+
+    plan = layout_plan(cu_seqlens, cp_size=cp_size, layout=Local(tolerance=tolerance), window=window)
+    return tuple(torch.from_numpy(a.copy()) for a in (plan.offsets, plan.run_start, plan.run_len))
 
 
-def local_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights) -> tuple[np.ndarray, ...]:
-    """``(offsets, run_start, run_len)`` (read-only NumPy, cached) of a validated ``cu`` and
-    ``balanced.planned_weights``, at the default :data:`TOLERANCE`: ``layouts.PLANS["local"]``."""
-    return _cached_plan(np.ascontiguousarray(cu, dtype=np.int64).tobytes(), cp_size, weights, TOLERANCE)
+def local_plan_arrays(cu: np.ndarray, cp_size: int, weights: WindowWeights,
+                      tolerance: float = TOLERANCE) -> tuple[np.ndarray, ...]:
+    """``(offsets, run_start, run_len)`` of a validated, non-empty ``cu`` and ``balanced.planned_weights``: pure, not
+    cached (``layouts.PLANS["local"]``; ``layout_plan`` caches it)."""
+    return _plan(cu, cp_size, weights, tolerance)
 
 
 def local_runs(
     cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: int | Sequence[int | None] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``local``, the ``RUNS`` contract of ``cp_packing.layouts``: its slice of
+    """Rank ``cp_rank``'s runs under ``local`` (``layout_runs(..., layout="local")``): its slice of
     ``local_plan`` at ``TOLERANCE``, int64 ``(run_start, run_len)`` on ``cu_seqlens.device``, ordered by global
     position, ``T // cp_size`` tokens (``window``: as in ``local_plan``; every rank must pass the same).
 
     >>> local_runs(torch.tensor([0, 16, 18, 20, 22, 24]), cp_size=2, cp_rank=1)  # the long one's middle, two short
     (tensor([ 4, 20, 22]), tensor([8, 2, 2]))
     """
-    check_cp(cp_size, cp_rank)
-    cu, weights = plan_key(cu_seqlens, cp_size, window)
-    offsets, run_start, run_len = _cached_plan(cu.tobytes(), cp_size, weights, TOLERANCE)
-    mine = slice(int(offsets[cp_rank]), int(offsets[cp_rank + 1]))
-    return tuple(torch.from_numpy(a[mine].copy()).to(cu_seqlens.device) for a in (run_start, run_len))
+    from cp_packing.layouts import layout_runs  # the one plan cache (the package imports this module)
 
-
-local_plan.cache_info = _cached_plan.cache_info  # type: ignore[attr-defined]  # functools' own hit/miss counts
-local_plan.cache_clear = _cached_plan.cache_clear  # type: ignore[attr-defined]
+    return layout_runs(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, layout="local", window=window)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["zigzag_plan", "zigzag_runs", "check_zigzag_divisible"]
+__all__ = ["zigzag_plan", "check_zigzag_divisible"]
 
 
 def check_zigzag_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> None:
@@ -69,18 +69,3 @@ def zigzag_plan(cu: np.ndarray, cp_size: int, window: object = None) -> tuple[np
     np.cumsum(counts, out=offsets[1:])
     return offsets, pair_start[keep], pair_len[keep]
 
-
-def zigzag_runs(
-    cu_seqlens: torch.Tensor, *, cp_size: int, cp_rank: int, window: object = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``cp_rank``'s runs under ``zigzag`` (a slice of :func:`zigzag_plan`), int64 on ``cu_seqlens.device``;
-    every segment length must be a multiple of ``2 * cp_size`` (else a ValueError naming the first that is not).
-
-    >>> zigzag_runs(torch.tensor([0, 8]), cp_size=2, cp_rank=0)
-    (tensor([0, 6]), tensor([2, 2]))
-    """
-    check_zigzag_divisible(cu_seqlens, cp_size)
-    offsets, run_start, run_len = zigzag_plan(cu_seqlens.to("cpu", torch.int64).numpy(), cp_size)
-    lo, hi = int(offsets[cp_rank]), int(offsets[cp_rank + 1])
-    return (torch.from_numpy(run_start[lo:hi].copy()).to(cu_seqlens.device),
-            torch.from_numpy(run_len[lo:hi].copy()).to(cu_seqlens.device))
