@@ -461,28 +461,34 @@ def _weights_digest(model: torch.nn.Module | None):
 
 
 def _model_step_options(model: torch.nn.Module, options: Any, device: torch.device) -> tuple[Any, dict]:
-    """The options and shapes a step of ``model`` is prepared with: its attention shapes (heads, head dim, the
-    dtype its layers attend in), and what ``backend="auto"`` must know of its layers (sinks, soft-capping)."""
+    """The options a step of ``model`` is prepared with (what ``backend="auto"`` must know of its layers: sinks,
+    soft-capping), and the attention shapes its config states (heads, head dim, the dtype its layers attend in), for
+    ``auto`` to price with (never checked against a layer)."""
+    from cp_packing.attention.plan import AttentionShapes
+
     model = _unwrapped(model)
     text = getattr(model.config, "get_text_config", lambda: model.config)()
-    heads = getattr(text, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads <= 0:
-        return options, {}
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if isinstance(getattr(text, "qk_nope_head_dim", None), int):  # MLA (DeepSeek): q/k carry the RoPE part too
-        head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
-    elif not isinstance(head_dim, int) or head_dim <= 0:
-        head_dim = text.hidden_size // heads
-    param = next(iter(model.parameters()), None)
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else (
-        param.dtype if param is not None and param.is_floating_point() else None)
     softcap = getattr(text, "attn_logit_softcapping", None)
     if options.softcap is None and isinstance(softcap, (int, float)) and softcap > 0:
         options = options.replace(softcap=float(softcap))  # every layer passes it; auto must not pick the ring
     if not options.sinks and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         options = options.replace(sinks=True)
-    return options, {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype}
+    try:  # a pricing hint only: configs do not always say what every layer sees (per-layer head dims, MLA, ...)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if isinstance(getattr(text, "qk_nope_head_dim", None), int):  # MLA (DeepSeek): q/k carry the RoPE part
+            head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+        else:
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        param = next(iter(model.parameters()), None)
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else (
+            param.dtype if param is not None and param.is_floating_point() else None)
+        shapes = AttentionShapes(int(heads), int(kv_heads), int(head_dim), dtype)
+    except Exception:  # noqa: BLE001 - no usable shapes: auto prices with its defaults
+        return options, {}
+    if min(shapes[:3]) <= 0 or shapes.num_heads % shapes.num_kv_heads:
+        return options, {}
+    return options, {"model_shapes": shapes}
 
 
 def _longest_document(sharded: ShardedPackedSeqParams) -> int:

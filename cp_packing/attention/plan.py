@@ -599,6 +599,7 @@ def prepare_attention(
     device: torch.device | str | None = None,
     error: BaseException | None = None,
     weights_digest: Any = None,
+    model_shapes: AttentionShapes | None = None,
     **option_kwargs: Any,
 ) -> ShardedPackedSeqParams:
     """This step's shard with its frozen :class:`StepPlan` attached (``result.plan``), agreed over the group.
@@ -621,6 +622,8 @@ def prepare_attention(
             :data:`DEFAULT_SHAPES`) and ``dtype`` decides whether auto may pick ring-flash-attn.
         device: where the tables go (default ``sharded.token_index``'s device).
         error: the caller's own failure on this rank (raised on every rank by the agreement).
+        model_shapes: shapes read from a model's config (``cp_model_inputs(model=)``): what ``backend="auto"``
+            prices with, never checked against a layer (configs do not always say what the layers see).
         weights_digest: a callable returning a digest of the model's weights (``cp_packing.param_digest``;
             ``cp_model_inputs(model=)`` passes it): in the checked steps the ranks compare it, so weights that drifted
             apart (gradients not summed over the CP group) raise on every rank, naming the fix.
@@ -663,7 +666,7 @@ def prepare_attention(
         local_items = None if labels is None else _count_labels(labels, sharded, ignore_index)
         device = torch.device(device) if device is not None else sharded.token_index.device
         keys = _layer_keys(options, features)
-        backend = _choose_for_layers(sharded, options, shapes, device, keys)
+        backend = _choose_for_layers(sharded, options, shapes or model_shapes, device, keys)
         resolved = resolve_attention_group(group, sharded, device)
         if shapes is not None:
             _check_heads_k_stride(options.heads_k_stride, shapes.num_kv_heads)
@@ -707,7 +710,7 @@ def prepare_attention(
         plan.tables[key] = _build(plan, key)
     if resolved is not None:
         _LAST_TRACE[resolved.group_name] = plan.trace
-    _log_choice(plan, shapes)
+    _log_choice(plan, shapes or model_shapes)
     return sharded.with_plan(plan)
 
 
