@@ -52,8 +52,12 @@ def _error_on_rank_0(rank: int, world: int) -> None:
 
 
 def _host_raises_before_the_call(rank: int, world: int) -> None:
-    """Rank 0 raises in user code and exits while its peers wait in an agreement: they lose the store."""
+    """Rank 0 raises in user code and exits while its peers wait in an agreement: they lose the store. (Every rank
+    first finishes joining the group, and rank 0 raises a moment later, so that the peers lose the store in the
+    agreement, not in init_process_group's own start-up: that is torch's, before any cp-packing call.)"""
+    dist.barrier()
     if rank == 0:
+        time.sleep(1.0)
         raise RuntimeError("user code failed on rank 0")
     agree(dist.group.WORLD, "context_parallel_attention", {"layout": "contiguous"})
 
