@@ -56,20 +56,11 @@ def step(fn, hidden, weight, labels):
 
 
 def cpu_peak_bytes(fn, *inputs) -> int:
-    """The peak of the CPU allocator's live bytes during ``fn(*inputs)`` above the start (torch.profiler's memory
-    records, summed in time order)."""
-    from torch.profiler import ProfilerActivity, profile
+    """The peak of the CPU allocator's live bytes during ``fn(*inputs)``'s step above the start
+    (``bench_memory.peak_bytes``: torch.profiler's memory records, summed in time order)."""
+    from bench_memory import peak_bytes
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = step(fn, *inputs)
-    del out
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_index() <= 0
-              and str(e.device_type()).endswith("CPU")]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    return peak_bytes(lambda: step(fn, *inputs))
 
 
 def cuda_peak_bytes(fn, *inputs) -> int:

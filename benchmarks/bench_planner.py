@@ -26,29 +26,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
 import tracemalloc
 
 import numpy as np
 import torch
 
 from bench_exchange_bytes import exchange_need, family_map, minheap_dispatch, rank_cost
+from bench_scale import median_seconds as _median  # one clock: the median of repeated calls
 
 import cp_packing
 from cp_packing.layouts import local
 from cp_packing.testing import synthetic_doc_ids
 
 CHUNK = 512
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float]:

@@ -21,7 +21,8 @@ import time
 import torch
 
 
-def _time(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn()`` (also bench_planner's clock)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -47,10 +48,10 @@ def measure(tokens: int, cp: int, layout: str, repeats: int) -> dict:
     return {
         "segments": params.num_segments,
         "plan (first)": first,
-        "token order": _time(lambda: global_token_order(cu, cp_size=cp, layout=layout), repeats),
-        "shard one rank": _time(lambda: cp_packing.shard_packed_seq_params(params, cp_size=cp, cp_rank=cp // 2,
+        "token order": median_seconds(lambda: global_token_order(cu, cp_size=cp, layout=layout), repeats),
+        "shard one rank": median_seconds(lambda: cp_packing.shard_packed_seq_params(params, cp_size=cp, cp_rank=cp // 2,
                                                                           layout=layout), repeats),
-        "need, all ranks": _time(lambda: need_tokens(plan, cu64), repeats),
+        "need, all ranks": median_seconds(lambda: need_tokens(plan, cu64), repeats),
     }
 
 
