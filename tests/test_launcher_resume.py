@@ -5,6 +5,7 @@ in place before anything else); no rank keeps training once its launcher is kill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,7 +134,16 @@ def test_no_rank_keeps_training_after_its_launcher_is_killed_with_sigkill(launch
                 os.path.join(ROOT, "launch", "train.py"), *run]
     else:
         argv = [sys.executable, "-m", "cp_packing", "train", "--nproc", "2", *run]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=ROOT,
+    with _sigkilled_at_step_2(argv, _env()) as alive:
+        assert not alive, "orphan ranks still training after their launcher died"
+
+
+@contextlib.contextmanager
+def _sigkilled_at_step_2(argv: list[str], env: dict):
+    """Start the launcher ``argv``, ``kill -9`` it once its ranks log step 2, wait for its two ranks to end (hard
+    timeout: a step, then the stop or the watchdog's os._exit); yields the ranks still alive. Every process is
+    killed on the way out."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     ranks: list[int] = []
     try:
@@ -147,10 +157,10 @@ def test_no_rank_keeps_training_after_its_launcher_is_killed_with_sigkill(launch
         assert len(ranks) == 2, ranks
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 60  # hard timeout: a step, then the stop (or the watchdog's os._exit)
+        deadline = time.monotonic() + 60
         while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [r for r in ranks if _alive(r)], "orphan ranks still training after their launcher died"
+        yield [r for r in ranks if _alive(r)]
     finally:
         for pid in [proc.pid, *ranks]:
             if _alive(pid):
@@ -315,29 +325,8 @@ def test_a_sigkilled_torchrun_leaves_a_checkpoint_when_the_ranks_host_the_store(
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             os.path.join(ROOT, "launch", "train.py"), "--steps", "100000", "--seq-len", "32", "--layers", "1",
             "--log-every", "1", "--save-timeout", "20", "--output-dir", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    ranks: list[int] = []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "the run ended before the kill"
-            if line.startswith("step    2/"):
-                break
-        ranks = _children(proc.pid)
-        assert len(ranks) == 2, ranks
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 60
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [r for r in ranks if _alive(r)], "ranks still running after their launcher died"
+    with _sigkilled_at_step_2(argv, env) as alive:
+        assert not alive, "ranks still running after their launcher died"
         found = find_checkpoint(str(out))
         assert found is not None and os.path.basename(found).startswith("checkpoint-"), os.listdir(out)
         assert {"optimizer.pt", "rng-rank0.pt", "rng-rank1.pt", "trainer_state.json"} <= set(os.listdir(found))
-    finally:
-        for pid in [proc.pid, *ranks]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=10)
