@@ -39,7 +39,7 @@ from cp_packing.formats import doc_ids_from_position_ids
 from cp_packing.groups import CPMesh, GroupLike, resolve_group
 from cp_packing.layouts import check_layout
 from cp_packing.labels import local_label_count, next_token_labels, valid_label_mask
-from cp_packing.loss import _count_step
+from cp_packing.loss import count_step
 from cp_packing.packed_seq import PackedSeqParams, packed_seq_params_from_doc_ids
 from cp_packing.padding import PaddedBatch, pad_rows, pad_segments
 from cp_packing.sharding import ShardedPackedSeqParams, shard_packed_seq_params
@@ -837,5 +837,5 @@ def num_items_in_batch(batches: Sequence[CPBatch], *, dp_group: GroupLike = None
         labels, steps = [b.batch["labels"] for b in batches], [b.step for b in batches]
     # whole batches on every CP rank: counted over DP only; the same steps on every replica (a DataLoader with
     # in_order=False would mix them up)
-    return int(_count_step(labels, ignore_index=IGNORE_INDEX, cp=None, dp=dp, call="num_items_in_batch", error=error,
+    return int(count_step(labels, ignore_index=IGNORE_INDEX, cp=None, dp=dp, call="num_items_in_batch", error=error,
                            dp_fields={"steps of the micro-batches": steps})[0])

@@ -28,6 +28,7 @@ from cp_packing.sharding import ShardedPackedSeqParams
 
 __all__ = [
     "LabelsWarning",
+    "count_step",
     "count_valid_labels",
     "document_cross_entropy",
     "next_token_labels",
@@ -703,10 +704,10 @@ def count_valid_labels(
     """
     cp = resolve_group(group, name="group", optional=True)
     dp = resolve_group(dp_group, name="dp_group", optional=True)
-    return int(_count_step(labels, ignore_index=ignore_index, cp=cp, dp=dp)[0])
+    return int(count_step(labels, ignore_index=ignore_index, cp=cp, dp=dp)[0])
 
 
-def _count_step(labels: object, *, ignore_index: object, cp: CPGroup | None, dp: CPGroup | None,
+def count_step(labels: object, *, ignore_index: object, cp: CPGroup | None, dp: CPGroup | None,
                      call: str = "count_valid_labels", error: BaseException | None = None,
                      dp_fields: dict | None = None) -> torch.Tensor:
     """:func:`count_valid_labels` as an int64 ``[1]`` tensor on the groups' device (the one count; the loader's

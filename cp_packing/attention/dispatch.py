@@ -91,7 +91,7 @@ def context_parallel_attention(
 def _prepare_call(q, k, v, sharded, group, backend, kernel, ulysses_size, causal, window, softcap, sinks, scale,
                   chunk):
     """A step for this one call, prepared for q's shapes and this call's arguments (one agreement)."""
-    from cp_packing.attention.plan import _check_layer_args, check_attention_inputs
+    from cp_packing.attention.plan import check_layer_args, check_attention_inputs
     from cp_packing.model_features import LayerFeatures, ModelFeatures
 
     options, error = AttentionOptions(), None
@@ -99,7 +99,7 @@ def _prepare_call(q, k, v, sharded, group, backend, kernel, ulysses_size, causal
         options = AttentionOptions(backend=backend, kernel=kernel, ulysses_size=ulysses_size, causal=causal,
                                    softcap=softcap, sinks=isinstance(sinks, torch.Tensor), scale=scale, window=window)
         check_attention_inputs(q, k, v, sharded)
-        _check_layer_args(q, causal, window, softcap, sinks, scale)
+        check_layer_args(q, causal, window, softcap, sinks, scale)
     except (TypeError, ValueError) as exc:  # raised on every rank, through the call's agreement
         error = exc
     features = None

@@ -40,8 +40,8 @@ from cp_packing.groups import (GroupLike, as_process_group, backend_config, back
 from cp_packing.options import CHECKED_STEPS, AttentionOptions
 from cp_packing.sharding import ShardedPackedSeqParams
 
-__all__ = ["AttentionShapes", "StepPlan", "check_attention_inputs", "prepare_attention", "resolve_attention_group",
-           "select_backend"]
+__all__ = ["AttentionShapes", "StepPlan", "check_attention_inputs", "check_layer_args", "prepare_attention",
+           "resolve_attention_group", "select_backend"]
 
 _RING_LAYOUTS = ("zigzag", "contiguous")
 
@@ -320,7 +320,7 @@ class StepPlan:
         sinks_meta = None if sinks is None else (tuple(sinks.shape), sinks.dtype, sinks.device == q.device)
         arguments = (key, softcap, sinks_meta, scale, q.dtype, q.device.type, q.shape[1], k.shape[1], q.shape[2])
         if compiling or arguments not in _CODES:  # a new kind of layer (when compiled: while tracing, once)
-            _check_layer_args(q, causal, window, softcap, sinks, scale)
+            check_layer_args(q, causal, window, softcap, sinks, scale)
         _check_shapes(self, q, k, v)
         tables = self._tables_for(key)
         code = _layer_code(*arguments)
@@ -356,7 +356,7 @@ class StepPlan:
             if _shard_digest(self.sharded) != self.digest:
                 raise ValueError(_EDITED)
             check_attention_inputs(q, k, v, self.sharded)
-            _check_layer_args(q, causal, window, softcap, sinks, scale)
+            check_layer_args(q, causal, window, softcap, sinks, scale)
             agreement.fields = {
                 "layer": number, "q": (tuple(q.shape), str(q.dtype)), "k": tuple(k.shape), "causal": causal,
                 "window": window, "chunk": chunk, "softcap": softcap, "softmax_scale": scale,
@@ -390,7 +390,9 @@ def _shard_digest(sharded: ShardedPackedSeqParams) -> str:
     return digest(sharded.global_params.cu_seqlens, sharded.token_index, sharded.cu_seqlens, sharded.key_start)
 
 
-def _check_layer_args(q, causal, window, softcap, sinks, scale) -> None:
+def check_layer_args(q, causal, window, softcap, sinks, scale) -> None:
+    """Raise a clear TypeError / ValueError unless a layer's ``causal``, ``window``, ``softcap``, ``sinks`` and softmax
+    ``scale`` are valid for q (what a step checks once per kind of layer)."""
     from cp_packing.attention import kernels
 
     check_bool(causal, "causal")
@@ -434,7 +436,7 @@ def _layer_code(*arguments) -> int:
         if len(_CODES) > 4096:
             _CODES.clear()
         code = _CODES[arguments] = zlib.crc32(repr(arguments).encode()) & 0x7FFFFFFF
-    return code  # (an argument tuple in _CODES was checked by _check_layer_args: the layer checks a new one)
+    return code  # (an argument tuple in _CODES was checked by check_layer_args: the layer checks a new one)
 
 
 _WARNED: set = set()
