@@ -260,12 +260,18 @@ def _key(name: str, seq: int, rank: int) -> str:
     return f"{name}/{seq}/{rank}"
 
 
+# Never a value of the store (records and marks are pickles or start with _GAVE_UP): what compare_set answers for an
+# absent key when asked to replace this by itself.
+_ABSENT = b"cp_packing:absent\n"
+
+
 def _read(store: Any, key: str) -> Any:
-    """The unpickled value of ``key``, or None when it is absent (or was deleted meanwhile)."""
-    try:
-        return pickle.loads(store.get(key)) if store.check([key]) else None
-    except Exception:  # noqa: BLE001 - deleted between check and get
-        return None
+    """The unpickled value of ``key``, or None when it is absent; one atomic, non-blocking round trip.
+
+    Not ``check`` then ``get``: a peer deletes its ``waiting/`` key when it leaves, and a ``get`` of a key deleted
+    between the two waits for the store's whole timeout (30 min by default) instead of failing."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)  # absent: answers _ABSENT, creates nothing; else its value
+    return None if value == _ABSENT else pickle.loads(value)
 
 
 # A rank that gave up waiting writes this (then a pickled (global rank, wall time, call, seconds waited)) into each

@@ -159,6 +159,42 @@ def test_a_peer_that_loses_the_store_says_so():
             in message, said
 
 
+class _PeerDeletesAfterCheck:
+    """A real store where a peer deletes the key right after this rank's ``check`` saw it (a crossed-group peer
+    leaving its ``waiting/`` key as it raises); a ``get`` of the missing key would wait for the store's timeout."""
+
+    def __init__(self, store):
+        self.store, self.blocking_gets = store, []
+
+    def check(self, keys):
+        found = self.store.check(keys)
+        for key in keys:
+            self.store.delete_key(key)
+        return found
+
+    def get(self, key):
+        if not self.store.check([key]):
+            self.blocking_gets.append(key)  # a TCPStore would block here for its whole timeout (30 min by default)
+        return self.store.get(key)
+
+    def compare_set(self, key, expected, desired):
+        answer = self.store.compare_set(key, expected, desired)
+        self.store.delete_key(key)
+        return answer
+
+
+def test_reading_a_key_a_peer_deletes_meanwhile_never_waits():
+    """The twin-groups hang: rank 1 read rank 0's ``waiting/0`` while rank 0 raised and deleted it; reading must be
+    one atomic round trip that answers None for a key gone, never a ``get`` that waits for it to come back."""
+    import pickle
+
+    store = _PeerDeletesAfterCheck(dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=2)))
+    store.store.set("waiting/0", pickle.dumps(("a channel", 1)))
+    assert agreement._read(store, "waiting/0") == ("a channel", 1)
+    assert agreement._read(store, "waiting/0") is None  # deleted by the "peer": absent, at once
+    assert store.blocking_gets == [] and not store.store.check(["waiting/0"])  # and reading created nothing
+
+
 # ------------------------------------------------------------------------------------------------ a late rank of 3
 
 
