@@ -37,6 +37,7 @@ import hashlib
 import os
 import pickle
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, Mapping, Sequence
@@ -228,21 +229,25 @@ def _channel_name(pg_name: str, ranks: tuple[int, ...]) -> str:
 
 
 # One per process group (torch's name for it) of the current world: the sequence numbers live here, as torch keeps
-# its own per process group. A new world (init_process_group again) starts new channels.
-_CHANNELS: dict[tuple[int, str], _Channel] = {}
+# its own per process group. A new world (init_process_group again) starts new channels: it is told apart by a weak
+# reference to its default group, not by ``id()``, which a new world's group may reuse once the old one is freed
+# (on one rank and not on another: their sequence numbers would part and every agreement time out).
+_CHANNELS: dict[str, _Channel] = {}
+_WORLD: list = [None]  # a weakref.ref to the default process group the channels belong to
 
 
 def _channel(group: dist.ProcessGroup) -> _Channel:
     pg_name = dist.distributed_c10d._get_process_group_name(group)  # "0" for the world, "1", ... (or a hash)
     if pg_name == "None":  # not registered with torch (a hand-made group): its ranks are all there is
         pg_name = "ranks " + repr(tuple(dist.get_process_group_ranks(group)))
-    key = (id(dist.group.WORLD), pg_name)
-    channel = _CHANNELS.get(key)
+    world = dist.group.WORLD
+    if _WORLD[0] is None or _WORLD[0]() is not world:
+        _CHANNELS.clear()
+        _WORLD[0] = weakref.ref(world)
+    channel = _CHANNELS.get(pg_name)
     if channel is None:
-        for stale in [k for k in _CHANNELS if k[0] != key[0]]:
-            del _CHANNELS[stale]
         store = dist.PrefixStore("cp_packing/", dist.distributed_c10d._get_default_store())
-        channel = _CHANNELS[key] = _Channel(pg_name, tuple(dist.get_process_group_ranks(group)), store)
+        channel = _CHANNELS[pg_name] = _Channel(pg_name, tuple(dist.get_process_group_ranks(group)), store)
     return channel
 
 

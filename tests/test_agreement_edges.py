@@ -245,3 +245,31 @@ def test_num_items_in_batch_is_compared_across_the_group_given():
         with_group
     alone = [r.value for r in run_ranks(_num_items_differ, 2, False, timeout=HARD_TIMEOUT)]
     assert [round(v, 6) for _, v in alone] == [round(3 * math.log(5) / n, 6) for n in (6, 7)], alone  # ln 5 per label
+
+
+# ------------------------------------------------------------------------------------------------ a second world
+
+
+def _two_worlds_one_rank_reusing_the_id(rank: int, world: int):
+    """Two worlds one after the other in one process (init, destroy, init). On rank 0, ``id()`` answers the same
+    for the new world's default group (CPython reuses a freed object's address; it may happen on one rank only)."""
+    agreement.set_agreement_timeout(5.0)
+    if rank == 0:
+        agreement.id = lambda obj: 1  # the freed world's address, handed to the new one
+    store = dist.distributed_c10d._get_default_store()
+    seen = []
+    for world_number in range(2):
+        if world_number:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.PrefixStore("second world/", store), rank=rank,
+                                    world_size=world)
+        agree(dist.group.WORLD, "distribute_batch", {"layout": "contiguous"})
+        seen.append(agreement.next_step(dist.group.WORLD))
+    return seen
+
+
+def test_a_second_world_starts_new_agreements_on_every_rank():
+    """A new world (init_process_group again) counts its agreements and steps from the start on every rank, even
+    where the new default group reuses the old one's ``id()``: no rank continues the old world's sequence."""
+    results = run_ranks(_two_worlds_one_rank_reusing_the_id, 2, timeout=60)
+    assert [r.value for r in results] == [[1, 1], [1, 1]], [r.error for r in results]
