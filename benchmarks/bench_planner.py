@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import tracemalloc
 
 import numpy as np
@@ -82,6 +83,7 @@ def _load(path: str | None):
         return local
     spec = importlib.util.spec_from_file_location("local_under_test", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while the class is made
     spec.loader.exec_module(module)
     return module
 
