@@ -10,8 +10,8 @@ Scale maps: rows of 8192 tokens of lognormal documents (``synthetic_doc_ids("log
 ``bench_exchange_bytes.py``) and ``huge`` (one document of 3/4 of the stream). Columns:
 
 - ``meta``: ``packed_seq_params_from_doc_ids(doc_ids)``, the step's metadata build (median of ``--repeats``).
-- ``local``: ``local_plan(cu_seqlens, cp_size=cp)`` from scratch (cache cleared; median of ``--repeats``) and its
-  ratio to ``meta``.
+- ``local``: the planner from scratch, ``local_plan_arrays(cu, cp, ((None, 1),))`` (what ``local_plan`` runs on a
+  plan-cache miss; median of ``--repeats``; ``--planner``: that file's) and its ratio to ``meta``.
 - ``min-heap``: ``bench_exchange_bytes.minheap_dispatch``, a re-implementation of MagiAttention's default dispatch
   solver (512-token chunks, each costing its causal mask area, largest first onto the least-loaded rank with room
   for it: a Python min-heap), written from its ``_solve_with_minhp`` (its code is not imported: MagiAttention needs
@@ -40,6 +40,7 @@ from cp_packing.layouts import local
 from cp_packing.testing import synthetic_doc_ids
 
 CHUNK = 512
+FULL = ((None, 1),)  # no window: the causal cost (layouts.work.WindowWeights)
 
 
 def _figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float]:
@@ -52,16 +53,14 @@ def _figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float
 def measure(doc_ids: torch.Tensor, cp: int, planner, repeats: int) -> dict:
     """One map, one cp: the columns of the module docstring."""
     meta = _median(lambda: cp_packing.packed_seq_params_from_doc_ids(doc_ids), repeats)
-    cu_t = cp_packing.packed_seq_params_from_doc_ids(doc_ids).cu_seqlens
-    cu = cu_t.to(torch.int64).numpy()
+    cu = cp_packing.packed_seq_params_from_doc_ids(doc_ids).cu_seqlens.to(torch.int64).numpy()
 
-    def plan():
-        planner.local_plan.cache_clear()
-        return planner.local_plan(cu_t, cp_size=cp)
+    def plan():  # the planner itself, uncached (local_plan would go through the package's plan cache and PLANS)
+        return planner.local_plan_arrays(cu, cp, FULL)
 
     t_local = _median(plan, repeats)
     tracemalloc.start()
-    offsets, start, length = (a.numpy() for a in plan())
+    offsets, start, length = plan()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
