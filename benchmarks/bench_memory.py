@@ -173,7 +173,8 @@ def modelled_peak(tokens: int, cp: int, layout: str, backend: str) -> int | None
 
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(_doc_ids(tokens)), cp_size=cp, cp_rank=0,
                                       layout=layout)
-    model = backend_memory(sharded, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=2)
+    extra = {"ulysses_size": 2} if backend == "hybrid" else {}
+    model = backend_memory(sharded, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=2, **extra)
     return model[backend][1] if backend in model else None
 
 
