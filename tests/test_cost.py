@@ -527,17 +527,18 @@ def _measured_peaks(rank: int, cp: int, tokens: int, layouts: tuple) -> dict:
 
 @pytest.mark.distributed
 def test_memory_model_is_near_the_measured_peak_and_ranks_like_it():
-    """benchmarks/bench_memory.py's measurement (2 gloo ranks, 8K tokens, a do-nothing kernel that allocates like
-    flash-attn 2) against backend_memory: the all-gather and the exchange within 25% on a layout whose documents
+    """benchmarks/bench_memory.py's measurement (4 gloo ranks, 8K tokens, a do-nothing kernel that allocates like
+    flash-attn 2) against backend_memory: the all-gather and the exchange within 30% on a layout whose documents
     stay on their ranks (local) and one that cuts every document (zigzag), and the model orders each pair of those
-    four cases as measured where they differ by more than 25%."""
+    four cases as measured where they differ by more than 30% (the all-gather's measurement moves by up to ~15%
+    from run to run: gloo frees its buffers on its own threads)."""
     from cp_packing.cost import backend_memory
     from cp_packing.testing import run_distributed
 
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import bench_memory
 
-    cp, tokens, layouts = 2, 8192, ("local", "zigzag")
+    cp, tokens, layouts = 4, 8192, ("local", "zigzag")
     ranks = run_distributed(_measured_peaks, cp, tokens, layouts, timeout=240.0)
     measured = {case: max(r[case] for r in ranks) for case in ranks[0]}
     params = packed_seq_params_from_doc_ids(bench_memory._doc_ids(tokens))
@@ -548,11 +549,14 @@ def test_memory_model_is_near_the_measured_peak_and_ranks_like_it():
                                head_dim=bench_memory.HEAD_DIM, dtype_bytes=2)
         model.update({(layout, backend): peaks[backend][1] for backend in ("allgather", "exchange")})
     for case, peak in measured.items():
-        assert 0.75 < model[case] / peak < 1.25, (case, model[case], peak)
+        assert 0.7 < model[case] / peak < 1.3, (case, model[case], peak)
+    compared = 0
     for a in measured:
         for b in measured:
-            if measured[a] > 1.25 * measured[b]:
+            if measured[a] > 1.3 * measured[b]:
                 assert model[a] > model[b], (a, b, model, measured)
+                compared += 1
+    assert compared >= 2, measured  # zigzag's all-gather against both exchanges at least: the check can fail
 
 
 def test_memory_budget_excludes_backends_that_do_not_fit():
