@@ -22,7 +22,9 @@ Under a sliding window the parts would need a position-aware mask, so the layer 
 kernel call over each run's contiguous key range (the transfer still shrinks to the window); so does
 ``options.overlap=False``. With ``cp_size == 1``, or a step in which no rank needs a remote key, nothing is
 communicated and only the local kernel runs. Memory: the transient buffer holds the received keys only (the need),
-not ``cp * T_local`` rows, and is freed after the layer (docs/attention.md, "Memory").
+not ``cp * T_local`` rows, and is freed after the layer; the remote part's backward runs in pieces of at most about
+``T_local`` received keys (``num_pieces(cp)`` kernel calls), so the kernel's working set does not grow with the
+need (docs/attention.md, "Memory").
 
 Every layout, causal or not, sliding windows, softcap, sinks (applied after the merge), GQA, every kernel of the
 all-gather backend. Call it as ``context_parallel_attention(..., backend="exchange")`` (or let ``"auto"`` pick it).
@@ -42,7 +44,8 @@ from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
-__all__ = ["ExchangeTables", "backward", "build_tables", "exchange_tables", "fake", "forward", "from_wire", "to_wire"]
+__all__ = ["ExchangeTables", "backward", "build_tables", "exchange_tables", "fake", "forward", "from_wire", "num_pieces",
+           "to_wire"]
 
 
 @dataclass(frozen=True, eq=False)
