@@ -666,14 +666,21 @@ def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, hea
         n = int(attended[r])
         allgather = max(allgather, out + _allgather_peak(Tl, n, cp * Tl, H, H_kv, D, b))
         # exchange: the local part's backward while the keys fly (the received and the send buffers live), then
-        # the remote part's in pieces of at most ~T_local keys (exchange.num_pieces), beside the received keys,
-        # their dK/dV, dq and the held keys' dK/dV
+        # the remote part's, both in pieces of at most ~T_local keys (exchange.num_pieces), the remote one beside
+        # the received keys, their dK/dV, dq and the held keys' dK/dV
         received, local, remote = int(need[r]), max(1, int(held[r])), n - int(held[r])
-        local_part = (2 * (received + int(sent[r])) * row_kv + 2 * local * row_kv
-                      + _kernel_backward_bytes(Tl, local, H, H_kv, D, b) + 2 * Tl * row_kv)
+        # a piece of k of a part's n keys has about k / n of the rows (at least a few runs' worth)
+        kernel = 2 * local * row_kv + _kernel_backward_bytes(Tl, local, H, H_kv, D, b)
+        if received and local > Tl:  # overlapped: the local part in pieces of whole runs, into one dq made after
+            rest = min(Tl, local - Tl)  # the first piece's kernel
+            kernel = max(2 * Tl * row_kv + _kernel_backward_bytes(max(Tl * Tl // local, Tl // 4), Tl, H, H_kv, D, b),
+                         Tl * row_q + 2 * rest * row_kv
+                         + _kernel_backward_bytes(max(Tl * rest // local, Tl // 4), rest, H, H_kv, D, b))
+        local_part = 2 * (received + int(sent[r])) * row_kv + kernel + 2 * Tl * row_kv
         piece = min(remote, Tl)
+        rows = max(Tl * piece // max(remote, 1), Tl // 4)
         remote_part = (Tl * row_q + 2 * Tl * row_kv + 4 * received * row_kv + 2 * piece * row_kv
-                       + _kernel_backward_bytes(Tl, piece, H, H_kv, D, b)) if received else 0
+                       + _kernel_backward_bytes(rows, piece, H, H_kv, D, b)) if received else 0
         forward = Tl * (row_q + 4 * H) + 2 * remote * row_kv + Tl * H * D * 4  # the merge's float32 output
         exchange = max(exchange, out + max(local_part, remote_part, forward))
     result = {"allgather": (saved, allgather), "exchange": (saved, exchange)}
@@ -707,7 +714,7 @@ def backend_memory(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int,
     own buffers (run one key/value head at a time where a rank attends more keys than it has queries): the
     all-gather's selected keys (counted once per run that attends them) beside the gathered buffer or the
     full-size dK/dV buffer; the exchange's received and sent keys (``cp_packing.layouts.need``) beside its local
-    part, then its remote part's pieces of at most ``T_local`` keys; Ulysses' head shard; hybrid's head shard
+    part's pieces, then its remote part's pieces (at most about ``T_local`` keys each); Ulysses' head shard; hybrid's head shard
     beside the all-gather over its Ulysses group's keys. Every rank is priced, the busiest returned. Measured
     against this: ``benchmarks/bench_memory.py`` (docs/benchmarks.md, "Memory per backend"; within about 10% of
     the all-gather and the exchange there). Pure host arithmetic on the layout's plan.

@@ -318,7 +318,8 @@ def _a2a(events):
 def test_remote_backward_pieces_tile_the_received_keys_with_bounded_size():
     """The remote part's backward runs in num_pieces(cp) kernel calls: together they cover every remote key of every
     run once, in order (so each key's dK/dV and each query's dq are whole), none holds more than T_local keys when
-    the need allows it, and the op's tables keep their sizes from one map to the next (no recompile)."""
+    the need allows it; the local part's (overlapped) the same, in whole runs; the op's tables keep their sizes
+    from one map to the next (no recompile)."""
     from cp_packing.attention.exchange import from_wire, num_pieces, to_wire
 
     cp = 4
@@ -346,6 +347,15 @@ def test_remote_backward_pieces_tile_the_received_keys_with_bounded_size():
                     [min(max(cu_k[runs[-1] + 1], p.k0), p.k1) - p.k0]
             if rank == 0:
                 assert len(used) > 1  # zigzag at cp 4: rank 0 needs about 3 ranks' keys
+            # the local part (causal calls): whole runs only, every held key of every run once
+            local = [p for p in t.local_pieces if p.k1 > p.k0]
+            assert len(t.local_pieces) == num_pieces(cp) and local
+            cu_l = t.local.cu_seqlens_k.tolist()
+            assert [p.k0 for p in local] == [0] + [p.k1 for p in local[:-1]] and local[-1].k1 == cu_l[-1]
+            for p in local:
+                runs = [i for i in range(len(cu_q) - 1) if cu_q[i] >= p.q0 and cu_q[i + 1] <= p.q1]
+                assert (p.k0, p.k1) == (cu_l[runs[0]], cu_l[runs[-1] + 1])
+                assert p.k1 - p.k0 <= T_local or len(runs) == 1
     assert len(sizes) == 1, sizes
 
 

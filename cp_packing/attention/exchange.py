@@ -88,7 +88,9 @@ class ExchangeTables:
         causal: the mask of the local / joint call (the remote part has none).
         pieces: the remote part's backward in ``num_pieces(cp)`` kernel calls (unused ones empty), each over at most
             about ``T_local`` received keys (:func:`_cut_pieces`), so that the kernel's working set over the
-            received keys (their dK/dV, expanded to the query heads under GQA) stays that of the local part.
+            received keys (their dK/dV, expanded to the query heads under GQA) stays that of ``T_local`` keys.
+        local_pieces: the local part's backward (overlapped) the same way, whole runs only (its calls are causal):
+            a run with more held keys than ``T_local`` is a piece of its own.
     """
 
     send_index: torch.Tensor
@@ -102,6 +104,7 @@ class ExchangeTables:
     joint: _Keys
     causal: bool
     pieces: tuple[_Piece, ...] = ()
+    local_pieces: tuple[_Piece, ...] = ()
 
     @property
     def num_received(self) -> int:
@@ -136,12 +139,13 @@ def num_pieces(cp_size: int) -> int:
     return 2 * cp_size
 
 
-def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: int) -> list[tuple[int, int, int, int]]:
-    """The remote part cut into at most ``count`` pieces ``(r0, r1, k0, k1)``: runs ``[r0, r1)`` against the keys
-    ``[k0, k1)`` of the remote part's key list (run after run). Whole runs are packed in order while a piece holds at
-    most ``budget`` keys; a run with more keys than that is cut into equal shares of its keys, one piece each (its
-    queries' dq then sums the shares). Runs without remote keys at a piece's ends are left out. The budget grows
-    until ``count`` pieces suffice."""
+def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: int,
+                split: bool = True) -> list[tuple[int, int, int, int]]:
+    """A call cut into at most ``count`` pieces ``(r0, r1, k0, k1)``: runs ``[r0, r1)`` against the keys ``[k0, k1)``
+    of the call's key list (run after run). Whole runs are packed in order while a piece holds at most ``budget``
+    keys; a run with more keys than that is cut into equal shares of its keys, one piece each (its queries' dq then
+    sums the shares), or with ``split=False`` (a causal call) is one piece. Runs without keys at a piece's ends are
+    left out. The budget grows until ``count`` pieces suffice."""
     cu_k = np.zeros(run_keys.size + 1, dtype=np.int64)
     np.cumsum(run_keys, out=cu_k[1:])
     total = int(cu_k[-1])
@@ -158,7 +162,7 @@ def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: i
                 if r0 is not None:
                     pieces.append((r0, r_last + 1, int(cu_k[r0]), int(cu_k[r_last + 1])))
                     r0 = None
-                shares = -(-n // budget)
+                shares = -(-n // budget) if split else 1
                 cuts = [int(cu_k[r]) + (n * i) // shares for i in range(shares + 1)]
                 pieces.extend((r, r + 1, a, b) for a, b in zip(cuts[:-1], cuts[1:]))
                 continue
@@ -175,17 +179,17 @@ def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: i
         budget = -(-budget * 3 // 2)
 
 
-def _pieces(remote: _Keys | None, run_len: np.ndarray, remote_keys: np.ndarray, T_local: int, cp: int,
-            device: torch.device) -> tuple[_Piece, ...]:
-    """The remote part's backward pieces (``num_pieces(cp)`` of them, the unused ones empty)."""
+def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None, T_local: int, cp: int,
+            device: torch.device, split: bool = True) -> tuple[_Piece, ...]:
+    """A part's backward pieces (``num_pieces(cp)`` of them, the unused ones empty; none used without ``keys``)."""
     count = num_pieces(cp)
-    if remote is None:
-        remote_keys = np.zeros(run_len.size, dtype=np.int64)
+    if keys is None:
+        run_keys = np.zeros(run_len.size, dtype=np.int64)
     cu_q = np.zeros(run_len.size + 1, dtype=np.int64)
     np.cumsum(run_len, out=cu_q[1:])
     cu_k = np.zeros(run_len.size + 1, dtype=np.int64)
-    np.cumsum(remote_keys, out=cu_k[1:])
-    cut = _cut_pieces(remote_keys, run_len, int(PIECE_KEYS_PER_TOKEN * T_local), count)
+    np.cumsum(run_keys, out=cu_k[1:])
+    cut = _cut_pieces(run_keys, run_len, int(PIECE_KEYS_PER_TOKEN * T_local), count, split)
     empty = torch.zeros(1, dtype=torch.int32, device=device)
     out = []
     for r0, r1, k0, k1 in cut:
@@ -245,6 +249,8 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
     run_cu = np.zeros(run_len.size + 1, dtype=np.int64)
     np.cumsum(run_len, out=run_cu[1:])
     remote, remote_keys = _keys(lo, hi, r_start, r_rows, r_len, device) if r_len.size else (None, None)
+    local, local_keys = _keys(lo, hi, h_start, h_rows, h_len, device)
+    T_local = int(run_len.sum())
     return ExchangeTables(
         send_index=send_index.to(device),
         send_splits=[int(x) for x in send_splits],
@@ -252,11 +258,14 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
         communicate=bool(pieces.length.size),
         cu_seqlens_q=torch.from_numpy(run_cu).to(device=device, dtype=torch.int32),
         max_seqlen_q=int(run_len.max()) if run_len.size else 0,
-        local=_keys(lo, hi, h_start, h_rows, h_len, device)[0],
+        local=local,
         remote=remote,
         joint=_keys(lo, hi, j_start[o], j_rows[o], j_len[o], device)[0],
         causal=causal,
-        pieces=_pieces(remote, run_len, remote_keys, int(run_len.sum()), cp, device),
+        pieces=_pieces(remote, run_len, remote_keys, T_local, cp, device),
+        # the local part runs in pieces only where it overlaps the transfer (a remote part exists)
+        local_pieces=_pieces(local if remote is not None else None, run_len, local_keys, T_local, cp, device,
+                             split=False),
     )
 
 
@@ -271,11 +280,12 @@ def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, torch.Tensor]:
     cp = len(t.send_splits)
     header = [cp, *t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
               remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)]
-    for p in t.pieces:
+    pieces = (*t.pieces, *t.local_pieces)
+    for p in pieces:
         header += [p.q0, p.q1, p.k0, p.k1, p.cu_seqlens_q.numel() - 1, p.max_seqlen_q, p.max_seqlen_k]
     device = t.cu_seqlens_q.device
-    cu_q = torch.cat([p.cu_seqlens_q.to(device) for p in t.pieces]) if t.pieces else t.cu_seqlens_q[:0]
-    cu_k = torch.cat([p.cu_seqlens_k.to(device) for p in t.pieces]) if t.pieces else t.cu_seqlens_q[:0]
+    cu_q = torch.cat([p.cu_seqlens_q.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
+    cu_k = torch.cat([p.cu_seqlens_k.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
     return pack(header, [t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index,
                          remote.cu_seqlens_k, t.joint.index, t.joint.cu_seqlens_k, cu_q, cu_k], device)
 
@@ -300,7 +310,8 @@ def from_wire(tables) -> ExchangeTables:
         send_index=send_index, send_splits=header[1:1 + cp], recv_splits=header[1 + cp:1 + 2 * cp],
         communicate=bool(communicate), cu_seqlens_q=cu_q.to(i32), max_seqlen_q=max_q,
         local=_Keys(l_index, l_cu.to(i32), l_max), remote=None if r_max < 0 else _Keys(r_index, r_cu.to(i32), r_max),
-        joint=_Keys(j_index, j_cu.to(i32), j_max), causal=bool(causal), pieces=tuple(pieces))
+        joint=_Keys(j_index, j_cu.to(i32), j_max), causal=bool(causal), pieces=tuple(pieces[:len(pieces) // 2]),
+        local_pieces=tuple(pieces[len(pieces) // 2:]))
 
 
 def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -382,27 +393,31 @@ def _lazy(make: Callable[[], tuple]) -> Callable[[], tuple]:
     return buffers
 
 
-def _remote_backward(layer, dout, q, received: list, out, lse, t: ExchangeTables, dq) -> torch.Tensor:
-    """The remote part's backward, piece by piece (``t.pieces``: each a few runs against at most about ``T_local``
-    received keys): each piece's dq is added onto ``dq``'s rows, its keys' dK/dV onto the returned ``[R, 2, H_kv,
-    D]`` (made after the first piece's kernel). Only one piece's selected keys and kernel buffers are live at a time; the received
-    buffer ``received = [recv]`` is emptied (so freed) once the last piece's keys are selected."""
-    recv = received.pop()
-    shape, like = recv.shape, dict(dtype=recv.dtype, device=recv.device)
-    buffers = _lazy(lambda: (torch.zeros(shape, **like),))
-    pieces = [p for p in t.pieces if p.k1 > p.k0]
-    for i, p in enumerate(pieces):
-        index = t.remote.index[p.k0:p.k1]
+def _pieces_backward(layer, dout, q, source: list, index: torch.Tensor, pieces, causal, out, lse, dq: list,
+                     buffers: Callable[[], tuple]) -> None:
+    """A part's backward, piece by piece (each a few runs against at most about ``T_local`` keys, rows ``index`` of
+    the ``source = [k_buf, v_buf]`` buffers): each piece's dq is added onto the rows of ``dq[0]`` (made after the
+    first kernel unless given, or the first piece's own when it covers every row), its keys' dK/dV onto
+    ``buffers()``. Only one piece's selected keys and kernel buffers are live at a time; ``source`` is emptied (so
+    a buffer only it holds is freed) once the last piece's keys are selected."""
+    k_buf, v_buf = source
+    source.clear()
+    used = [p for p in pieces if p.k1 > p.k0]
+    for i, p in enumerate(used):
         rows = slice(p.q0, p.q1)
-        kv = [recv[:, 0].index_select(0, index), recv[:, 1].index_select(0, index)]
-        if i == len(pieces) - 1:
-            del recv
-        dq_p = _backward_into(layer, dout[rows], q[rows], kv, out[rows], lse[:, rows].contiguous(), p.cu_seqlens_q,
-                              p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, False, index,
-                              lambda: (buffers()[0][:, 0], buffers()[0][:, 1]))
-        dq[rows].add_(dq_p)
+        at = index[p.k0:p.k1]
+        selected = [k_buf.index_select(0, at), v_buf.index_select(0, at)]
+        if i == len(used) - 1:
+            del k_buf, v_buf
+        dq_p = _backward_into(layer, dout[rows], q[rows], selected, out[rows], lse[:, rows].contiguous(),
+                              p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, causal, at, buffers)
+        if not dq and p.q0 == 0 and p.q1 == q.shape[0]:
+            dq.append(dq_p)
+            continue
+        if not dq:
+            dq.append(torch.zeros_like(q))
+        dq[0][rows].add_(dq_p)
         del dq_p
-    return buffers()[0]
 
 
 def _overlapped(t: ExchangeTables, layer) -> bool:
@@ -465,14 +480,22 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
             del joint
     else:
         local = _lazy(lambda: (torch.zeros_like(k), torch.zeros_like(v)))
-        dq = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal,
-                            local)  # while the keys are in flight
+        dq: list = []
+        _pieces_backward(layer, dout, q, [k, v], t.local.index, t.local_pieces, t.causal, out, lse, dq,
+                         local)  # while the keys are in flight
+        if not dq:  # no local key at all (cannot happen: every run attends itself)
+            dq.append(torch.zeros_like(q))
         dk, dv = local()
         del local
         work.wait()
-        holder = [recv]
+        shape, like = recv.shape, dict(dtype=recv.dtype, device=recv.device)
+        received_grad = _lazy(lambda: (torch.zeros(shape, **like),))
+        holder = [recv[:, 0], recv[:, 1]]
         del recv
-        grad_recv = _remote_backward(layer, dout, q, holder, out, lse, t, dq)
+        _pieces_backward(layer, dout, q, holder, t.remote.index, t.pieces, False, out, lse, dq,
+                         lambda: (received_grad()[0][:, 0], received_grad()[0][:, 1]))
+        grad_recv = received_grad()[0]
+        dq = dq[0]
     if t.communicate:
         returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
         del grad_recv
