@@ -633,12 +633,33 @@ def _attended_keys(plan, cu: np.ndarray, causal: bool, window: int | None) -> tu
     return attended, held
 
 
-def _allgather_peak(Tq: int, keys: int, total: int, h: int, h_kv: int, D: int, b: int) -> int:
+def _group_keys(plan, cu: np.ndarray, first: int, end: int, causal: bool) -> int:
+    """The keys the runs of ranks ``[first, end)`` attend together (hybrid's Ulysses group: their tokens end to
+    end, rank after rank), counted once per run after merging consecutive runs that continue each other inside one
+    segment."""
+    a, b = int(plan.offsets[first]), int(plan.offsets[end])
+    start, length = plan.run_start[a:b], plan.run_len[a:b]
+    seg = np.searchsorted(cu, start, side="right") - 1
+    new = np.ones(start.size, dtype=bool)
+    new[1:] = (start[1:] != start[:-1] + length[:-1]) | (seg[1:] != seg[:-1])
+    group = np.cumsum(new) - 1
+    end_of = np.zeros(int(new.sum()), dtype=np.int64)
+    np.maximum.at(end_of, group, start + length)
+    first_seg = seg[new]
+    lo = cu[first_seg]
+    hi = end_of if causal else cu[first_seg + 1]
+    return int((hi - lo).sum())
+
+
+def _allgather_peak(Tq: int, keys: int, total: int, h: int, h_kv: int, D: int, b: int, gathers: bool = True) -> int:
     """The all-gather's backward above the saved output: the kernel over its selected keys (the gathered buffer
     freed), or gathering V (K's selected keys, the gathered buffer and gloo's copy of it, V's), or scattering dK/dV
-    (dq, both keys' gradients, the full-size buffer, the rank's chunk)."""
+    (dq, both keys' gradients, the full-size buffer, the rank's chunk). ``gathers=False``: a one-rank all-gather
+    group (hybrid with ``U = cp``) selects from its own rows and keeps the full-size buffer as its result."""
     row = h_kv * D * b
     kernel = 2 * keys * row + _kernel_backward_bytes(Tq, keys, h, h_kv, D, b)
+    if not gathers:
+        return max(kernel, Tq * h * D * b + 2 * keys * row + total * row)
     gather = 2 * keys * row + 2 * total * row
     scatter = Tq * h * D * b + 2 * keys * row + total * row + Tq * row
     return max(kernel, gather, scatter)
@@ -696,9 +717,10 @@ def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, hea
         h, h_kv = H // U, H_kv * rep // U
         shard = Tl * (H + 2 * H_kv * rep) * D * b  # q, k, v of the Ulysses group's tokens, this rank's heads
         hybrid = 0
-        for g in range(cp // U):  # a Ulysses group attends the keys of its ranks' runs
-            keys = int(attended[g * U:(g + 1) * U].sum())
-            hybrid = max(hybrid, out + shard + 2 * Tl * row_q + _allgather_peak(U * Tl, keys, cp * Tl, h, h_kv, D, b))
+        for g in range(cp // U):  # a Ulysses group attends the keys of its ranks' runs, adjacent ones merged
+            keys = _group_keys(plan, cu, g * U, (g + 1) * U, causal)
+            hybrid = max(hybrid, out + shard + 2 * Tl * row_q
+                         + _allgather_peak(U * Tl, keys, cp * Tl, h, h_kv, D, b, gathers=U < cp))
         result["hybrid"] = (saved, hybrid)
     return result
 
