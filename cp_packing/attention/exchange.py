@@ -22,9 +22,9 @@ Under a sliding window the parts would need a position-aware mask, so the layer 
 kernel call over each run's contiguous key range (the transfer still shrinks to the window); so does
 ``options.overlap=False``. With ``cp_size == 1``, or a step in which no rank needs a remote key, nothing is
 communicated and only the local kernel runs. Memory: the transient buffer holds the received keys only (the need),
-not ``cp * T_local`` rows, and is freed after the layer; the remote part's backward runs in pieces of at most about
-``T_local`` received keys (``num_pieces(cp)`` kernel calls), so the kernel's working set does not grow with the
-need (docs/attention.md, "Memory").
+not ``cp * T_local`` rows, and is freed after the layer; the local and remote parts' backward run in pieces of at
+most about ``T_local`` keys (``num_pieces(cp)`` kernel calls each), so the kernel's working set does not grow with
+the need (docs/attention.md, "Memory").
 
 Every layout, causal or not, sliding windows, softcap, sinks (applied after the merge), GQA, every kernel of the
 all-gather backend. Call it as ``context_parallel_attention(..., backend="exchange")`` (or let ``"auto"`` pick it).
@@ -127,13 +127,13 @@ def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, 
                  int(per_run.max()) if per_run.size else 0), per_run
 
 
-#: Keys of one remote-backward piece per local token (``T_local`` keys: the kernel's working set over them is about
-#: that of the local part's backward).
+#: Keys of one backward piece per local token (``T_local`` keys: the kernel's working set over them is about that of
+#: one process's kernel over the rank's share).
 PIECE_KEYS_PER_TOKEN = 1.0
 
 
 def num_pieces(cp_size: int) -> int:
-    """How many kernel calls the remote part's backward is cut into (a function of ``cp_size`` only, so the op's
+    """How many kernel calls each part's backward is cut into at most (a function of ``cp_size`` only, so the op's
     table sizes do not change from step to step: no recompile). The received keys of a rank are at most about
     ``(cp - 1) * T_local``, counted once per run that attends them."""
     return 2 * cp_size
