@@ -2,6 +2,7 @@
 
 Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py            (64K tokens, cp 2 and 4, ~15 min on 2 cores)
       PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py --quick    (2K tokens, cp 2, seconds)
+      ... --backends exchange --layouts zigzag balanced --no-hf        (a few rows, no HF step: minutes)
 
 One attention layer forward + backward (``context_parallel_attention`` on a step prepared by ``prepare_attention``)
 on gloo ranks (CPU), bf16, 8 query / 2 key-value heads x 64, a lognormal doc map (documents a multiple of 8 tokens,
@@ -151,15 +152,15 @@ def _step(doc_ids, cp: int, rank: int, layout: str, backend: str, group):
                              num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE, **extra)
 
 
-def _rank(rank: int, cp: int, tokens: int) -> dict:
+def _rank(rank: int, cp: int, tokens: int, layouts=LAYOUTS, backends=BACKENDS) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     doc_ids = _doc_ids(tokens)
     out = {}
     with flash_like_kernel():
-        for layout in LAYOUTS:
-            for backend in BACKENDS:
+        for layout in layouts:
+            for backend in backends:
                 step = _step(doc_ids, cp, rank, layout, backend, dist.group.WORLD)
                 out[layout, backend] = layer_memory(step, tokens // cp, seed=rank)
     return out
@@ -172,7 +173,8 @@ def modelled_peak(tokens: int, cp: int, layout: str, backend: str) -> int | None
 
     sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(_doc_ids(tokens)), cp_size=cp, cp_rank=0,
                                       layout=layout)
-    model = backend_memory(sharded, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=2)
+    extra = {"ulysses_size": 2} if backend == "hybrid" else {}
+    model = backend_memory(sharded, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=2, **extra)
     return model[backend][1] if backend in model else None
 
 
@@ -255,6 +257,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--hf-tokens", type=int, default=32768)
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="the rows' backends")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="the rows' layouts")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF step's table")
     p.add_argument("--quick", action="store_true", help="smoke run: 2K tokens (1K for the HF step), cp 2")
     args = p.parse_args()
     if args.quick:
@@ -264,13 +269,14 @@ def main() -> None:
     print(f"T={args.tokens} tokens, {HEADS} query / {KV_HEADS} key-value heads x {HEAD_DIM}, bf16, do-nothing "
           f"flash-like kernel; one process (cp 1): saved {base_saved / mib:.1f} MiB, peak {base_peak / mib:.1f} MiB; "
           f"q/k/v/out of the whole stream {args.tokens * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * 2 / mib:.1f} MiB\n")
-    results = {cp: run_distributed(_rank, cp, args.tokens, timeout=3000) for cp in args.cp}
+    results = {cp: run_distributed(_rank, cp, args.tokens, tuple(args.layouts), tuple(args.backends), timeout=3000)
+               for cp in args.cp}
     cps = " / ".join(str(cp) for cp in args.cp)
     print(f"| backend | layout | saved / ideal, cp {cps} | peak / ideal, cp {cps} | busiest peak MiB, cp {cps} | "
           f"modelled peak MiB (cost.backend_memory), cp {cps} |")
     print("|---|---|---|---|---|---|")
-    for backend in BACKENDS:
-        for layout in LAYOUTS:
+    for backend in args.backends:
+        for layout in args.layouts:
             saved = [max(r[layout, backend][0] for r in results[cp]) / (base_saved / cp) for cp in args.cp]
             peak = [max(r[layout, backend][1] for r in results[cp]) for cp in args.cp]
             model = [modelled_peak(args.tokens, cp, layout, backend) for cp in args.cp]
@@ -278,6 +284,8 @@ def main() -> None:
                   f"{' / '.join(f'{x / (base_peak / cp):.2f}' for x, cp in zip(peak, args.cp))} | "
                   f"{' / '.join(f'{x / mib:.1f}' for x in peak)} | "
                   f"{' / '.join('-' if x is None else f'{x / mib:.1f}' for x in model)} |")
+    if args.no_hf:
+        return
     hf_saved, hf_peak = hf_one_process(args.hf_tokens)
     ranks = run_distributed(_hf_rank, 2, args.hf_tokens, timeout=3000)
     saved, peak = max(r[0] for r in ranks), max(r[1] for r in ranks)

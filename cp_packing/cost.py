@@ -24,7 +24,7 @@ from cp_packing._checks import (check_cu_seqlens, check_int, check_number,
                                 check_weighted_cost_tokens, check_windows)
 from cp_packing.layouts import LAYOUTS, WINDOWED_LAYOUTS, layout_plan
 from cp_packing.layouts.choose import choose_layout_of_cu, plan_rank_cost
-from cp_packing.layouts.need import intersect_ranges, need_tokens
+from cp_packing.layouts.need import exchange_pieces, intersect_ranges, key_ranges, need_tokens
 from cp_packing.layouts.work import head_cost, window_weights
 from cp_packing.packed_seq import PackedSeqParams, check_params, packed_seq_params_from_doc_ids
 
@@ -605,13 +605,68 @@ MEMORY_BACKENDS = TIMED_BACKENDS
 
 def _kernel_backward_bytes(Tq: int, Tk: int, h: int, h_kv: int, head_dim: int, dtype_bytes: int) -> int:
     """A flash-attn 2 backward's buffers: a float32 dq accumulator and row sums, dq/dk/dv, and under GQA dK/dV
-    expanded to the query heads (one key/value head at a time when ``Tk > Tq``: ``kernels.run_backward_per_kv_head``)."""
-    expanded = 0 if h == h_kv else 2 * Tk * (h if Tk <= Tq else h // h_kv) * head_dim * dtype_bytes
-    return Tq * h * (4 * head_dim + 4 + head_dim * dtype_bytes) + 2 * Tk * h_kv * head_dim * dtype_bytes + expanded
+    expanded to the query heads. With more keys than queries under GQA it runs one key/value head at a time
+    (``kernels.run_backward_per_kv_head``): the outputs at full size, then per head its slices of dout/q/out/k/v and
+    the kernel's buffers over ``h / h_kv`` query heads."""
+    D, b = head_dim, dtype_bytes
+    if h == h_kv or Tk <= Tq:
+        expanded = 0 if h == h_kv else 2 * Tk * h * D * b
+        return Tq * h * (4 * D + 4 + D * b) + 2 * Tk * h_kv * D * b + expanded
+    rep = h // h_kv
+    outputs = Tq * h * D * b + 2 * Tk * h_kv * D * b
+    slices = 3 * Tq * rep * D * b + 2 * Tk * D * b
+    kernel = Tq * rep * (4 * D + 4 + D * b) + 2 * Tk * rep * D * b + 2 * Tk * D * b
+    return outputs + slices + kernel
+
+
+def _attended_keys(plan, cu: np.ndarray, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``[cp]`` twice: the keys every rank's runs attend, counted once per run (what an all-gather's key
+    index selects), and of those the ones the rank holds itself (the exchange's local part)."""
+    lo, hi = key_ranges(plan, cu, causal=causal, window=window)
+    attended = np.bincount(plan.run_rank(), weights=hi - lo, minlength=plan.cp_size).astype(np.int64)
+    held = np.zeros(plan.cp_size, dtype=np.int64)
+    for r in range(plan.cp_size):
+        a, b = int(plan.offsets[r]), int(plan.offsets[r + 1])
+        s, n = plan.run_start[a:b], plan.run_len[a:b]
+        _, _, p_lo, p_hi = intersect_ranges(lo[a:b], hi[a:b], s, s + n)
+        held[r] = int((p_hi - p_lo).sum())
+    return attended, held
+
+
+def _group_keys(plan, cu: np.ndarray, first: int, end: int, causal: bool) -> int:
+    """The keys the runs of ranks ``[first, end)`` attend together (hybrid's Ulysses group: their tokens end to
+    end, rank after rank), counted once per run after merging consecutive runs that continue each other inside one
+    segment."""
+    a, b = int(plan.offsets[first]), int(plan.offsets[end])
+    start, length = plan.run_start[a:b], plan.run_len[a:b]
+    seg = np.searchsorted(cu, start, side="right") - 1
+    new = np.ones(start.size, dtype=bool)
+    new[1:] = (start[1:] != start[:-1] + length[:-1]) | (seg[1:] != seg[:-1])
+    group = np.cumsum(new) - 1
+    end_of = np.zeros(int(new.sum()), dtype=np.int64)
+    np.maximum.at(end_of, group, start + length)
+    first_seg = seg[new]
+    lo = cu[first_seg]
+    hi = end_of if causal else cu[first_seg + 1]
+    return int((hi - lo).sum())
+
+
+def _allgather_peak(Tq: int, keys: int, total: int, h: int, h_kv: int, D: int, b: int, gathers: bool = True) -> int:
+    """The all-gather's backward above the saved output: the kernel over its selected keys (the gathered buffer
+    freed), or gathering V (K's selected keys, the gathered buffer and gloo's copy of it, V's), or scattering dK/dV
+    (dq, both keys' gradients, the full-size buffer, the rank's chunk). ``gathers=False``: a one-rank all-gather
+    group (hybrid with ``U = cp``) selects from its own rows and keeps the full-size buffer as its result."""
+    row = h_kv * D * b
+    kernel = 2 * keys * row + _kernel_backward_bytes(Tq, keys, h, h_kv, D, b)
+    if not gathers:
+        return max(kernel, Tq * h * D * b + 2 * keys * row + total * row)
+    gather = 2 * keys * row + 2 * total * row
+    scatter = Tq * h * D * b + 2 * keys * row + total * row + Tq * row
+    return max(kernel, gather, scatter)
 
 
 def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                 causal: bool, window: int | None) -> dict[str, tuple[int, int]]:
+                 causal: bool, window: int | None, ulysses_size: int | None = None) -> dict[str, tuple[int, int]]:
     """:func:`backend_memory` on a layout's plan (every rank's runs) and the stream's ``cu`` (int64)."""
     cp, Tl, H, H_kv, D, b = plan.cp_size, plan.t_local, num_heads, num_kv_heads, head_dim, dtype_bytes
     row_q, row_kv = H * D * b, H_kv * D * b
@@ -619,15 +674,36 @@ def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, hea
     out = Tl * (row_q + 4 * H)  # the output and lse, live through backward
     if cp == 1:
         peak = out + _kernel_backward_bytes(Tl, Tl, H, H_kv, D, b)
-        return {name: (saved, peak) for name in MEMORY_BACKENDS}
-    need = int(need_tokens(plan, cu, causal=causal, window=window).max())  # the busiest rank's remote keys
-    keys = Tl + need
-    # in the kernel's backward; all-gather: the selected keys (the gathered buffer is freed by then)
-    allgather = out + 2 * keys * row_kv + _kernel_backward_bytes(Tl, keys, H, H_kv, D, b)
-    # exchange, the remote part's backward: its selected keys and the received keys' dK/dV, the held keys' dK/dV
-    # and the local part's dq
-    exchange = (out + 4 * need * row_kv + 2 * Tl * row_kv + Tl * row_q
-                + _kernel_backward_bytes(Tl, max(Tl, need), H, H_kv, D, b))
+        result = {name: (saved, peak) for name in MEMORY_BACKENDS}
+        if ulysses_size is not None:
+            result["hybrid"] = (saved, peak)
+        return result
+    need = need_tokens(plan, cu, causal=causal, window=window)  # every rank's received keys
+    pieces = exchange_pieces(plan, cu, causal=causal, window=window)
+    sent = np.bincount(pieces.owner, weights=pieces.length, minlength=cp).astype(np.int64)
+    attended, held = _attended_keys(plan, cu, causal, window)
+    allgather = exchange = 0
+    for r in range(cp):
+        n = int(attended[r])
+        allgather = max(allgather, out + _allgather_peak(Tl, n, cp * Tl, H, H_kv, D, b))
+        # exchange: the local part's backward while the keys fly (the received and the send buffers live), then
+        # the remote part's, both in pieces of at most ~T_local keys (exchange.num_pieces), the remote one beside
+        # the received keys, their dK/dV, dq and the held keys' dK/dV
+        received, local, remote = int(need[r]), max(1, int(held[r])), n - int(held[r])
+        # a piece of k of a part's n keys has about k / n of the rows (at least a few runs' worth)
+        kernel = 2 * local * row_kv + _kernel_backward_bytes(Tl, local, H, H_kv, D, b)
+        if received and local > Tl:  # overlapped: the local part in pieces of whole runs, into one dq made after
+            rest = min(Tl, local - Tl)  # the first piece's kernel
+            kernel = max(2 * Tl * row_kv + _kernel_backward_bytes(max(Tl * Tl // local, Tl // 4), Tl, H, H_kv, D, b),
+                         Tl * row_q + 2 * rest * row_kv
+                         + _kernel_backward_bytes(max(Tl * rest // local, Tl // 4), rest, H, H_kv, D, b))
+        local_part = 2 * (received + int(sent[r])) * row_kv + kernel + 2 * Tl * row_kv
+        piece = min(remote, Tl)
+        rows = max(Tl * piece // max(remote, 1), Tl // 4)
+        remote_part = (Tl * row_q + 2 * Tl * row_kv + 4 * received * row_kv + 2 * piece * row_kv
+                       + _kernel_backward_bytes(rows, piece, H, H_kv, D, b)) if received else 0
+        forward = Tl * (row_q + 4 * H) + 2 * remote * row_kv + Tl * H * D * 4  # the merge's float32 output
+        exchange = max(exchange, out + max(local_part, remote_part, forward))
     result = {"allgather": (saved, allgather), "exchange": (saved, exchange)}
     if H % cp == 0 and window is None:
         rep = kv_replication_factor(H_kv, cp)
@@ -635,24 +711,48 @@ def _plan_memory(plan, cu: np.ndarray, *, num_heads: int, num_kv_heads: int, hea
         # backward: the head shard of q/k/v and of dout/out around the kernel; then the gradients' shard, sent back
         in_kernel = shard + 2 * Tl * row_q + _kernel_backward_bytes(cp * Tl, cp * Tl, H // cp, H_kv * rep // cp, D, b)
         result["ulysses"] = (saved, out + max(in_kernel, 3 * shard))
+    if ulysses_size is not None:
+        U = ulysses_size
+        rep = kv_replication_factor(H_kv, U)
+        h, h_kv = H // U, H_kv * rep // U
+        shard = Tl * (H + 2 * H_kv * rep) * D * b  # q, k, v of the Ulysses group's tokens, this rank's heads
+        hybrid = 0
+        for g in range(cp // U):  # a Ulysses group attends the keys of its ranks' runs, adjacent ones merged
+            keys = _group_keys(plan, cu, g * U, (g + 1) * U, causal)
+            hybrid = max(hybrid, out + shard + 2 * Tl * row_q
+                         + _allgather_peak(U * Tl, keys, cp * Tl, h, h_kv, D, b, gathers=U < cp))
+        result["hybrid"] = (saved, hybrid)
     return result
 
 
 def backend_memory(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
-                   causal: bool = True, window: int | None = None) -> dict[str, tuple[int, int]]:
+                   causal: bool = True, window: int | None = None,
+                   ulysses_size: int | None = None) -> dict[str, tuple[int, int]]:
     """Modelled ``(saved, peak)`` bytes of one attention layer at the busiest rank, per backend that can run.
 
     ``saved``: what autograd keeps for backward: q, k, v, the output and the float32 ``lse``, the rank's share of
     the one-process figure for every backend (each sends or gathers again in backward). ``peak``: the most the
     layer allocates above its inputs, forward or backward (its output and gradients included) with flash-attn 2's
-    own buffers: the all-gather's selected keys plus one gathered buffer, the exchange's received keys (the
-    busiest rank's need, ``cp_packing.layouts.need``), Ulysses' head shard. Measured against this:
-    ``benchmarks/bench_memory.py`` (docs/benchmarks.md, "Memory per backend"). Pure host arithmetic on the
-    layout's plan.
+    own buffers (run one key/value head at a time where a rank attends more keys than it has queries): the
+    all-gather's selected keys (counted once per run that attends them) beside the gathered buffer or the
+    full-size dK/dV buffer; the exchange's received and sent keys (``cp_packing.layouts.need``) beside its local
+    part's pieces, then its remote part's pieces (at most about ``T_local`` keys each); Ulysses' head shard; hybrid's head shard
+    beside the all-gather over its Ulysses group's keys. Every rank is priced, the busiest returned. Measured
+    against this: ``benchmarks/bench_memory.py`` (docs/benchmarks.md, "Memory per backend"; within about 10% of
+    the all-gather and the exchange there). Pure host arithmetic on the layout's plan.
+
+    Args:
+        sharded: a ``ShardedPackedSeqParams`` of the step.
+        num_heads, num_kv_heads, head_dim, dtype_bytes: the layer's q/k shapes.
+        causal, window: the layer's mask.
+        ulysses_size: also price ``hybrid`` with this Ulysses degree (``None``: not priced; needs no window).
 
     Returns:
-        ``{backend: (saved, peak)}`` for ``allgather``, ``exchange`` and (where ``cp`` divides the query heads and
-        there is no window) ``ulysses``.
+        ``{backend: (saved, peak)}`` for ``allgather``, ``exchange``, (where ``cp`` divides the query heads and
+        there is no window) ``ulysses``, and ``hybrid`` when ``ulysses_size`` is given.
+
+    Raises:
+        ValueError: ``ulysses_size`` that does not divide ``cp_size`` and ``num_heads``, or given with a window.
 
     >>> import cp_packing
     >>> params = cp_packing.packed_seq_params_from_doc_ids(torch.tensor([[1] * 8 + [2] * 8]))
@@ -663,11 +763,18 @@ def backend_memory(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int,
     for value, name in ((num_heads, "num_heads"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),
                         (dtype_bytes, "dtype_bytes")):
         check_int(value, name, min=1)
+    if ulysses_size is not None:
+        check_int(ulysses_size, "ulysses_size", min=1)
+        if sharded.cp_size % ulysses_size or num_heads % ulysses_size:
+            raise ValueError(f"ulysses_size={ulysses_size} must divide cp_size={sharded.cp_size} and "
+                             f"num_heads={num_heads} to price hybrid; pass a common divisor or ulysses_size=None")
+        if window is not None:
+            raise ValueError(f"hybrid runs no sliding window (window={window}); pass ulysses_size=None")
     plan = layout_plan(sharded.global_params.cu_seqlens, cp_size=sharded.cp_size, layout=sharded.layout,
                        window=sharded.plan_window)
     return _plan_memory(plan, _np64(sharded.global_params.cu_seqlens, "cu_seqlens"), num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, causal=causal,
-                        window=window)
+                        window=window, ulysses_size=ulysses_size)
 
 
 def choose_backend(sharded, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,

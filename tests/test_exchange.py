@@ -315,6 +315,50 @@ def _a2a(events):
     return [e for e in events if e[0] == "all_to_all_single"]
 
 
+def test_remote_backward_pieces_tile_the_received_keys_with_bounded_size():
+    """The remote part's backward runs in num_pieces(cp) kernel calls: together they cover every remote key of every
+    run once, in order (so each key's dK/dV and each query's dq are whole), none holds more than T_local keys when
+    the need allows it; the local part's (overlapped) the same, in whole runs; the op's tables keep their sizes
+    from one map to the next (no recompile)."""
+    from cp_packing.attention.exchange import from_wire, num_pieces, to_wire
+
+    cp = 4
+    sizes = set()
+    for seed in (0, 1):
+        doc = synthetic_doc_ids("lognormal", 1, 64 * cp, seed=seed, median=64, multiple=2 * cp)
+        for rank in range(cp):
+            sharded = shard_packed_seq_params(packed_seq_params_from_doc_ids(doc), cp_size=cp, cp_rank=rank,
+                                              layout="zigzag")
+            t = exchange_tables(sharded)
+            wire = to_wire(t)
+            sizes.add(tuple(wire[1].shape))
+            assert len(t.pieces) == len(from_wire(wire).pieces) == num_pieces(cp)
+            used = [p for p in t.pieces if p.k1 > p.k0]
+            if t.remote is None:
+                assert used == []
+                continue
+            T_local, cu_q, cu_k = sharded.token_index.numel(), t.cu_seqlens_q.tolist(), t.remote.cu_seqlens_k.tolist()
+            assert [p.k0 for p in used] == [0] + [p.k1 for p in used[:-1]] and used[-1].k1 == cu_k[-1]
+            assert all(p.k1 - p.k0 <= T_local for p in used), [(p.k0, p.k1) for p in used]
+            for p in used:  # every run of a piece: its rows, and its keys clipped to the piece
+                runs = [i for i in range(len(cu_q) - 1) if cu_q[i] >= p.q0 and cu_q[i + 1] <= p.q1]
+                assert p.cu_seqlens_q.tolist() == [cu_q[i] - p.q0 for i in runs] + [p.q1 - p.q0]
+                assert p.cu_seqlens_k.tolist() == [min(max(cu_k[i], p.k0), p.k1) - p.k0 for i in runs] + \
+                    [min(max(cu_k[runs[-1] + 1], p.k0), p.k1) - p.k0]
+            if rank == 0:
+                assert len(used) > 1  # zigzag at cp 4: rank 0 needs about 3 ranks' keys
+            # the local part (causal calls): whole runs only, every held key of every run once
+            local = [p for p in t.local_pieces if p.k1 > p.k0]
+            assert len(t.local_pieces) == num_pieces(cp) and local
+            cu_l = t.local.cu_seqlens_k.tolist()
+            assert [p.k0 for p in local] == [0] + [p.k1 for p in local[:-1]] and local[-1].k1 == cu_l[-1]
+            for p in local:
+                runs = [i for i in range(len(cu_q) - 1) if cu_q[i] >= p.q0 and cu_q[i + 1] <= p.q1]
+                assert (p.k0, p.k1) == (cu_l[runs[0]], cu_l[runs[-1] + 1])
+                assert p.k1 - p.k0 <= T_local or len(runs) == 1
+    assert len(sizes) == 1, sizes
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("cp", CPS)
 def test_rows_moved_are_exactly_the_needed_keys(cp):

@@ -22,7 +22,9 @@ Under a sliding window the parts would need a position-aware mask, so the layer 
 kernel call over each run's contiguous key range (the transfer still shrinks to the window); so does
 ``options.overlap=False``. With ``cp_size == 1``, or a step in which no rank needs a remote key, nothing is
 communicated and only the local kernel runs. Memory: the transient buffer holds the received keys only (the need),
-not ``cp * T_local`` rows, and is freed after the layer (docs/attention.md, "Memory").
+not ``cp * T_local`` rows, and is freed after the layer; the local and remote parts' backward run in pieces of at
+most about ``T_local`` keys (``num_pieces(cp)`` kernel calls each), so the kernel's working set does not grow with
+the need (docs/attention.md, "Memory").
 
 Every layout, causal or not, sliding windows, softcap, sinks (applied after the merge), GQA, every kernel of the
 all-gather backend. Call it as ``context_parallel_attention(..., backend="exchange")`` (or let ``"auto"`` pick it).
@@ -30,6 +32,7 @@ all-gather backend. Call it as ``context_parallel_attention(..., backend="exchan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +44,8 @@ from cp_packing.attention.wire import is_wire, pack, unpack
 from cp_packing.layouts import expand_runs, layout_plan
 from cp_packing.layouts.need import chunked_segments, exchange_pieces, intersect_ranges, split_plan
 
-__all__ = ["ExchangeTables", "backward", "build_tables", "exchange_tables", "fake", "forward", "from_wire", "to_wire"]
+__all__ = ["ExchangeTables", "backward", "build_tables", "exchange_tables", "fake", "forward", "from_wire", "num_pieces",
+           "to_wire"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +54,22 @@ class _Keys:
 
     index: torch.Tensor  # int64 [N_k] rows of the buffer
     cu_seqlens_k: torch.Tensor  # int32 [R + 1]
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """One kernel call of the remote part's backward: the local runs whose query rows are ``[q0, q1)`` against the
+    received keys ``remote.index[k0:k1]`` (a contiguous stretch of the remote part's keys: whole runs, or a share
+    of one run's keys when that run alone holds more than a piece's budget)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    cu_seqlens_q: torch.Tensor  # int32 [n + 1], rows relative to q0
+    max_seqlen_q: int
+    cu_seqlens_k: torch.Tensor  # int32 [n + 1], keys relative to k0
     max_seqlen_k: int
 
 
@@ -66,6 +86,11 @@ class ExchangeTables:
             buffer), ``None`` when this rank receives nothing; joint: one call's keys over ``cat(local, received)``
             in each run's global order (windows, ``overlap=False``).
         causal: the mask of the local / joint call (the remote part has none).
+        pieces: the remote part's backward in ``num_pieces(cp)`` kernel calls (unused ones empty), each over at most
+            about ``T_local`` received keys (:func:`_cut_pieces`), so that the kernel's working set over the
+            received keys (their dK/dV, expanded to the query heads under GQA) stays that of ``T_local`` keys.
+        local_pieces: the local part's backward (overlapped) the same way, whole runs only (its calls are causal):
+            a run with more held keys than ``T_local`` is a piece of its own.
     """
 
     send_index: torch.Tensor
@@ -78,6 +103,8 @@ class ExchangeTables:
     remote: _Keys | None
     joint: _Keys
     causal: bool
+    pieces: tuple[_Piece, ...] = ()
+    local_pieces: tuple[_Piece, ...] = ()
 
     @property
     def num_received(self) -> int:
@@ -86,8 +113,9 @@ class ExchangeTables:
 
 
 def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-          device: torch.device) -> _Keys:
-    """A call's keys: for run i, the positions of ``[lo[i], hi[i])`` that the ranges hold, in position order."""
+          device: torch.device) -> tuple[_Keys, np.ndarray]:
+    """A call's keys: for run i, the positions of ``[lo[i], hi[i])`` that the ranges hold, in position order; and
+    how many keys each run has (host)."""
     run, k, p_lo, p_hi = intersect_ranges(lo, hi, starts, starts + lengths)
     piece_rows = rows[k] + (p_lo - starts[k])
     per_run = np.bincount(run, weights=p_hi - p_lo, minlength=lo.size).astype(np.int64)
@@ -96,7 +124,82 @@ def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, 
     cu = np.zeros(lo.size + 1, dtype=np.int64)
     np.cumsum(per_run, out=cu[1:])
     return _Keys(index.to(device), torch.from_numpy(cu).to(device=device, dtype=torch.int32),
-                 int(per_run.max()) if per_run.size else 0)
+                 int(per_run.max()) if per_run.size else 0), per_run
+
+
+#: Keys of one backward piece per local token (``T_local`` keys: the kernel's working set over them is about that of
+#: one process's kernel over the rank's share).
+PIECE_KEYS_PER_TOKEN = 1.0
+
+
+def num_pieces(cp_size: int) -> int:
+    """How many kernel calls each part's backward is cut into at most (a function of ``cp_size`` only, so the op's
+    table sizes do not change from step to step: no recompile). The received keys of a rank are at most about
+    ``(cp - 1) * T_local``, counted once per run that attends them."""
+    return 2 * cp_size
+
+
+def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: int,
+                split: bool = True) -> list[tuple[int, int, int, int]]:
+    """A call cut into at most ``count`` pieces ``(r0, r1, k0, k1)``: runs ``[r0, r1)`` against the keys ``[k0, k1)``
+    of the call's key list (run after run). Whole runs are packed in order while a piece holds at most ``budget``
+    keys; a run with more keys than that is cut into equal shares of its keys, one piece each (its queries' dq then
+    sums the shares), or with ``split=False`` (a causal call) is one piece. Runs without keys at a piece's ends are
+    left out. The budget grows until ``count`` pieces suffice."""
+    cu_k = np.zeros(run_keys.size + 1, dtype=np.int64)
+    np.cumsum(run_keys, out=cu_k[1:])
+    total = int(cu_k[-1])
+    if total == 0:
+        return []
+    budget = max(1, budget, -(-total // count))
+    while True:
+        pieces: list[tuple[int, int, int, int]] = []
+        r0 = None  # the open piece's first run
+        for r, n in enumerate(run_keys.tolist()):
+            if n == 0:
+                continue
+            if n > budget:
+                if r0 is not None:
+                    pieces.append((r0, r_last + 1, int(cu_k[r0]), int(cu_k[r_last + 1])))
+                    r0 = None
+                shares = -(-n // budget) if split else 1
+                cuts = [int(cu_k[r]) + (n * i) // shares for i in range(shares + 1)]
+                pieces.extend((r, r + 1, a, b) for a, b in zip(cuts[:-1], cuts[1:]))
+                continue
+            if r0 is not None and int(cu_k[r + 1] - cu_k[r0]) > budget:
+                pieces.append((r0, r_last + 1, int(cu_k[r0]), int(cu_k[r_last + 1])))
+                r0 = None
+            if r0 is None:
+                r0 = r
+            r_last = r
+        if r0 is not None:
+            pieces.append((r0, r_last + 1, int(cu_k[r0]), int(cu_k[r_last + 1])))
+        if len(pieces) <= count:
+            return pieces
+        budget = -(-budget * 3 // 2)
+
+
+def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None, T_local: int, cp: int,
+            device: torch.device, split: bool = True) -> tuple[_Piece, ...]:
+    """A part's backward pieces (``num_pieces(cp)`` of them, the unused ones empty; none used without ``keys``)."""
+    count = num_pieces(cp)
+    if keys is None:
+        run_keys = np.zeros(run_len.size, dtype=np.int64)
+    cu_q = np.zeros(run_len.size + 1, dtype=np.int64)
+    np.cumsum(run_len, out=cu_q[1:])
+    cu_k = np.zeros(run_len.size + 1, dtype=np.int64)
+    np.cumsum(run_keys, out=cu_k[1:])
+    cut = _cut_pieces(run_keys, run_len, int(PIECE_KEYS_PER_TOKEN * T_local), count, split)
+    empty = torch.zeros(1, dtype=torch.int32, device=device)
+    out = []
+    for r0, r1, k0, k1 in cut:
+        q = cu_q[r0:r1 + 1] - cu_q[r0]
+        k = np.clip(cu_k[r0:r1 + 1], k0, k1) - k0
+        out.append(_Piece(int(cu_q[r0]), int(cu_q[r1]), k0, k1,
+                          torch.from_numpy(q).to(device=device, dtype=torch.int32), int(np.diff(q).max()),
+                          torch.from_numpy(k).to(device=device, dtype=torch.int32), int(np.diff(k).max())))
+    out += [_Piece(0, 0, 0, 0, empty, 0, empty, 0)] * (count - len(out))
+    return tuple(out)
 
 
 def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, device: torch.device | None = None,
@@ -145,6 +248,9 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
     o = np.argsort(j_start, kind="stable")
     run_cu = np.zeros(run_len.size + 1, dtype=np.int64)
     np.cumsum(run_len, out=run_cu[1:])
+    remote, remote_keys = _keys(lo, hi, r_start, r_rows, r_len, device) if r_len.size else (None, None)
+    local, local_keys = _keys(lo, hi, h_start, h_rows, h_len, device)
+    T_local = int(run_len.sum())
     return ExchangeTables(
         send_index=send_index.to(device),
         send_splits=[int(x) for x in send_splits],
@@ -152,10 +258,14 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
         communicate=bool(pieces.length.size),
         cu_seqlens_q=torch.from_numpy(run_cu).to(device=device, dtype=torch.int32),
         max_seqlen_q=int(run_len.max()) if run_len.size else 0,
-        local=_keys(lo, hi, h_start, h_rows, h_len, device),
-        remote=_keys(lo, hi, r_start, r_rows, r_len, device) if r_len.size else None,
-        joint=_keys(lo, hi, j_start[o], j_rows[o], j_len[o], device),
+        local=local,
+        remote=remote,
+        joint=_keys(lo, hi, j_start[o], j_rows[o], j_len[o], device)[0],
         causal=causal,
+        pieces=_pieces(remote, run_len, remote_keys, T_local, cp, device),
+        # the local part runs in pieces only where it overlaps the transfer (a remote part exists)
+        local_pieces=_pieces(local if remote is not None else None, run_len, local_keys, T_local, cp, device,
+                             split=False),
     )
 
 
@@ -163,13 +273,21 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
 
 
 def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` as the attention op takes it (``cp_packing.attention.wire``): the send index, ``cu_seqlens_q`` and the
-    three calls' keys; the splits, the flags and the maxima on the host."""
+    """``t`` as the attention op takes it (``cp_packing.attention.wire``): the send index, ``cu_seqlens_q``, the
+    three calls' keys and the remote pieces' ``cu_seqlens``; the splits, the flags, the maxima and the pieces'
+    bounds on the host (a header whose length depends on ``cp`` only)."""
     remote = t.remote if t.remote is not None else _Keys(t.local.index[:0], t.local.cu_seqlens_k[:0], -1)
-    header = [*t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
+    cp = len(t.send_splits)
+    header = [cp, *t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
               remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)]
+    pieces = (*t.pieces, *t.local_pieces)
+    for p in pieces:
+        header += [p.q0, p.q1, p.k0, p.k1, p.cu_seqlens_q.numel() - 1, p.max_seqlen_q, p.max_seqlen_k]
+    device = t.cu_seqlens_q.device
+    cu_q = torch.cat([p.cu_seqlens_q.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
+    cu_k = torch.cat([p.cu_seqlens_k.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
     return pack(header, [t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index,
-                         remote.cu_seqlens_k, t.joint.index, t.joint.cu_seqlens_k], t.cu_seqlens_q.device)
+                         remote.cu_seqlens_k, t.joint.index, t.joint.cu_seqlens_k, cu_q, cu_k], device)
 
 
 def from_wire(tables) -> ExchangeTables:
@@ -177,15 +295,23 @@ def from_wire(tables) -> ExchangeTables:
     through."""
     if not is_wire(tables):
         return tables
-    header, (send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu) = unpack(tables)
-    cp = (len(header) - 6) // 2
-    communicate, max_q, l_max, r_max, j_max, causal = header[2 * cp:]
+    header, (send_index, cu_q, l_index, l_cu, r_index, r_cu, j_index, j_cu, p_cu_q, p_cu_k) = unpack(tables)
+    cp = header[0]
+    communicate, max_q, l_max, r_max, j_max, causal = header[1 + 2 * cp:7 + 2 * cp]
     i32 = torch.int32
+    pieces, at = [], 0
+    bounds = header[7 + 2 * cp:]
+    for i in range(0, len(bounds), 7):
+        q0, q1, k0, k1, n, p_max_q, p_max_k = bounds[i:i + 7]
+        pieces.append(_Piece(q0, q1, k0, k1, p_cu_q[at:at + n + 1].to(i32), p_max_q, p_cu_k[at:at + n + 1].to(i32),
+                             p_max_k))
+        at += n + 1
     return ExchangeTables(
-        send_index=send_index, send_splits=header[:cp], recv_splits=header[cp:2 * cp], communicate=bool(communicate),
-        cu_seqlens_q=cu_q.to(i32), max_seqlen_q=max_q, local=_Keys(l_index, l_cu.to(i32), l_max),
-        remote=None if r_max < 0 else _Keys(r_index, r_cu.to(i32), r_max), joint=_Keys(j_index, j_cu.to(i32), j_max),
-        causal=bool(causal))
+        send_index=send_index, send_splits=header[1:1 + cp], recv_splits=header[1 + cp:1 + 2 * cp],
+        communicate=bool(communicate), cu_seqlens_q=cu_q.to(i32), max_seqlen_q=max_q,
+        local=_Keys(l_index, l_cu.to(i32), l_max), remote=None if r_max < 0 else _Keys(r_index, r_cu.to(i32), r_max),
+        joint=_Keys(j_index, j_cu.to(i32), j_max), causal=bool(causal), pieces=tuple(pieces[:len(pieces) // 2]),
+        local_pieces=tuple(pieces[len(pieces) // 2:]))
 
 
 def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -230,21 +356,68 @@ def _call(layer, q, k_keys, v_keys, t: ExchangeTables, keys: _Keys, causal):
                                keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
 
 
-def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, rows: int):
-    """``(dq, grad)`` of one call on selected keys ``kv = [k_keys, v_keys]`` (emptied here, so they are freed once
-    used): ``grad`` ``[rows, 2, H_kv, D]``, their dK/dV added onto the buffer's rows (made after the kernel, so it
-    is not live beside the kernel's own buffers)."""
+def _backward_into(layer, dout, q, kv: list, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                   max_seqlen_k: int, causal, index: torch.Tensor, buffers: Callable[[], tuple]):
+    """``dq`` of one kernel call on selected keys ``kv = [k_keys, v_keys]`` (emptied here, so they are freed once
+    used); their dK/dV are added onto the rows ``index`` of ``buffers()``'s ``(dk_buf, dv_buf)`` (in place: no
+    buffer of the call's size outlives it). ``buffers`` is called after the kernel, so a buffer it makes then is
+    not live beside the kernel's own."""
     k_keys, v_keys = kv
     kv.clear()
     dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(
-        layer.kernel, dout, q, k_keys, v_keys, out, lse, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
-        keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
+        layer.kernel, dout, q, k_keys, v_keys, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        layer.scale, causal, layer.window, layer.softcap)
     del k_keys, v_keys
-    grad = dk_keys.new_zeros((rows, 2, *dk_keys.shape[1:]))
-    grad[:, 0].index_add_(0, keys.index, dk_keys)
+    dk_buf, dv_buf = buffers()
+    dk_buf.index_add_(0, index, dk_keys)
     del dk_keys
-    grad[:, 1].index_add_(0, keys.index, dv_keys)
-    return dq, grad
+    dv_buf.index_add_(0, index, dv_keys)
+    return dq
+
+
+def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, buffers):
+    """:func:`_backward_into` for one whole call (all local runs) on ``keys``."""
+    return _backward_into(layer, dout, q, kv, out, lse, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
+                          keys.max_seqlen_k, causal, keys.index, buffers)
+
+
+def _lazy(make: Callable[[], tuple]) -> Callable[[], tuple]:
+    """``make()`` on the first call, the same buffers on every later one."""
+    made: list = []
+
+    def buffers():
+        if not made:
+            made.extend(make())
+        return tuple(made)
+
+    return buffers
+
+
+def _pieces_backward(layer, dout, q, source: list, index: torch.Tensor, pieces, causal, out, lse, dq: list,
+                     buffers: Callable[[], tuple]) -> None:
+    """A part's backward, piece by piece (each a few runs against at most about ``T_local`` keys, rows ``index`` of
+    the ``source = [k_buf, v_buf]`` buffers): each piece's dq is added onto the rows of ``dq[0]`` (made after the
+    first kernel unless given, or the first piece's own when it covers every row), its keys' dK/dV onto
+    ``buffers()``. Only one piece's selected keys and kernel buffers are live at a time; ``source`` is emptied (so
+    a buffer only it holds is freed) once the last piece's keys are selected."""
+    k_buf, v_buf = source
+    source.clear()
+    used = [p for p in pieces if p.k1 > p.k0]
+    for i, p in enumerate(used):
+        rows = slice(p.q0, p.q1)
+        at = index[p.k0:p.k1]
+        selected = [k_buf.index_select(0, at), v_buf.index_select(0, at)]
+        if i == len(used) - 1:
+            del k_buf, v_buf
+        dq_p = _backward_into(layer, dout[rows], q[rows], selected, out[rows], lse[:, rows].contiguous(),
+                              p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, causal, at, buffers)
+        if not dq and p.q0 == 0 and p.q1 == q.shape[0]:
+            dq.append(dq_p)
+            continue
+        if not dq:
+            dq.append(torch.zeros_like(q))
+        dq[0][rows].add_(dq_p)
+        del dq_p
 
 
 def _overlapped(t: ExchangeTables, layer) -> bool:
@@ -280,10 +453,10 @@ def forward(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
 
 def backward(dout, q, k, v, sinks, saved, tables, layer):
     """The op's backward: the keys are exchanged AGAIN (nothing received is kept for backward: saved memory is the
-    layer's local tensors only), the local part's backward runs while they are in flight, then the remote part's,
-    and the reverse all-to-all returns every received key's dK/dV to its owner: ``(dq, dk, dv, dsinks)``.
-    dK/dV build up in place: one ``[T_local, 2, H_kv, D]`` buffer for the held keys, one ``[R, 2, H_kv, D]`` for
-    the received ones (what the reverse all-to-all sends)."""
+    layer's local tensors only), the local part's backward runs while they are in flight, then the remote part's
+    in pieces (``t.pieces``), and the reverse all-to-all returns every received key's dK/dV to its owner:
+    ``(dq, dk, dv, dsinks)``. dq and dK/dV build up in place: dK and dV ``[T_local, H_kv, D]`` for the held keys
+    (returned as they are), one ``[R, 2, H_kv, D]`` for the received ones (what the reverse all-to-all sends)."""
     out, lse = saved
     t = from_wire(tables)
     T_local = k.shape[0]
@@ -294,30 +467,44 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
         if work is not None:
             work.wait()
         if t.remote is None:
-            dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local,
-                                            t.causal, T_local)
+            local = _lazy(lambda: (torch.zeros_like(k), torch.zeros_like(v)))
+            dq = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal, local)
+            dk, dv = local()
         else:
             selected = [*_select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)]
             del recv
-            dq, grad = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal, T_local + received)
-            grad_local, grad_recv = grad[:T_local], grad[T_local:]
+            joint = _lazy(lambda: (k.new_zeros((T_local + received, 2, *k.shape[1:])),))
+            dq = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal,
+                                lambda: (joint()[0][:, 0], joint()[0][:, 1]))
+            dk, dv, grad_recv = joint()[0][:T_local, 0], joint()[0][:T_local, 1], joint()[0][T_local:]
+            del joint
     else:
-        dq, grad_local = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal,
-                                        T_local)  # while the keys are in flight
+        local = _lazy(lambda: (torch.zeros_like(k), torch.zeros_like(v)))
+        dq: list = []
+        _pieces_backward(layer, dout, q, [k, v], t.local.index, t.local_pieces, t.causal, out, lse, dq,
+                         local)  # while the keys are in flight
+        if not dq:  # no local key at all (cannot happen: every run attends itself)
+            dq.append(torch.zeros_like(q))
+        dk, dv = local()
+        del local
         work.wait()
-        selected = [*_select(recv[:, 0], recv[:, 1], t.remote)]
+        shape, like = recv.shape, dict(dtype=recv.dtype, device=recv.device)
+        received_grad = _lazy(lambda: (torch.zeros(shape, **like),))
+        holder = [recv[:, 0], recv[:, 1]]
         del recv
-        dq_b, grad_recv = _call_backward(layer, dout, q, selected, out, lse, t, t.remote, False, received)
-        dq.add_(dq_b)
-        del dq_b
+        _pieces_backward(layer, dout, q, holder, t.remote.index, t.pieces, False, out, lse, dq,
+                         lambda: (received_grad()[0][:, 0], received_grad()[0][:, 1]))
+        grad_recv = received_grad()[0]
+        dq = dq[0]
     if t.communicate:
         returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
         del grad_recv
         work.wait()
-        grad_local.index_add_(0, t.send_index, returned)  # every received key's gradient, back at its owner
+        dk.index_add_(0, t.send_index, returned[:, 0])  # every received key's gradient, back at its owner
+        dv.index_add_(0, t.send_index, returned[:, 1])
         del returned
     dsinks = kernels.sink_grad(dout, out, lse, sinks) if sinks is not None else None
-    return dq, grad_local[:, 0].contiguous(), grad_local[:, 1].contiguous(), dsinks
+    return dq, dk.contiguous(), dv.contiguous(), dsinks
 
 
 def fake(q, k, v, sinks, tables, layer) -> list[torch.Tensor]:
