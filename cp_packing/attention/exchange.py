@@ -32,7 +32,7 @@ all-gather backend. Call it as ``context_parallel_attention(..., backend="exchan
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,7 +86,8 @@ class ExchangeTables:
             buffer), ``None`` when this rank receives nothing; joint: one call's keys over ``cat(local, received)``
             in each run's global order (windows, ``overlap=False``).
         causal: the mask of the local / joint call (the remote part has none).
-        pieces: the remote part's backward in ``num_pieces(cp)`` kernel calls (unused ones empty), each over at most
+        pieces: the remote part's backward in at most ``num_pieces(cp)`` kernel calls (the op's tables pad them to
+            that count, so their sizes do not change from step to step; the padding is dropped when decoded), each over at most
             about ``T_local`` received keys (:func:`_cut_pieces`), so that the kernel's working set over the
             received keys (their dK/dV, expanded to the query heads under GQA) stays that of ``T_local`` keys.
         local_pieces: the local part's backward (overlapped) the same way, whole runs only (its calls are causal):
@@ -181,7 +182,7 @@ def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: i
 
 def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None, T_local: int, cp: int,
             device: torch.device, split: bool = True) -> tuple[_Piece, ...]:
-    """A part's backward pieces (``num_pieces(cp)`` of them, the unused ones empty; none used without ``keys``)."""
+    """A part's backward pieces (at most ``num_pieces(cp)``; none without ``keys``)."""
     count = num_pieces(cp)
     if keys is None:
         run_keys = np.zeros(run_len.size, dtype=np.int64)
@@ -190,7 +191,6 @@ def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None
     cu_k = np.zeros(run_len.size + 1, dtype=np.int64)
     np.cumsum(run_keys, out=cu_k[1:])
     cut = _cut_pieces(run_keys, run_len, int(PIECE_KEYS_PER_TOKEN * T_local), count, split)
-    empty = torch.zeros(1, dtype=torch.int32, device=device)
     out = []
     for r0, r1, k0, k1 in cut:
         q = cu_q[r0:r1 + 1] - cu_q[r0]
@@ -198,7 +198,6 @@ def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None
         out.append(_Piece(int(cu_q[r0]), int(cu_q[r1]), k0, k1,
                           torch.from_numpy(q).to(device=device, dtype=torch.int32), int(np.diff(q).max()),
                           torch.from_numpy(k).to(device=device, dtype=torch.int32), int(np.diff(k).max())))
-    out += [_Piece(0, 0, 0, 0, empty, 0, empty, 0)] * (count - len(out))
     return tuple(out)
 
 
@@ -280,10 +279,13 @@ def to_wire(t: ExchangeTables) -> tuple[torch.Tensor, torch.Tensor]:
     cp = len(t.send_splits)
     header = [cp, *t.send_splits, *t.recv_splits, int(t.communicate), t.max_seqlen_q, t.local.max_seqlen_k,
               remote.max_seqlen_k, t.joint.max_seqlen_k, int(t.causal)]
-    pieces = (*t.pieces, *t.local_pieces)
+    device = t.cu_seqlens_q.device
+    empty = torch.zeros(1, dtype=torch.int32, device=device)
+    unused = _Piece(0, 0, 0, 0, empty, 0, empty, 0)  # padding: num_pieces(cp) of each part, whatever the step
+    pieces = tuple(itertools.chain.from_iterable(
+        (*part, *[unused] * (num_pieces(cp) - len(part))) for part in (t.pieces, t.local_pieces)))
     for p in pieces:
         header += [p.q0, p.q1, p.k0, p.k1, p.cu_seqlens_q.numel() - 1, p.max_seqlen_q, p.max_seqlen_k]
-    device = t.cu_seqlens_q.device
     cu_q = torch.cat([p.cu_seqlens_q.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
     cu_k = torch.cat([p.cu_seqlens_k.to(device) for p in pieces]) if pieces else t.cu_seqlens_q[:0]
     return pack(header, [t.send_index, t.cu_seqlens_q, t.local.index, t.local.cu_seqlens_k, remote.index,
@@ -303,15 +305,17 @@ def from_wire(tables) -> ExchangeTables:
     bounds = header[7 + 2 * cp:]
     for i in range(0, len(bounds), 7):
         q0, q1, k0, k1, n, p_max_q, p_max_k = bounds[i:i + 7]
-        pieces.append(_Piece(q0, q1, k0, k1, p_cu_q[at:at + n + 1].to(i32), p_max_q, p_cu_k[at:at + n + 1].to(i32),
-                             p_max_k))
+        pieces.append(None if k1 == k0 else _Piece(q0, q1, k0, k1, p_cu_q[at:at + n + 1].to(i32), p_max_q,
+                                                   p_cu_k[at:at + n + 1].to(i32), p_max_k))  # None: padding
         at += n + 1
+    half = len(pieces) // 2
     return ExchangeTables(
         send_index=send_index, send_splits=header[1:1 + cp], recv_splits=header[1 + cp:1 + 2 * cp],
         communicate=bool(communicate), cu_seqlens_q=cu_q.to(i32), max_seqlen_q=max_q,
         local=_Keys(l_index, l_cu.to(i32), l_max), remote=None if r_max < 0 else _Keys(r_index, r_cu.to(i32), r_max),
-        joint=_Keys(j_index, j_cu.to(i32), j_max), causal=bool(causal), pieces=tuple(pieces[:len(pieces) // 2]),
-        local_pieces=tuple(pieces[len(pieces) // 2:]))
+        joint=_Keys(j_index, j_cu.to(i32), j_max), causal=bool(causal),
+        pieces=tuple(p for p in pieces[:half] if p is not None),
+        local_pieces=tuple(p for p in pieces[half:] if p is not None))
 
 
 def build_tables(ctx, causal: bool, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -356,61 +360,67 @@ def _call(layer, q, k_keys, v_keys, t: ExchangeTables, keys: _Keys, causal):
                                keys.max_seqlen_k, layer.scale, causal, layer.window, layer.softcap)
 
 
+class _Grads:
+    """dK/dV buffers made on first use, after the kernel call that first fills them (so they are not live beside
+    that call's own buffers): ``rows`` ``[n, 2, H_kv, D]`` zeros, or separate ``dk`` / ``dv`` like ``k`` with
+    ``like=``; ``dk`` / ``dv`` are views of ``rows`` in the first case."""
+
+    __slots__ = ("shape", "like", "rows", "dk", "dv")
+
+    def __init__(self, shape: tuple | None = None, like: torch.Tensor | None = None):
+        self.shape, self.like, self.rows, self.dk, self.dv = shape, like, None, None, None
+
+    def make(self) -> "_Grads":
+        if self.dk is None:
+            if self.shape is None:
+                self.dk, self.dv = torch.zeros_like(self.like), torch.zeros_like(self.like)
+            else:
+                self.rows = self.like.new_zeros(self.shape)
+                self.dk, self.dv = self.rows[:, 0], self.rows[:, 1]
+        return self
+
+
 def _backward_into(layer, dout, q, kv: list, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                   max_seqlen_k: int, causal, index: torch.Tensor, buffers: Callable[[], tuple]):
+                   max_seqlen_k: int, causal, index: torch.Tensor, grads: _Grads):
     """``dq`` of one kernel call on selected keys ``kv = [k_keys, v_keys]`` (emptied here, so they are freed once
-    used); their dK/dV are added onto the rows ``index`` of ``buffers()``'s ``(dk_buf, dv_buf)`` (in place: no
-    buffer of the call's size outlives it). ``buffers`` is called after the kernel, so a buffer it makes then is
-    not live beside the kernel's own."""
+    used); their dK/dV are added onto the rows ``index`` of ``grads`` (in place: no buffer of the call's size
+    outlives it), made after the kernel."""
     k_keys, v_keys = kv
     kv.clear()
     dq, dk_keys, dv_keys = kernels.run_backward_per_kv_head(
         layer.kernel, dout, q, k_keys, v_keys, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         layer.scale, causal, layer.window, layer.softcap)
     del k_keys, v_keys
-    dk_buf, dv_buf = buffers()
-    dk_buf.index_add_(0, index, dk_keys)
+    grads.make().dk.index_add_(0, index, dk_keys)
     del dk_keys
-    dv_buf.index_add_(0, index, dv_keys)
+    grads.dv.index_add_(0, index, dv_keys)
     return dq
 
 
-def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, buffers):
+def _call_backward(layer, dout, q, kv: list, out, lse, t: ExchangeTables, keys: _Keys, causal, grads: _Grads):
     """:func:`_backward_into` for one whole call (all local runs) on ``keys``."""
     return _backward_into(layer, dout, q, kv, out, lse, t.cu_seqlens_q, keys.cu_seqlens_k, t.max_seqlen_q,
-                          keys.max_seqlen_k, causal, keys.index, buffers)
-
-
-def _lazy(make: Callable[[], tuple]) -> Callable[[], tuple]:
-    """``make()`` on the first call, the same buffers on every later one."""
-    made: list = []
-
-    def buffers():
-        if not made:
-            made.extend(make())
-        return tuple(made)
-
-    return buffers
+                          keys.max_seqlen_k, causal, keys.index, grads)
 
 
 def _pieces_backward(layer, dout, q, source: list, index: torch.Tensor, pieces, causal, out, lse, dq: list,
-                     buffers: Callable[[], tuple]) -> None:
+                     grads: _Grads) -> None:
     """A part's backward, piece by piece (each a few runs against at most about ``T_local`` keys, rows ``index`` of
     the ``source = [k_buf, v_buf]`` buffers): each piece's dq is added onto the rows of ``dq[0]`` (made after the
     first kernel unless given, or the first piece's own when it covers every row), its keys' dK/dV onto
-    ``buffers()``. Only one piece's selected keys and kernel buffers are live at a time; ``source`` is emptied (so
+    ``grads``. Only one piece's selected keys and kernel buffers are live at a time; ``source`` is emptied (so
     a buffer only it holds is freed) once the last piece's keys are selected."""
     k_buf, v_buf = source
     source.clear()
-    used = [p for p in pieces if p.k1 > p.k0]
-    for i, p in enumerate(used):
+    last = len(pieces) - 1
+    for i, p in enumerate(pieces):
         rows = slice(p.q0, p.q1)
         at = index[p.k0:p.k1]
         selected = [k_buf.index_select(0, at), v_buf.index_select(0, at)]
-        if i == len(used) - 1:
+        if i == last:
             del k_buf, v_buf
         dq_p = _backward_into(layer, dout[rows], q[rows], selected, out[rows], lse[:, rows].contiguous(),
-                              p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, causal, at, buffers)
+                              p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, causal, at, grads)
         if not dq and p.q0 == 0 and p.q1 == q.shape[0]:
             dq.append(dq_p)
             continue
@@ -467,34 +477,33 @@ def backward(dout, q, k, v, sinks, saved, tables, layer):
         if work is not None:
             work.wait()
         if t.remote is None:
-            local = _lazy(lambda: (torch.zeros_like(k), torch.zeros_like(v)))
+            local = _Grads(like=k)
             dq = _call_backward(layer, dout, q, [*_select(k, v, t.local)], out, lse, t, t.local, t.causal, local)
-            dk, dv = local()
+            dk, dv = local.make().dk, local.dv
         else:
             selected = [*_select(torch.cat([k, recv[:, 0]]), torch.cat([v, recv[:, 1]]), t.joint)]
             del recv
-            joint = _lazy(lambda: (k.new_zeros((T_local + received, 2, *k.shape[1:])),))
-            dq = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal,
-                                lambda: (joint()[0][:, 0], joint()[0][:, 1]))
-            dk, dv, grad_recv = joint()[0][:T_local, 0], joint()[0][:T_local, 1], joint()[0][T_local:]
+            joint = _Grads((T_local + received, 2, *k.shape[1:]), like=k)
+            dq = _call_backward(layer, dout, q, selected, out, lse, t, t.joint, t.causal, joint)
+            rows = joint.make().rows
             del joint
+            dk, dv, grad_recv = rows[:T_local, 0], rows[:T_local, 1], rows[T_local:]
     else:
-        local = _lazy(lambda: (torch.zeros_like(k), torch.zeros_like(v)))
+        local = _Grads(like=k)
         dq: list = []
         _pieces_backward(layer, dout, q, [k, v], t.local.index, t.local_pieces, t.causal, out, lse, dq,
                          local)  # while the keys are in flight
         if not dq:  # no local key at all (cannot happen: every run attends itself)
             dq.append(torch.zeros_like(q))
-        dk, dv = local()
+        dk, dv = local.make().dk, local.dv
         del local
         work.wait()
-        shape, like = recv.shape, dict(dtype=recv.dtype, device=recv.device)
-        received_grad = _lazy(lambda: (torch.zeros(shape, **like),))
+        received_grad = _Grads(tuple(recv.shape), like=recv)
         holder = [recv[:, 0], recv[:, 1]]
         del recv
-        _pieces_backward(layer, dout, q, holder, t.remote.index, t.pieces, False, out, lse, dq,
-                         lambda: (received_grad()[0][:, 0], received_grad()[0][:, 1]))
-        grad_recv = received_grad()[0]
+        _pieces_backward(layer, dout, q, holder, t.remote.index, t.pieces, False, out, lse, dq, received_grad)
+        grad_recv = received_grad.make().rows
+        del received_grad
         dq = dq[0]
     if t.communicate:
         returned, work = _a2a(grad_recv, t.send_splits, t.recv_splits, layer.group)
