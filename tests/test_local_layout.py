@@ -354,3 +354,24 @@ def test_a_layout_object_carries_its_tolerance():
         Local(tolerance=-0.1)
     with pytest.raises(TypeError, match="tolerance must be a number"):
         layout_plan(cu, cp_size=8, layout=Local(tolerance="0.01"))
+
+
+@pytest.mark.parametrize("kind", ["huge", "lognormal"])
+def test_the_planner_stays_within_the_doc_maps_bytes(kind):
+    """Planning a map of few long documents (the wide windows' pricing is the largest work there) allocates at most
+    about the doc map's own bytes (int32 [T]); it was 3.4-6.6x before the pricing went in blocks."""
+    import tracemalloc
+
+    tokens, cp = 1 << 16, 8
+    doc = synthetic_doc_ids("huge", 1, tokens, seed=0) if kind == "huge" else \
+        synthetic_doc_ids("lognormal", 1, tokens, seed=0, median=8192 / math.exp(0.5), sigma=1.0)
+    cu = packed_seq_params_from_doc_ids(doc).cu_seqlens.to(torch.int64).numpy()
+    local_plan_arrays(cu, cp, ((None, 1),))  # a first call imports modules lazily (numpy.ma): not the planner's memory
+    tracemalloc.start()
+    try:
+        offsets, run_start, run_len = local_plan_arrays(cu, cp, ((None, 1),))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.diff(offsets).size == cp and int(run_len.sum()) == tokens  # a whole plan
+    assert peak <= 1.1 * tokens * 4, peak / (tokens * 4)

@@ -50,7 +50,8 @@ window and the tolerance only (integer costs, stable sorts), cached like ``balan
 ``cp_packing.layouts``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
 work per boundary (no loop over the ranks of ``T / cp`` pricing each: time near-linear in the segments, about flat
 in ``cp``; a Python loop over boundaries only where they do not nest, and one round per boundary cutting the same
-segment); memory a few arrays of the segments' size. A CUDA ``cu_seqlens`` is copied (one host sync per call).
+segment); memory a few arrays of the segments' size, the wide windows priced in blocks of rows and columns so
+that the peak stays within the doc map's bytes. A CUDA ``cu_seqlens`` is copied (one host sync per call).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ FOLD_ROUNDS = 3
 #: 8x wider up to ``_WIDEST`` times that where none is exact. A rank off its share by more than ``TOLERANCE /
 #: _STUCK`` folds a segment; inexact boundaries off by more than ``_SPREAD`` have their misses spread.
 _EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
+#: Elements per array of ``_pick``'s pricing (rows x splits), at most ``T / 64`` (a few tens of such arrays live at
+#: once): the planner's memory stays within the map's size but where one row's window is larger.
+_BLOCK = 1 << 15
 
 
 _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
@@ -258,14 +262,20 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
     nearest ``a0``; else the nearest to the target. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
     a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
     if span > _WINDOW and s.weights == _FULL:  # keep the 2 _WINDOW splits nearest a0 that a head can make exact
-        y = a + (s.total - r * t)[:, None]
-        k = s.seg(y)
-        u = y - s.beg[k]
-        rest = s.prefix(a, fold) - s.prefix(y, fold) + (s.ideal - target)[:, None]
-        rest %= np.maximum(u, 1)  # a head moves the cost in steps of u
-        near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
-        order = np.argsort(np.where(near, np.abs(a - a0[:, None]), 2 * s.total), axis=1)[:, :2 * _WINDOW]
-        a = np.where(np.take_along_axis(near, order, axis=1), np.take_along_axis(a, order, axis=1), a0[:, None])
+        far = np.empty_like(a)  # |a - a0| where a head can make the split exact, else 2 T; in blocks of columns
+        step = max(2 * _WINDOW, min(_BLOCK, s.total >> 6) // max(r.size, 1))
+        for j in range(0, a.shape[1], step):
+            aj = a[:, j:j + step]
+            y = aj + (s.total - r * t)[:, None]
+            k = s.seg(y)
+            u = y - s.beg[k]
+            rest = s.prefix(aj, fold) - s.prefix(y, fold) + (s.ideal - target)[:, None]
+            rest %= np.maximum(u, 1)  # a head moves the cost in steps of u
+            near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
+            far[:, j:j + step] = np.where(near, np.abs(aj - a0[:, None]), 2 * s.total)
+        order = np.argsort(far, axis=1)[:, :2 * _WINDOW]
+        a = np.where(np.take_along_axis(far, order, axis=1) < 2 * s.total, np.take_along_axis(a, order, axis=1),
+                     a0[:, None])
     a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, target, prev)
     close = np.abs(off) <= _EXACT * s.ideal / cp
     key = np.where(close, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - a0[:, None]), np.iinfo(np.int64).max)
@@ -273,6 +283,17 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
     best = np.where(exact, np.argmin(key, axis=1), np.argmin(np.abs(off), axis=1))
     pick = (np.arange(r.size), best)
     return [x[pick] for x in (a, k, u, h, c, w, off)], exact
+
+
+def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
+    """``_pick`` in blocks of rows, so that its ``[rows, 2 span + 1]`` arrays hold at most ``min(_BLOCK, T / 64)``
+    elements each (one row at least): the same picks, in memory within the map's size."""
+    block = max(1, min(_BLOCK, s.total >> 6) // (2 * span + 1))
+    if r.size <= block:
+        return _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, span)
+    parts = [_pick(s, fold, cp, t, r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
+                   lo[i:i + block], hi[i:i + block], a0[i:i + block], span) for i in range(0, r.size, block)]
+    return [np.concatenate([p[0][j] for p in parts]) for j in range(7)], np.concatenate([p[1] for p in parts])
 
 
 def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev, lo: np.ndarray,
@@ -283,11 +304,11 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target:
     has = prev[1] >= 0  # nest with the boundary before: a grows by 0 .. t
     lo, hi = np.where(has, np.maximum(lo, prev[0]), lo), np.where(has, np.minimum(hi, prev[0] + t), hi)
     a0 = np.clip(a0, lo, hi)
-    out, exact = _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, _WINDOW)
+    out, exact = _pick_rows(s, fold, cp, t, r, target, prev, lo, hi, a0, _WINDOW)
     rows, span = np.flatnonzero(~exact), 8 * _WINDOW
     sub = tuple(x[rows] for x in prev)
     while rows.size and s.weights == _FULL and span <= _WIDEST * _WINDOW:
-        again, exact = _pick(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], a0[rows], span)
+        again, exact = _pick_rows(s, fold, cp, t, r[rows], target[rows], sub, lo[rows], hi[rows], a0[rows], span)
         better = exact | (np.abs(again[-1]) < np.abs(out[-1][rows]))  # the wide window keeps exact-able splits
         for o, x in zip(out, again):
             o[rows[better]] = x[better]
