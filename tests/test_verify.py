@@ -30,7 +30,7 @@ def table_rows(stdout: str) -> dict[tuple[str, str, str], str]:
     rows = {}
     for line in stdout.splitlines():
         parts = line.split()
-        if len(parts) >= 7 and parts[0] in ("contiguous", "zigzag", "balanced") and parts[6] in ("PASS", "FAIL"):
+        if len(parts) >= 7 and parts[0] in V.LAYOUTS and parts[6] in ("PASS", "FAIL"):
             rows[tuple(parts[:3])] = parts[6]
     return rows
 
@@ -40,9 +40,9 @@ def test_verify_passes_on_a_correct_build():
     proc = run_verify("--nproc", "2", "--trials", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = table_rows(proc.stdout)
-    for layout in ("contiguous", "zigzag", "balanced"):
-        assert rows.get((layout, "allgather", "torch")) == "PASS", proc.stdout
-        assert rows.get((layout, "ulysses", "torch")) == "PASS", proc.stdout
+    for layout in ("contiguous", "zigzag", "balanced", "local"):
+        for backend in ("allgather", "exchange", "ulysses"):  # every backend auto picks among, every layout
+            assert rows.get((layout, backend, "torch")) == "PASS", proc.stdout
     assert "FAIL" not in set(rows.values())
     assert "\n0 FAIL, " in proc.stdout
 
@@ -56,7 +56,7 @@ def test_verify_fails_on_wrong_metadata_in_every_layout(nproc, capfd):
     out = capfd.readouterr().out
     assert code == 1, out
     rows = table_rows(out)
-    for layout in ("contiguous", "zigzag", "balanced"):
+    for layout in ("contiguous", "zigzag", "balanced", "local"):
         assert rows[(layout, "allgather", "torch")] == "FAIL", out
 
 
@@ -157,3 +157,23 @@ def test_verify_skips_ulysses_when_cp_does_not_divide_the_heads():
     assert "cp_size=3 to divide --heads 4" in torch_row.skip
     rows = V.plan_rows(["contiguous"], ["ulysses"], [torch.float32], torch.device("cpu"), cp_size=2, heads=4)
     assert next(r for r in rows if r.kernel == "torch").skip is None
+
+
+@pytest.mark.distributed
+def test_verify_runs_hybrid_and_the_exchange_at_cp_4(capfd):
+    """Hybrid needs cp >= 4 (Ulysses inside groups of 2, the all-gather across them): at 4 ranks its rows and the
+    exchange's run and pass in every layout."""
+    code = V.main(["--nproc", "4", "--trials", "1", "--backends", "exchange", "hybrid"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    rows = table_rows(out)
+    for layout in V.LAYOUTS:
+        for backend in ("exchange", "hybrid"):
+            assert rows.get((layout, backend, "torch")) == "PASS", out
+
+
+def test_verify_runs_hybrid_where_a_ulysses_size_fits():
+    assert [V.hybrid_size(cp, 4) for cp in (1, 2, 3, 4, 6, 8)] == [None, None, None, 2, 2, 2]
+    assert V.hybrid_size(6, 3) == 3 and V.hybrid_size(8, 1) is None
+    rows = V.plan_rows(["local"], ["hybrid"], [torch.float32], torch.device("cpu"), cp_size=2, heads=4)
+    assert "hybrid needs a ulysses_size in 2..cp-1" in next(r for r in rows if r.kernel == "torch").skip

@@ -16,7 +16,8 @@ tolerances scaled to the dtype; the process exits 1 on any FAIL (2 on a usage er
 output or gradient counts as an infinite error (FAIL). Combinations that cannot run here or that a backend refuses
 by design (ring-flash-attn not installed, a CUDA-only kernel on CPU, float32 through the real flash-attn, which runs
 fp16/bf16 only, float32 zigzag through ring-flash-attn, whose float32 backward is wrong upstream, Ulysses with a CP
-size that does not divide ``--heads``) are listed as SKIP with the reason.
+size that does not divide ``--heads``, hybrid below cp 4) are listed as SKIP with the reason. Hybrid rows run the
+smallest ``ulysses_size`` in ``2 .. cp - 1`` that divides cp and ``--heads`` (:func:`hybrid_size`).
 
 The whole world is the CP group (cp_size = world size).
 """
@@ -40,8 +41,8 @@ from cp_packing.sharding import shard_packed_seq_params
 from cp_packing.testing import rank_device, synthetic_doc_ids
 from cp_packing.tools import launch, rank0_parser
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
-BACKENDS = ("allgather", "ulysses", "ring_flash_attn")
+LAYOUTS = ("contiguous", "zigzag", "balanced", "local")
+BACKENDS = ("allgather", "exchange", "ulysses", "hybrid", "ring_flash_attn")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (out, grads): PASS when max|err| <= tol * max(1, max|reference|). Half-precision inputs are rounded once, so the
 # reference sees exactly the same inputs; what remains is the kernel's own rounding of P, out and the gradients.
@@ -71,7 +72,7 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
     Lognormal lengths (median S/6, so some documents are longer than a shard), up to 20% row padding, row 0 opening
     with a document of 3/4 of the row, and at every contiguous shard edge inside a row the same document (or
     padding run) on both sides. ``balanced`` keeps heavy documents whole where it can: when it splits none of that
-    map, the trial uses whole-row documents instead (``trial_shape`` makes the row count indivisible by cp, so equal
+    map (and ``local``, which keeps documents on their ranks where it can), the trial uses whole-row documents instead (``trial_shape`` makes the row count indivisible by cp, so equal
     token counts force a split).
     """
     rows, S = trial_shape(cp_size, batch, seq_len)
@@ -85,7 +86,7 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
         from cp_packing.padding import pad_segments
 
         return pad_segments(doc_ids, multiple=2 * cp_size).doc_ids
-    if layout == "balanced" and not splits_a_document(doc_ids, cp_size, layout):
+    if layout in ("balanced", "local") and not splits_a_document(doc_ids, cp_size, layout):
         return torch.ones_like(doc_ids)
     return doc_ids
 
@@ -164,11 +165,17 @@ def _ring_status(layout: str, dtype: torch.dtype, device: torch.device) -> str |
     return None
 
 
+def hybrid_size(cp_size: int, heads: int) -> int | None:
+    """The ``ulysses_size`` a hybrid row runs: the smallest ``U`` in ``2 .. cp - 1`` dividing ``cp_size`` and
+    ``heads`` (Ulysses inside groups of ``U`` ranks, the all-gather across ``cp / U`` of them), else None."""
+    return next((u for u in range(2, cp_size) if cp_size % u == 0 and heads % u == 0), None)
+
+
 def plan_rows(layouts, backends, dtypes, device: torch.device, *, cp_size: int = 1, heads: int = 1) -> list[Row]:
     rows = []
     for layout in layouts:
         for dtype in dtypes:
-            for backend in ("allgather", "ulysses"):
+            for backend in ("allgather", "exchange", "ulysses", "hybrid"):
                 if backend not in backends:
                     continue
                 for kernel in kernels.KERNELS:
@@ -179,6 +186,9 @@ def plan_rows(layouts, backends, dtypes, device: torch.device, *, cp_size: int =
                         row.skip = f"kernel {kernel!r} runs fp16/bf16 only"
                     elif backend == "ulysses" and heads % cp_size:
                         row.skip = f"ulysses needs cp_size={cp_size} to divide --heads {heads} (refused)"
+                    elif backend == "hybrid" and hybrid_size(cp_size, heads) is None:
+                        row.skip = (f"hybrid needs a ulysses_size in 2..cp-1 dividing cp_size={cp_size} and --heads "
+                                    f"{heads} (cp >= 4)")
                     rows.append(row)
             if "ring_flash_attn" in backends:
                 row = Row(layout, "ring_flash_attn", "flash_attn", dtype)
@@ -209,7 +219,8 @@ def check_once(row: Row, args, rank: int, cp_size: int, device: torch.device, tr
     (ref * dout.to(ref_dtype)).sum().backward()  # no out.backward(grad): that imports sympy on first use
 
     local = [sharded.shard(x).detach().requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*local, sharded, backend=row.backend, kernel=row.kernel)
+    U = hybrid_size(cp_size, args.heads) if row.backend == "hybrid" else None
+    out = context_parallel_attention(*local, sharded, backend=row.backend, kernel=row.kernel, ulysses_size=U)
     (out * sharded.shard(dout)).sum().backward()
 
     # NaN -> inf before max: a NaN must FAIL, and Python's max(0.0, nan) is 0.0 (NaN compares False).
