@@ -61,3 +61,16 @@ def test_bench_memory_quick_measures_every_backend_and_layout():
         for layout in ("contiguous", "zigzag", "balanced", "local"):
             assert f"| {backend} | {layout} |" in out
     assert "| cp 2, busiest rank |" in out and "one process (cp 1)" in out
+
+
+def test_device_check_script_steps_parse(tmp_path):
+    """scripts/device_check.sh is what a lent GPU machine runs first (its minutes are few): every step's command
+    must at least parse here (--dry runs each step's --help), and without CUDA it refuses with exit 2."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    script = os.path.join(ROOT, "scripts", "device_check.sh")
+    r = subprocess.run(["bash", script, "--dry"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "every step passed" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("\n== ") + r.stdout.startswith("== ") >= 6, r.stdout
+    r = subprocess.run(["bash", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "no CUDA device here" in r.stdout, r.stdout + r.stderr
