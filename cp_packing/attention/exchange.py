@@ -86,10 +86,11 @@ class ExchangeTables:
             buffer), ``None`` when this rank receives nothing; joint: one call's keys over ``cat(local, received)``
             in each run's global order (windows, ``overlap=False``).
         causal: the mask of the local / joint call (the remote part has none).
-        pieces: the remote part's backward in at most ``num_pieces(cp)`` kernel calls (the op's tables pad them to
-            that count, so their sizes do not change from step to step; the padding is dropped when decoded), each over at most
-            about ``T_local`` received keys (:func:`_cut_pieces`), so that the kernel's working set over the
-            received keys (their dK/dV, expanded to the query heads under GQA) stays that of ``T_local`` keys.
+        pieces: the remote part's backward in at most ``num_pieces(cp)`` kernel calls (the op's tables pad them
+            to that count, so their sizes do not change from step to step; the padding is dropped when decoded),
+            each over at most about ``T_local`` received keys (:func:`_cut_pieces`), so that the kernel's working
+            set over the received keys (their dK/dV, expanded to the query heads under GQA) stays that of
+            ``T_local`` keys.
         local_pieces: the local part's backward (overlapped) the same way, whole runs only (its calls are causal):
             a run with more held keys than ``T_local`` is a piece of its own.
     """
@@ -116,7 +117,7 @@ class ExchangeTables:
 def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
           device: torch.device) -> tuple[_Keys, np.ndarray]:
     """A call's keys: for run i, the positions of ``[lo[i], hi[i])`` that the ranges hold, in position order; and
-    how many keys each run has (host)."""
+    their ``cu_seqlens_k`` on the host (int64)."""
     run, k, p_lo, p_hi = intersect_ranges(lo, hi, starts, starts + lengths)
     piece_rows = rows[k] + (p_lo - starts[k])
     per_run = np.bincount(run, weights=p_hi - p_lo, minlength=lo.size).astype(np.int64)
@@ -125,7 +126,7 @@ def _keys(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, rows: np.ndarray, 
     cu = np.zeros(lo.size + 1, dtype=np.int64)
     np.cumsum(per_run, out=cu[1:])
     return _Keys(index.to(device), torch.from_numpy(cu).to(device=device, dtype=torch.int32),
-                 int(per_run.max()) if per_run.size else 0), per_run
+                 int(per_run.max()) if per_run.size else 0), cu
 
 
 #: Keys of one backward piece per local token (``T_local`` keys: the kernel's working set over them is about that of
@@ -140,18 +141,16 @@ def num_pieces(cp_size: int) -> int:
     return 2 * cp_size
 
 
-def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: int,
-                split: bool = True) -> list[tuple[int, int, int, int]]:
-    """A call cut into at most ``count`` pieces ``(r0, r1, k0, k1)``: runs ``[r0, r1)`` against the keys ``[k0, k1)``
-    of the call's key list (run after run). Whole runs are packed in order while a piece holds at most ``budget``
-    keys; a run with more keys than that is cut into equal shares of its keys, one piece each (its queries' dq then
-    sums the shares), or with ``split=False`` (a causal call) is one piece. Runs without keys at a piece's ends are
-    left out. The budget grows until ``count`` pieces suffice."""
-    cu_k = np.zeros(run_keys.size + 1, dtype=np.int64)
-    np.cumsum(run_keys, out=cu_k[1:])
+def _cut_pieces(cu_k: np.ndarray, budget: int, count: int, split: bool = True) -> list[tuple[int, int, int, int]]:
+    """A call (its runs' ``cu_seqlens_k``, host int64) cut into at most ``count`` pieces ``(r0, r1, k0, k1)``: runs
+    ``[r0, r1)`` against the keys ``[k0, k1)`` of the call's key list (run after run). Whole runs are packed in
+    order while a piece holds at most ``budget`` keys; a run with more keys than that is cut into equal shares of its
+    keys, one piece each (its queries' dq then sums the shares), or with ``split=False`` (a causal call) is one
+    piece. Runs without keys at a piece's ends are left out. The budget grows until ``count`` pieces suffice."""
     total = int(cu_k[-1])
     if total == 0:
         return []
+    run_keys = np.diff(cu_k)
     budget = max(1, budget, -(-total // count))
     while True:
         pieces: list[tuple[int, int, int, int]] = []
@@ -180,17 +179,13 @@ def _cut_pieces(run_keys: np.ndarray, run_len: np.ndarray, budget: int, count: i
         budget = -(-budget * 3 // 2)
 
 
-def _pieces(keys: _Keys | None, run_len: np.ndarray, run_keys: np.ndarray | None, T_local: int, cp: int,
-            device: torch.device, split: bool = True) -> tuple[_Piece, ...]:
-    """A part's backward pieces (at most ``num_pieces(cp)``; none without ``keys``)."""
-    count = num_pieces(cp)
-    if keys is None:
-        run_keys = np.zeros(run_len.size, dtype=np.int64)
-    cu_q = np.zeros(run_len.size + 1, dtype=np.int64)
-    np.cumsum(run_len, out=cu_q[1:])
-    cu_k = np.zeros(run_len.size + 1, dtype=np.int64)
-    np.cumsum(run_keys, out=cu_k[1:])
-    cut = _cut_pieces(run_keys, run_len, int(PIECE_KEYS_PER_TOKEN * T_local), count, split)
+def _pieces(cu_q: np.ndarray, cu_k: np.ndarray | None, cp: int, device: torch.device,
+            split: bool = True) -> tuple[_Piece, ...]:
+    """A part's backward pieces (at most ``num_pieces(cp)``; none without keys, ``cu_k`` None), from the local
+    runs' ``cu_q`` and the part's ``cu_k`` (host int64)."""
+    if cu_k is None:
+        return ()
+    cut = _cut_pieces(cu_k, int(PIECE_KEYS_PER_TOKEN * int(cu_q[-1])), num_pieces(cp), split)
     out = []
     for r0, r1, k0, k1 in cut:
         q = cu_q[r0:r1 + 1] - cu_q[r0]
@@ -247,9 +242,8 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
     o = np.argsort(j_start, kind="stable")
     run_cu = np.zeros(run_len.size + 1, dtype=np.int64)
     np.cumsum(run_len, out=run_cu[1:])
-    remote, remote_keys = _keys(lo, hi, r_start, r_rows, r_len, device) if r_len.size else (None, None)
-    local, local_keys = _keys(lo, hi, h_start, h_rows, h_len, device)
-    T_local = int(run_len.sum())
+    remote, remote_cu = _keys(lo, hi, r_start, r_rows, r_len, device) if r_len.size else (None, None)
+    local, local_cu = _keys(lo, hi, h_start, h_rows, h_len, device)
     return ExchangeTables(
         send_index=send_index.to(device),
         send_splits=[int(x) for x in send_splits],
@@ -261,10 +255,9 @@ def exchange_tables(sharded, *, causal: bool = True, window: int | None = None, 
         remote=remote,
         joint=_keys(lo, hi, j_start[o], j_rows[o], j_len[o], device)[0],
         causal=causal,
-        pieces=_pieces(remote, run_len, remote_keys, T_local, cp, device),
+        pieces=_pieces(run_cu, remote_cu, cp, device),
         # the local part runs in pieces only where it overlaps the transfer (a remote part exists)
-        local_pieces=_pieces(local if remote is not None else None, run_len, local_keys, T_local, cp, device,
-                             split=False),
+        local_pieces=_pieces(run_cu, local_cu if remote is not None else None, cp, device, split=False),
     )
 
 
