@@ -263,7 +263,7 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
     a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
     if span > _WINDOW and s.weights == _FULL:  # keep the 2 _WINDOW splits nearest a0 that a head can make exact
         far = np.empty_like(a)  # |a - a0| where a head can make the split exact, else 2 T; in blocks of columns
-        step = max(2 * _WINDOW, min(_BLOCK, s.total >> 6) // max(r.size, 1))
+        step = max(2 * _WINDOW, _block(s) // max(r.size, 1))
         for j in range(0, a.shape[1], step):
             aj = a[:, j:j + step]
             y = aj + (s.total - r * t)[:, None]
@@ -285,10 +285,15 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
     return [x[pick] for x in (a, k, u, h, c, w, off)], exact
 
 
+def _block(s: _Stream) -> int:
+    """Elements per array of ``_pick``'s pricing: ``min(_BLOCK, T / 64)``."""
+    return min(_BLOCK, s.total >> 6)
+
+
 def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
     """``_pick`` in blocks of rows, so that its ``[rows, 2 span + 1]`` arrays hold at most ``min(_BLOCK, T / 64)``
     elements each (one row at least): the same picks, in memory within the map's size."""
-    block = max(1, min(_BLOCK, s.total >> 6) // (2 * span + 1))
+    block = max(1, _block(s) // (2 * span + 1))
     if r.size <= block:
         return _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, span)
     parts = [_pick(s, fold, cp, t, r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
