@@ -375,3 +375,34 @@ def test_the_planner_stays_within_the_doc_maps_bytes(kind):
         tracemalloc.stop()
     assert np.diff(offsets).size == cp and int(run_len.sum()) == tokens  # a whole plan
     assert peak <= 1.1 * tokens * 4, peak / (tokens * 4)
+
+
+def test_the_crossing_search_lands_on_a_sign_change_in_every_bracket():
+    """``_crossing`` (the split nearest a boundary's target, to the token) interpolates where the cost is linear and
+    halves where it is not: on linear, curved, jagged and step pieces alike every bracket must end one token wide
+    with a sign change (the plan takes the nearer of its two ends), and on a monotone piece at the only one."""
+    rng = np.random.default_rng(0)
+    n = 400
+    p_lo = rng.integers(0, 1000, n)
+    width = rng.integers(1, 5000, n)
+    p_hi = p_lo + width
+    root = p_lo + (rng.random(n) * width).astype(np.int64)
+    kind = np.arange(n) % 4  # linear, curved (cubic), jagged (a fold's floors), steps (a window's flat stretch)
+
+    def f(x, j):
+        d = (x - root[j]).astype(np.float64)
+        out = np.where(kind[j] == 0, 7 * d, np.where(kind[j] == 1, d ** 3 + d, np.where(kind[j] == 2, 5 * d + 3 *
+                                                                                        ((x % 3) - 1), np.floor(d / 97))))
+        return np.where(np.arange(n)[j] % 2, -out, out) - 0.5  # both directions; never exactly 0
+
+    lo, hi = local_module._crossing(p_lo, p_hi, f(p_lo, np.arange(n)), f(p_hi, np.arange(n)), f)
+    idx = np.arange(n)
+    ok = (f(p_lo, idx) < 0) != (f(p_hi, idx) < 0)
+    assert ok.sum() > n // 2  # most brackets do hold a crossing
+    assert np.all(hi[ok] - lo[ok] == 1) and np.all((p_lo <= lo) & (hi <= p_hi))
+    assert np.all((f(lo, idx)[ok] < 0) != (f(hi, idx)[ok] < 0))
+    mono = ok & (kind != 2)
+    for j in np.flatnonzero(mono):  # a monotone piece crosses once: the bisection's token
+        xs = np.arange(p_lo[j], p_hi[j] + 1)
+        s = f(xs, np.full(xs.size, j)) < 0
+        assert lo[j] == xs[np.flatnonzero(s[1:] != s[:-1])[0]]

@@ -174,12 +174,10 @@ def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.nda
     g = _split_cost(s, fold, shift[row], a, tuple(x[row] for x in frame)) - target[row]
     cross = (row[1:] == row[:-1]) & ((g[1:] < 0) != (g[:-1] < 0))
     i = np.flatnonzero(cross)
-    e_row, frame_i = row[i], tuple(x[row[i]] for x in frame)
-    p_lo, p_hi, sign = a[i], a[i + 1], g[i] < 0  # bisect every crossing piece to the token (kinks in a window)
-    while np.any(p_hi - p_lo > 1):
-        mid = (p_lo + p_hi) // 2
-        same = (_split_cost(s, fold, shift[e_row], mid, frame_i) - target[e_row] < 0) == sign
-        p_lo, p_hi = np.where(same, mid, p_lo), np.where(same, p_hi, mid)
+    e_row = row[i]
+    p_lo, p_hi = _crossing(a[i], a[i + 1], g[i].astype(np.float64), g[i + 1].astype(np.float64),
+                           lambda x, j: _split_cost(s, fold, shift[e_row[j]], x, tuple(f[e_row[j]] for f in frame))
+                           - target[e_row[j]])
     extra = np.stack([p_lo, p_hi], axis=1).ravel()
     e_row = np.repeat(e_row, 2)
     row, a = np.concatenate([row, e_row]), np.concatenate([a, extra])
@@ -188,6 +186,37 @@ def _nearest(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, target: np.nda
     o = np.lexsort((a, np.abs(g), row))
     firsts = np.flatnonzero(np.r_[True, row[o][1:] != row[o][:-1]])
     return a[o][firsts]
+
+
+def _crossing(p_lo: np.ndarray, p_hi: np.ndarray, g_lo: np.ndarray, g_hi: np.ndarray, g) -> tuple:
+    """Brackets ``p_lo < p_hi`` whose values ``g_lo``, ``g_hi`` have opposite signs (``< 0`` or not), narrowed to
+    one token each: ``g(x, j)`` is the value at ``x`` of bracket ``j``. The cost is piecewise linear in the split
+    (exactly linear between kinks where both bounds lie in straight segments), so every try is the interpolated
+    crossing and the token after it (one try closes a linear piece); every other try halves the bracket instead,
+    so that a curved or jagged piece (a fold's floors, a window's kink) still takes at most twice a bisection."""
+    p_lo, p_hi, g_lo, g_hi = p_lo.copy(), p_hi.copy(), g_lo.copy(), g_hi.copy()
+    neg = g_lo < 0
+    for step in range(128):
+        j = np.flatnonzero(p_hi - p_lo > 1)
+        if not j.size:
+            break
+        lo, hi, gl, gh = p_lo[j], p_hi[j], g_lo[j], g_hi[j]
+        if step % 2:
+            m = (lo + hi) // 2
+        else:
+            m = lo + np.floor((hi - lo) * (gl / (gl - gh))).astype(np.int64)
+        m = np.clip(m, lo + 1, hi - 2).clip(lo, hi - 1)  # m, m + 1 inside the bracket; m = lo for a 2-token one
+        vals = g(np.concatenate([m, m + 1]), np.concatenate([j, j])).astype(np.float64)
+        g1, g2 = vals[:j.size], vals[j.size:]
+        s1, s2, sn = g1 < 0, g2 < 0, neg[j]
+        left = s1 != sn  # the crossing is in [lo, m]
+        mid = ~left & (s2 != sn)  # in [m, m + 1]
+        new_lo = np.where(left, lo, np.where(mid, m, m + 1))
+        new_hi = np.where(left, m, np.where(mid, m + 1, hi))
+        g_lo[j] = np.where(left, gl, np.where(mid, g1, g2))
+        g_hi[j] = np.where(left, g1, np.where(mid, g2, gh))
+        p_lo[j], p_hi[j] = new_lo, new_hi
+    return p_lo, p_hi
 
 
 def _inner_cost(s: _Stream, k: np.ndarray, u: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -256,26 +285,42 @@ def _with_heads(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, a: np.ndarr
     return a, k, u, h, np.where(free, h, c), np.where(free, u, w), pref, off
 
 
+def _near_exact(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, lo, hi, a0, span: int) -> np.ndarray:
+    """``[B, 2 _WINDOW]``: of every boundary's splits within ``span`` of ``a0`` (in ``[lo, hi]``), the ``2 _WINDOW``
+    nearest ``a0`` that a head can make exact (without a window: a head moves the cost in steps of ``u``), ``a0``
+    where there are fewer. Priced in blocks of columns of at most ``min(_BLOCK, T / 64)`` elements, the nearest kept
+    as it goes (ties: the lower offset first), so that all rows go at once in memory within the map's size."""
+    keep, limit = 2 * _WINDOW, 2 * s.total
+    shift = (s.total - r * t)[:, None]
+    rest0 = (s.ideal - target)[:, None]
+    best_far = np.zeros((r.size, 0), dtype=np.int64)
+    best_a = best_far
+    step = max(keep, _block(s) // max(r.size, 1))
+    for j in range(-span, span + 1, step):
+        a = np.clip(a0[:, None] + np.arange(j, min(j + step, span + 1)), lo[:, None], hi[:, None])
+        y = a + shift
+        k = s.seg(y)
+        u = np.maximum(y - s.beg[k], 1)
+        rest = (s.prefix(a, fold) - s.prefix(y, fold) + rest0) % u
+        near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
+        far = np.concatenate([best_far, np.where(near, np.abs(a - a0[:, None]), limit)], axis=1)
+        a = np.concatenate([best_a, a], axis=1)
+        if far.shape[1] > keep:
+            order = np.argsort(far, axis=1, kind="stable")[:, :keep]
+            far, a = np.take_along_axis(far, order, axis=1), np.take_along_axis(a, order, axis=1)
+        best_far, best_a = far, a
+    return np.where(best_far < limit, best_a, a0[:, None])
+
+
 def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
     """The split of every boundary ``r`` within ``span`` of ``a0`` (in ``[lo, hi]``) with the best head
     (``_with_heads``): of those within ``_EXACT`` of the target ``r C / cp`` the least shifted head, then the ``a``
-    nearest ``a0``; else the nearest to the target. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
-    a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
-    if span > _WINDOW and s.weights == _FULL:  # keep the 2 _WINDOW splits nearest a0 that a head can make exact
-        far = np.empty_like(a)  # |a - a0| where a head can make the split exact, else 2 T; in blocks of columns
-        step = max(2 * _WINDOW, _block(s) // max(r.size, 1))
-        for j in range(0, a.shape[1], step):
-            aj = a[:, j:j + step]
-            y = aj + (s.total - r * t)[:, None]
-            k = s.seg(y)
-            u = y - s.beg[k]
-            rest = s.prefix(aj, fold) - s.prefix(y, fold) + (s.ideal - target)[:, None]
-            rest %= np.maximum(u, 1)  # a head moves the cost in steps of u
-            near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
-            far[:, j:j + step] = np.where(near, np.abs(aj - a0[:, None]), 2 * s.total)
-        order = np.argsort(far, axis=1)[:, :2 * _WINDOW]
-        a = np.where(np.take_along_axis(far, order, axis=1) < 2 * s.total, np.take_along_axis(a, order, axis=1),
-                     a0[:, None])
+    nearest ``a0``; else the nearest to the target. Past ``_WINDOW`` (no window) only the splits ``_near_exact``
+    keeps are priced. Returns ``(a, k, u, h, c, w, off)`` and whether it is exact."""
+    if _wide(s, span):
+        a = _near_exact(s, fold, cp, t, r, target, lo, hi, a0, span)
+    else:
+        a = np.clip(a0[:, None] + np.arange(-span, span + 1), lo[:, None], hi[:, None])
     a, k, u, h, c, w, pref, off = _with_heads(s, fold, r, t, a, target, prev)
     close = np.abs(off) <= _EXACT * s.ideal / cp
     key = np.where(close, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - a0[:, None]), np.iinfo(np.int64).max)
@@ -285,15 +330,21 @@ def _pick(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi
     return [x[pick] for x in (a, k, u, h, c, w, off)], exact
 
 
+def _wide(s: _Stream, span: int) -> bool:
+    """Whether ``_pick`` prices only the splits ``_near_exact`` keeps (past ``_WINDOW``, no window)."""
+    return span > _WINDOW and s.weights == _FULL
+
+
 def _block(s: _Stream) -> int:
     """Elements per array of ``_pick``'s pricing: ``min(_BLOCK, T / 64)``."""
     return min(_BLOCK, s.total >> 6)
 
 
 def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
-    """``_pick`` in blocks of rows, so that its ``[rows, 2 span + 1]`` arrays hold at most ``min(_BLOCK, T / 64)``
-    elements each (one row at least): the same picks, in memory within the map's size."""
-    block = max(1, _block(s) // (2 * span + 1))
+    """``_pick`` in blocks of rows, so that the splits it prices with their heads (``[rows, 2 _WINDOW]`` wide,
+    ``[rows, 2 span + 1]`` else) hold at most ``min(_BLOCK, T / 64)`` elements per array (one row at least): the
+    same picks, in memory within the map's size."""
+    block = max(1, _block(s) // (2 * _WINDOW if _wide(s, span) else 2 * span + 1))
     if r.size <= block:
         return _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, span)
     parts = [_pick(s, fold, cp, t, r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
