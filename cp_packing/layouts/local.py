@@ -84,6 +84,8 @@ _EXACT, _WINDOW, _WIDEST, _STUCK, _SPREAD = 1e-6, 64, 64, 20, 1e-5
 #: Elements per array of ``_pick``'s pricing (rows x splits), at most ``T / 64`` (a few tens of such arrays live at
 #: once): the planner's memory stays within the map's size but where one row's window is larger.
 _BLOCK = 1 << 15
+#: The k-ary search of ``_chain_step``: points per pass (a pass narrows the bracket ``_GRID`` times).
+_GRID = 128
 
 
 _FULL: WindowWeights = ((None, 1),)  # no window: the causal cost
@@ -372,6 +374,84 @@ def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target:
     return out
 
 
+def _framed(s: _Stream, fold: np.ndarray, shift: np.ndarray, target: np.ndarray, k: np.ndarray, c: np.ndarray,
+            w: np.ndarray, a: np.ndarray):
+    """Splits ``a`` (``[B, n]``) whose high bound cuts segment ``k`` inside its frame ``[c, c + w)`` and whose low
+    bound stays short of it (``_with_heads``' free cut, per row ``k, c, w``): ``(u, pref, wanted)``: the S tokens
+    left inside, the layout's head kept in the frame, and the inside's cost that would hit the target."""
+    y = a + shift[:, None]
+    u, length = y - s.beg[k][:, None], s.length[k][:, None]
+    h_pre = np.where(fold[k][:, None], (length - u) // 2, 0)
+    pref = np.clip(h_pre, c[:, None], c[:, None] + w[:, None] - u)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    return u, pref, range_cost(h_pre, h_pre + u, s.weights) + cost - target[:, None]
+
+
+def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev):
+    """Boundaries ``r`` whose high bound cuts the segment the boundary before cut (``prev``, its ``(a, k, u, h, c,
+    w)``), without a window: their splits as ``_solve`` makes them, in a few vectorised passes instead of its
+    general search (this is the sequential part of a plan: one round per boundary cutting one long segment). The
+    split stays in that segment's frame with the low bound short of it (a free head): the crossing of the cost with
+    the layout's head kept in the frame is searched ``_GRID``-ary to 64 tokens, then every split within ``_WINDOW`` of it
+    (8x wider up to ``_WIDEST`` times where none is exact) is priced with its best heads, and of the exact ones the
+    least shifted head wins, then the nearest the crossing. Returns ``(a, k, u, h, c, w, off)`` and which rows it
+    solved; the others (the crossing at an edge of those bounds, or nothing exact) go to ``_solve``."""
+    pa, pk, _, _, pc, pw = prev
+    shift = s.total - r * t
+    beg, length = s.beg[pk], s.length[pk]
+    lo0, hi0 = pa, np.minimum(pa + t, r * t)
+    lo = np.maximum(lo0, beg - shift + 1)  # at least one token inside
+    hi = np.minimum.reduce([hi0, beg, beg + np.minimum(pw, length - 1) - shift])  # low bound short; u <= w, < L
+    ok = lo <= hi
+    rows = np.flatnonzero(ok)
+    out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
+    if not rows.size:
+        return out, ok
+    sh, tg, k, c, w = shift[rows], target[rows], pk[rows], pc[rows], pw[rows]
+    b_lo, b_hi, x_lo, x_hi = lo[rows], hi[rows], lo[rows].copy(), hi[rows].copy()
+    grid = np.arange(_GRID + 1)
+    while np.any(x_hi - x_lo > 64):  # the last split whose cost (with the layout's head) is >= the target
+        a = x_lo[:, None] + (x_hi - x_lo)[:, None] * grid // _GRID
+        u, pref, wanted = _framed(s, fold, sh, tg, k, c, w, a)
+        up = wanted - range_cost(pref, pref + u, s.weights) >= 0
+        j = np.clip(up.sum(axis=1) - 1, 0, _GRID - 1)  # the cost falls as a grows: the crossing is in [a_j, a_j+1]
+        x_lo, x_hi = np.take_along_axis(a, j[:, None], 1)[:, 0], np.take_along_axis(a, j[:, None] + 1, 1)[:, 0]
+    a = np.minimum(x_lo[:, None] + np.arange(65), x_hi[:, None])  # the split nearest the target (smallest on a tie)
+    u, pref, wanted = _framed(s, fold, sh, tg, k, c, w, a)
+    near = np.take_along_axis(a, np.argmin(np.abs(wanted - range_cost(pref, pref + u, s.weights)), axis=1)[:, None],
+                              1)[:, 0]
+    edge = ((near == b_lo) & (b_lo > lo0[rows])) | ((near == b_hi) & (b_hi < hi0[rows]))
+    ok[rows[edge]] = False  # the crossing at an edge of the bounds here: the general search
+    eps, top = _EXACT * s.ideal / cp, np.iinfo(np.int64).max
+    pending = np.flatnonzero(~edge)
+    for span in (_WINDOW, 8 * _WINDOW, _WIDEST * _WINDOW):
+        if not pending.size:
+            break
+        i = pending
+        best = [np.full(i.size, top)] + [np.zeros(i.size, dtype=np.int64) for _ in range(3)] + [np.zeros(i.size)]
+        step = max(2 * _WINDOW + 1, _block(s) // (2 * i.size))
+        for j in range(-span, span + 1, step):  # in blocks of columns: memory within the map's size
+            a = np.clip(near[i, None] + np.arange(j, min(j + step, span + 1)), b_lo[i, None], b_hi[i, None])
+            u, pref, wanted = _framed(s, fold, sh[i], tg[i], k[i], c[i], w[i], a)
+            hstar = np.floor_divide(wanted - u * (u + 1) // 2, u)  # the largest head whose inside costs <= wanted
+            h1 = np.clip(hstar, c[i, None], c[i, None] + w[i, None] - u)
+            h = np.concatenate([h1, np.minimum(h1 + 1, c[i, None] + w[i, None] - u)], axis=1)
+            a, u, pref, wanted = (np.concatenate([x, x], axis=1) for x in (a, u, pref, wanted))
+            off = (wanted - range_cost(h, h + u, s.weights)).astype(np.float64)
+            key = np.where(np.abs(off) <= eps, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - near[i, None]), top)
+            pick = np.argmin(key, axis=1)
+            sel = (np.arange(i.size), pick)
+            better = key[sel] < best[0]
+            for o, x in zip(best, (key[sel], a[sel], u[sel], h[sel], off[sel])):
+                o[better] = x[better]
+        got = best[0] < top
+        for o, x in zip(out, (best[1], k[i], best[2], best[3], best[3], best[2], best[4])):
+            o[rows[i[got]]] = x[got]
+        pending = i[~got]
+    ok[rows[pending]] = False
+    return out, ok
+
+
 def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarray):
     """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
     ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
@@ -396,6 +476,14 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
         rows = np.flatnonzero(depth == d)
         lo, hi = np.zeros_like(rows), r[rows] * t
         prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
+        if d and s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search
+            lean, solved = _chain_step(s, fold, cp, t, r[rows], target[rows], prev)
+            for o, x in zip(out, lean):
+                o[rows[solved]] = x[solved]
+            rows, prev = rows[~solved], tuple(x[~solved] for x in prev)
+            if not rows.size:
+                continue
+            lo, hi = np.zeros_like(rows), r[rows] * t
         if d:  # nearest the target with the frame the boundary before left
             lo, hi = prev[0], np.minimum(prev[0] + t, hi)
             a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
