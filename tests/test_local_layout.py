@@ -406,3 +406,42 @@ def test_the_crossing_search_lands_on_a_sign_change_in_every_bracket():
         xs = np.arange(p_lo[j], p_hi[j] + 1)
         s = f(xs, np.full(xs.size, j)) < 0
         assert lo[j] == xs[np.flatnonzero(s[1:] != s[:-1])[0]]
+
+
+@pytest.mark.parametrize("kind,cp", [("huge", 8), ("huge", 16), ("lognormal", 8), ("lognormal", 16)])
+def test_the_lean_chain_step_plans_no_worse_than_the_general_search(kind, cp, monkeypatch):
+    """Boundaries cutting the segment the one before cut are solved by ``_chain_step`` (a lean search) before
+    ``_solve``'s general one: on maps of few long documents (where every plan has such chains) the plan with it must
+    be as even and move as few keys at the busiest rank as the plan without it, and it must actually be used."""
+    tokens = 8192 * cp
+    doc = synthetic_doc_ids("huge", 1, tokens, seed=1) if kind == "huge" else \
+        synthetic_doc_ids("lognormal", 1, tokens, seed=1, median=8192 / math.exp(1.125), sigma=1.5)
+    cu = packed_seq_params_from_doc_ids(doc).cu_seqlens.to(torch.int64).numpy()
+
+    def figures(offsets, run_start, run_len):
+        rank = np.repeat(np.arange(cp), np.diff(offsets))
+        seg = np.searchsorted(cu, run_start, side="right") - 1
+        pos0 = run_start - cu[seg]
+        cost = np.bincount(rank, weights=(pos0 + run_len) * (pos0 + run_len + 1) / 2 - pos0 * (pos0 + 1) / 2,
+                           minlength=cp)
+        key = rank * cu.size + seg  # per rank and segment: keys up to the furthest token held, minus those held
+        reach = np.zeros(cp * cu.size)
+        np.maximum.at(reach, key, pos0 + run_len)
+        need = reach.reshape(cp, cu.size).sum(axis=1) - np.bincount(rank, weights=run_len, minlength=cp)
+        return cost.max() / cost.mean(), need.max() / ((cp - 1) * tokens / cp)
+
+    calls = []
+    real = local_module._chain_step
+
+    def counted(*args):
+        out, ok = real(*args)
+        calls.append(int(ok.sum()))
+        return out, ok
+
+    monkeypatch.setattr(local_module, "_chain_step", counted)
+    lean = figures(*local_plan_arrays(cu, cp, ((None, 1),)))
+    assert sum(calls) > 0  # the lean step solved boundaries on this map
+    monkeypatch.setattr(local_module, "_chain_step", lambda s, fold, cp_, t, r, target, prev: (
+        [np.zeros_like(r)] * 6 + [np.zeros(r.size)], np.zeros(r.size, dtype=bool)))
+    general = figures(*local_plan_arrays(cu, cp, ((None, 1),)))
+    assert lean[0] <= general[0] + 1e-6 and lean[1] <= general[1] + 1e-9, (lean, general)

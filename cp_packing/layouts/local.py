@@ -389,19 +389,19 @@ def _framed(s: _Stream, fold: np.ndarray, shift: np.ndarray, target: np.ndarray,
 
 def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev):
     """Boundaries ``r`` whose high bound cuts the segment the boundary before cut (``prev``, its ``(a, k, u, h, c,
-    w)``), without a window: their splits as ``_solve`` makes them, in a few vectorised passes instead of its
-    general search (this is the sequential part of a plan: one round per boundary cutting one long segment). The
+    w)``), without a window: their splits as ``_solve`` would choose them, in a few vectorised passes instead of its
+    general search (these rounds are the sequential part of a plan: one per boundary cutting one long segment). The
     split stays in that segment's frame with the low bound short of it (a free head): the crossing of the cost with
-    the layout's head kept in the frame is searched ``_GRID``-ary to 64 tokens, then every split within ``_WINDOW`` of it
-    (8x wider up to ``_WIDEST`` times where none is exact) is priced with its best heads, and of the exact ones the
-    least shifted head wins, then the nearest the crossing. Returns ``(a, k, u, h, c, w, off)`` and which rows it
-    solved; the others (the crossing at an edge of those bounds, or nothing exact) go to ``_solve``."""
+    the layout's head kept in the frame is searched ``_GRID``-ary to 64 tokens, then every split within ``_WINDOW``
+    of it (8x wider up to ``_WIDEST`` times where none is exact) is priced with its best heads, and of the exact ones
+    the least shifted head wins, then the nearest the crossing. Returns ``(a, k, u, h, c, w, off)`` and which rows
+    it solved; the others (no such split, or none exact) go to ``_solve``."""
     pa, pk, _, _, pc, pw = prev
     shift = s.total - r * t
     beg, length = s.beg[pk], s.length[pk]
-    lo0, hi0 = pa, np.minimum(pa + t, r * t)
-    lo = np.maximum(lo0, beg - shift + 1)  # at least one token inside
-    hi = np.minimum.reduce([hi0, beg, beg + np.minimum(pw, length - 1) - shift])  # low bound short; u <= w, < L
+    lo = np.maximum(pa, beg - shift + 1)  # nest (a grows by 0 .. t), at least one token inside
+    hi = np.minimum.reduce([pa + t, r * t, beg, beg + np.minimum(pw, length - 1) - shift])  # low bound short; u <= w
+    # and u < L
     ok = lo <= hi
     rows = np.flatnonzero(ok)
     out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
@@ -420,10 +420,8 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
     u, pref, wanted = _framed(s, fold, sh, tg, k, c, w, a)
     near = np.take_along_axis(a, np.argmin(np.abs(wanted - range_cost(pref, pref + u, s.weights)), axis=1)[:, None],
                               1)[:, 0]
-    edge = ((near == b_lo) & (b_lo > lo0[rows])) | ((near == b_hi) & (b_hi < hi0[rows]))
-    ok[rows[edge]] = False  # the crossing at an edge of the bounds here: the general search
     eps, top = _EXACT * s.ideal / cp, np.iinfo(np.int64).max
-    pending = np.flatnonzero(~edge)
+    pending = np.arange(rows.size)
     for span in (_WINDOW, 8 * _WINDOW, _WIDEST * _WINDOW):
         if not pending.size:
             break
