@@ -445,7 +445,9 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
         got = best[0] < top
         for o, x in zip(out, (best[1], k[i], best[2], best[3], best[3], best[2], best[4])):
             o[rows[i[got]]] = x[got]
-        pending = i[~got]
+        more = (near[i] - span > b_lo[i]) | (near[i] + span < b_hi[i])  # splits left to try in a wider window
+        ok[rows[i[~got & ~more]]] = False
+        pending = i[~got & more]
     ok[rows[pending]] = False
     return out, ok
 
