@@ -391,8 +391,9 @@ def test_the_crossing_search_lands_on_a_sign_change_in_every_bracket():
 
     def f(x, j):
         d = (x - root[j]).astype(np.float64)
-        out = np.where(kind[j] == 0, 7 * d, np.where(kind[j] == 1, d ** 3 + d, np.where(kind[j] == 2, 5 * d + 3 *
-                                                                                        ((x % 3) - 1), np.floor(d / 97))))
+        jagged = 5 * d + 3 * ((x % 3) - 1)
+        out = np.where(kind[j] == 0, 7 * d, np.where(kind[j] == 1, d ** 3 + d, np.where(kind[j] == 2, jagged,
+                                                                                        np.floor(d / 97))))
         return np.where(np.arange(n)[j] % 2, -out, out) - 0.5  # both directions; never exactly 0
 
     lo, hi = local_module._crossing(p_lo, p_hi, f(p_lo, np.arange(n)), f(p_hi, np.arange(n)), f)

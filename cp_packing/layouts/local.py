@@ -50,8 +50,9 @@ window and the tolerance only (integer costs, stable sorts), cached like ``balan
 ``cp_packing.layouts``. It runs in NumPy on the host: per candidate, a few passes over the segments and vectorised
 work per boundary (no loop over the ranks of ``T / cp`` pricing each: time near-linear in the segments, about flat
 in ``cp``; a Python loop over boundaries only where they do not nest, and one round per boundary cutting the same
-segment); memory a few arrays of the segments' size, the wide windows priced in blocks of rows and columns so
-that the peak stays within the doc map's bytes. A CUDA ``cu_seqlens`` is copied (one host sync per call).
+segment, each a lean search of a few vectorised passes where the head is free, ``_chain_step``); memory a few
+arrays of the segments' size, the wide windows priced in blocks of rows and columns so that the peak stays within
+the doc map's bytes. A CUDA ``cu_seqlens`` is copied (one host sync per call).
 """
 
 from __future__ import annotations
