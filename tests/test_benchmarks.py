@@ -119,3 +119,8 @@ def test_magi_dispatch_imports_a_checkout_without_its_extensions(tmp_path):
     assert int(length.sum()) == 4096 and np.array_equal(start[1:], (start + length)[:-1])  # every token once
     assert np.isin(cu[:-1], start).all()  # runs are cut at the documents
     assert np.array_equal(rank, (start // 512) % 2)  # chunk c went to rank c % 2, as the partition says
+
+
+def test_compare_planners_quick_finds_a_planner_identical_to_itself():
+    out = _quick("compare_planners.py", os.path.join(ROOT, "cp_packing", "layouts", "local.py"))
+    assert "identical 12, differ, no worse 0, worse 0" in out, out
