@@ -114,9 +114,10 @@ class _Stream:
         """The segment holding S offset ``x`` (the last one for ``x = T``)."""
         return np.minimum(np.searchsorted(self.end, x, side="right"), self.length.size - 1)
 
-    def prefix(self, x: np.ndarray, fold: np.ndarray) -> np.ndarray:
-        """int64, shape of ``x``: the cost of ``S[0, x)``, a folded segment's first ``u`` tokens its middle."""
-        k = self.seg(x)
+    def prefix(self, x: np.ndarray, fold: np.ndarray, k: np.ndarray | None = None) -> np.ndarray:
+        """int64, shape of ``x``: the cost of ``S[0, x)``, a folded segment's first ``u`` tokens its middle (``k``:
+        ``seg(x)`` where the caller has it)."""
+        k = self.seg(x) if k is None else k
         u = x - self.beg[k]
         m = np.where(fold[k], (self.length[k] - u) // 2, 0)
         return self.base[k] + range_cost(m, m + u, self.weights)
@@ -142,9 +143,9 @@ def _split_cost(s: _Stream, fold: np.ndarray, shift: np.ndarray, a: np.ndarray, 
     layout's head kept in ``frame`` (``(k, c, w)`` per element, the frame the boundary before left; ``k = -1``:
     none)."""
     y = a + shift
-    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
-    fk, fc, fw = frame
     k = s.seg(y)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold, k)
+    fk, fc, fw = frame
     u = y - s.beg[k]
     on = (k == fk) & (a <= s.beg[k]) & (u <= fw)
     if on.any():
@@ -269,7 +270,7 @@ def _with_heads(s: _Stream, fold: np.ndarray, r: np.ndarray, t: int, a: np.ndarr
     free = (u > 0) & (u < length) & ~low & ~bad
     h_pre = _first(s, fold, k, 0, length, u)  # the layout's head (what the prefix costs assume)
     pref = np.where(free, np.clip(h_pre, c, c + np.maximum(w - u, 0)), h_pre)
-    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold, k)
     # the frame kept: inside = S offsets [v, u) of it, where the prefix costs counted those of the whole segment
     v = np.where(low, a - beg, 0)
     uu = np.minimum(u, w)
@@ -304,7 +305,7 @@ def _near_exact(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, lo, hi
         y = a + shift
         k = s.seg(y)
         u = np.maximum(y - s.beg[k], 1)
-        rest = (s.prefix(a, fold) - s.prefix(y, fold) + rest0) % u
+        rest = (s.prefix(a, fold) - s.prefix(y, fold, k) + rest0) % u
         near = np.minimum(rest, u - rest) <= _EXACT * s.ideal / cp
         far = np.concatenate([best_far, np.where(near, np.abs(a - a0[:, None]), limit)], axis=1)
         a = np.concatenate([best_a, a], axis=1)
@@ -384,7 +385,7 @@ def _framed(s: _Stream, fold: np.ndarray, shift: np.ndarray, target: np.ndarray,
     u, length = y - s.beg[k][:, None], s.length[k][:, None]
     h_pre = np.where(fold[k][:, None], (length - u) // 2, 0)
     pref = np.clip(h_pre, c[:, None], c[:, None] + w[:, None] - u)
-    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold)
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold, np.broadcast_to(k[:, None], y.shape))
     return u, pref, range_cost(h_pre, h_pre + u, s.weights) + cost - target[:, None]
 
 
