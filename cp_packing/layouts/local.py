@@ -473,24 +473,38 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
     chain = np.r_[False, (k0[1:] == k0[:-1]) & inside[1:] & inside[:-1]]
     first = np.flatnonzero(~chain)
     depth = np.arange(r.size) - first[np.cumsum(~chain) - 1]
+    # The boundaries starting a chain are solved at once without a frame, and so is a first guess of those chained
+    # in a folded segment: their layout's head sits in the middle of the frame the boundary before left, which then
+    # rarely binds, so sweeps that solve again only the boundaries whose frame changed reach the fixed point (the
+    # same splits as round after round) in a few passes. Chains in a straight segment shift their heads boundary
+    # after boundary: those go round by round, the d-th boundary of every chain in round d.
+    swept = (depth > 0) & fold[k0]
     out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
-    for d in range(int(depth.max(initial=-1)) + 1):
-        rows = np.flatnonzero(depth == d)
-        lo, hi = np.zeros_like(rows), r[rows] * t
-        prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
-        if d and s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search
+    rows = np.flatnonzero((depth == 0) | swept)
+    for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], (none[rows],) * 6, np.zeros_like(rows),
+                                r[rows] * t, a0[rows])):
+        o[rows] = x
+    used = [np.full(r.size, -2, dtype=np.int64) for _ in range(6)]  # the frame each swept boundary was solved in
+    pending, d, last = np.flatnonzero(swept), 1, int(depth[~swept].max(initial=0))
+    while pending.size or d <= last:
+        rows = np.r_[np.flatnonzero((depth == d) & ~swept), pending]
+        prev = tuple(x[rows - 1] for x in out[:6])
+        for u_, x in zip(used, prev):
+            u_[pending] = x[rows.size - pending.size:]
+        if s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search
             lean, solved = _chain_step(s, fold, cp, t, r[rows], target[rows], prev)
             for o, x in zip(out, lean):
                 o[rows[solved]] = x[solved]
             rows, prev = rows[~solved], tuple(x[~solved] for x in prev)
-            if not rows.size:
-                continue
-            lo, hi = np.zeros_like(rows), r[rows] * t
-        if d:  # nearest the target with the frame the boundary before left
-            lo, hi = prev[0], np.minimum(prev[0] + t, hi)
-            a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
-        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a0[rows])):
-            o[rows] = x
+        if rows.size:  # nearest the target with the frame the boundary before left, then the general search
+            lo, hi = prev[0], np.minimum(prev[0] + t, r[rows] * t)
+            a1 = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
+            for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a1)):
+                o[rows] = x
+        changed = np.zeros(r.size, dtype=bool)
+        for u_, o in zip(used, out[:6]):
+            changed[1:] |= u_[1:] != o[:-1]
+        pending, d = np.flatnonzero(swept & changed), d + 1
     a, k, c, w = out[0], out[1], out[4], out[5]
     redo = False
     for i in range(1, r.size):
