@@ -345,10 +345,10 @@ def _block(s: _Stream) -> int:
 
 
 def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
-    """``_pick`` in blocks of rows, so that the splits it prices with their heads (``[rows, 2 _WINDOW]`` wide,
-    ``[rows, 2 span + 1]`` else) hold at most ``min(_BLOCK, T / 64)`` elements per array (one row at least): the
-    same picks, in memory within the map's size."""
-    block = max(1, _block(s) // (2 * _WINDOW if _wide(s, span) else 2 * span + 1))
+    """``_pick`` in blocks of rows, so that the splits it prices with their two heads each (``[rows, 4 _WINDOW]``
+    wide, ``[rows, 4 span + 2]`` else) hold at most ``min(_BLOCK, T / 64)`` elements per array (one row at least):
+    the same picks, in memory within the map's size."""
+    block = max(1, _block(s) // (4 * _WINDOW if _wide(s, span) else 4 * span + 2))  # x 2: a head and the next
     if r.size <= block:
         return _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, span)
     parts = [_pick(s, fold, cp, t, r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
@@ -491,10 +491,14 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
         prev = tuple(x[rows - 1] for x in out[:6])
         for u_, x in zip(used, prev):
             u_[pending] = x[rows.size - pending.size:]
-        if s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search
-            lean, solved = _chain_step(s, fold, cp, t, r[rows], target[rows], prev)
-            for o, x in zip(out, lean):
-                o[rows[solved]] = x[solved]
+        if s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search, in blocks of
+            # rows whose [rows, 2 (2 _WINDOW + 1)] arrays stay within min(_BLOCK, T / 64) elements
+            block, solved = max(1, _block(s) // (4 * _WINDOW + 2)), np.zeros(rows.size, dtype=bool)
+            for i in range(0, rows.size, block):
+                j = slice(i, i + block)
+                lean, solved[j] = _chain_step(s, fold, cp, t, r[rows[j]], target[rows[j]], tuple(x[j] for x in prev))
+                for o, x in zip(out, lean):
+                    o[rows[j][solved[j]]] = x[solved[j]]
             rows, prev = rows[~solved], tuple(x[~solved] for x in prev)
         if rows.size:  # nearest the target with the frame the boundary before left, then the general search
             lo, hi = prev[0], np.minimum(prev[0] + t, r[rows] * t)
