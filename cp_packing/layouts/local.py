@@ -401,9 +401,9 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
     pa, pk, _, _, pc, pw = prev
     shift = s.total - r * t
     beg, length = s.beg[pk], s.length[pk]
-    lo = np.maximum(pa, beg - shift + 1)  # nest (a grows by 0 .. t), at least one token inside
-    hi = np.minimum.reduce([pa + t, r * t, beg, beg + np.minimum(pw, length - 1) - shift])  # low bound short; u <= w
-    # and u < L
+    # nest (a grows by 0 .. t), at least one token inside, the low bound short of the segment, u <= w and u < L
+    lo = np.maximum(pa, beg - shift + 1)
+    hi = np.minimum.reduce([pa + t, r * t, beg, beg + np.minimum(pw, length - 1) - shift])
     ok = lo <= hi
     rows = np.flatnonzero(ok)
     out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
@@ -458,7 +458,8 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
     """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
     ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
     Boundaries are solved all at once (``_solve``) but for the heads of one segment, which must nest: those go in
-    rounds, the ``d``-th boundary cutting a segment in round ``d``. A boundary that still does not nest with the one
+    rounds, the ``d``-th boundary cutting a straight segment in round ``d`` (a folded one's in sweeps to the same
+    fixed point, below), each a lean search where it can be (``_chain_step``). A boundary that still does not nest with the one
     before (``a`` must grow by ``0 .. t``; the cost along ``S`` is not monotone everywhere, mostly near the middle)
     is solved again within those bounds, one after the other. Returns ``(a, k, u, h, c, w, off)`` ``[cp - 1]``
     each (``off``: cost minus target)."""
