@@ -340,8 +340,9 @@ def _wide(s: _Stream, span: int) -> bool:
 
 
 def _block(s: _Stream) -> int:
-    """Elements per array of ``_pick``'s pricing: ``min(_BLOCK, T / 64)``."""
-    return min(_BLOCK, s.total >> 6)
+    """Elements per array of ``_pick``'s pricing: ``min(_BLOCK, T / 64)``, at least 1024 (maps under 64K tokens:
+    a few hundred KB whatever their size, not a call per row)."""
+    return max(1024, min(_BLOCK, s.total >> 6))
 
 
 def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
@@ -458,8 +459,8 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
     """Every boundary ``r = 1 .. cp - 1``: the outer set ``O_r`` (what ranks ``< r`` hold) is ``S[0, a)`` and
     ``S[y, T)``, ``y = a + T - r t``, the segment the high bound cuts laid out by its head (``_with_heads``).
     Boundaries are solved all at once (``_solve``) but for the heads of one segment, which must nest: those go in
-    rounds, the ``d``-th boundary cutting a straight segment in round ``d`` (a folded one's in sweeps to the same
-    fixed point, below), each a lean search where it can be (``_chain_step``). A boundary that still does not nest with the one
+    rounds, the ``d``-th boundary cutting a segment in round ``d``, each a lean search where it can be
+    (``_chain_step``). A boundary that still does not nest with the one
     before (``a`` must grow by ``0 .. t``; the cost along ``S`` is not monotone everywhere, mostly near the middle)
     is solved again within those bounds, one after the other. Returns ``(a, k, u, h, c, w, off)`` ``[cp - 1]``
     each (``off``: cost minus target)."""
@@ -474,26 +475,12 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
     chain = np.r_[False, (k0[1:] == k0[:-1]) & inside[1:] & inside[:-1]]
     first = np.flatnonzero(~chain)
     depth = np.arange(r.size) - first[np.cumsum(~chain) - 1]
-    # The boundaries starting a chain are solved at once without a frame, and so is a first guess of those chained
-    # in a folded segment: their layout's head sits in the middle of the frame the boundary before left, which then
-    # rarely binds, so sweeps that solve again only the boundaries whose frame changed reach the fixed point (the
-    # same splits as round after round) in a few passes. Chains in a straight segment shift their heads boundary
-    # after boundary: those go round by round, the d-th boundary of every chain in round d.
-    swept = (depth > 0) & fold[k0]
     out = [np.zeros_like(r) for _ in range(6)] + [np.zeros(r.size)]
-    rows = np.flatnonzero((depth == 0) | swept)
-    for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], (none[rows],) * 6, np.zeros_like(rows),
-                                r[rows] * t, a0[rows])):
-        o[rows] = x
-    used = [np.full(r.size, -2, dtype=np.int64) for _ in range(6)]  # the frame each swept boundary was solved in
-    pending, d, last = np.flatnonzero(swept), 1, int(depth[~swept].max(initial=0))
-    while pending.size or d <= last:
-        rows = np.r_[np.flatnonzero((depth == d) & ~swept), pending]
-        prev = tuple(x[rows - 1] for x in out[:6])
-        for u_, x in zip(used, prev):
-            u_[pending] = x[rows.size - pending.size:]
-        if s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search, in blocks of
-            # rows whose [rows, 2 (2 _WINDOW + 1)] arrays stay within min(_BLOCK, T / 64) elements
+    for d in range(int(depth.max(initial=-1)) + 1):
+        rows = np.flatnonzero(depth == d)
+        prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
+        if d and s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search, in
+            # blocks of rows whose [rows, 2 (2 _WINDOW + 1)] arrays stay within _block elements
             block, solved = max(1, _block(s) // (4 * _WINDOW + 2)), np.zeros(rows.size, dtype=bool)
             for i in range(0, rows.size, block):
                 j = slice(i, i + block)
@@ -501,15 +488,14 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
                 for o, x in zip(out, lean):
                     o[rows[j][solved[j]]] = x[solved[j]]
             rows, prev = rows[~solved], tuple(x[~solved] for x in prev)
-        if rows.size:  # nearest the target with the frame the boundary before left, then the general search
-            lo, hi = prev[0], np.minimum(prev[0] + t, r[rows] * t)
-            a1 = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
-            for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a1)):
-                o[rows] = x
-        changed = np.zeros(r.size, dtype=bool)
-        for u_, o in zip(used, out[:6]):
-            changed[1:] |= u_[1:] != o[:-1]
-        pending, d = np.flatnonzero(swept & changed), d + 1
+            if not rows.size:
+                continue
+        lo, hi = np.zeros_like(rows), r[rows] * t
+        if d:  # nearest the target with the frame the boundary before left
+            lo, hi = prev[0], np.minimum(prev[0] + t, hi)
+            a0[rows] = _nearest(s, fold, r[rows], t, target[rows], lo, hi, (prev[1], prev[4], prev[5]))
+        for o, x in zip(out, _solve(s, fold, cp, t, r[rows], target[rows], prev, lo, hi, a0[rows])):
+            o[rows] = x
     a, k, c, w = out[0], out[1], out[4], out[5]
     redo = False
     for i in range(1, r.size):
