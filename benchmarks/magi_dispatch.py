@@ -11,7 +11,9 @@ imports on a CPU machine: the package's ``__init__`` (which loads the extensions
 from its directory), a stand-in ``triton`` module is present only while its modules import (their range ops are
 Triton kernels the dispatch never calls; torch probes for triton later, so the stand-in is removed after), a
 stand-in ``debugpy`` likewise, and ``torch.cuda.nvtx`` range markers (which its functions are wrapped in, and a CPU
-build of torch lacks) are no-ops while it runs (on a GPU they cost microseconds).
+build of torch lacks) are no-ops while it runs (on a GPU they cost microseconds). The hollow package and its
+modules stay imported for the rest of the process (a benchmark's); a process that already imported
+``magi_attention`` is refused, so that the checkout given is the one timed.
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ def load(path: str):
     if not os.path.isfile(os.path.join(root, "meta", "_make_dispatch_meta.py")):
         raise ValueError(f"--magi {path!r}: no magi_attention/meta/_make_dispatch_meta.py there; pass the folder of a "
                          "MagiAttention checkout (git clone https://github.com/SandAI-org/MagiAttention)")
+    if "magi_attention" in sys.modules:
+        raise ValueError(f"--magi {path!r}: a magi_attention package is already imported in this process; run the "
+                         "benchmark in a fresh one (the checkout would not be the one timed)")
     package = types.ModuleType("magi_attention")
     package.__path__ = [root]
     stand_ins = {name: mod for name, mod in _stand_ins().items() if name not in sys.modules}
     sys.modules.update(stand_ins)
-    sys.modules.setdefault("magi_attention", package)
+    sys.modules["magi_attention"] = package  # stays, with its modules, for the process: a benchmark's
     try:
         from magi_attention.common import AttnRanges
         from magi_attention.common.enum import AttnMaskType
@@ -72,8 +77,10 @@ def load(path: str):
             sys.modules.pop(name, None)
 
     def dispatch(cu: np.ndarray, cp: int):
-        pairs = [[int(a), int(b)] for a, b in zip(cu[:-1], cu[1:]) if b > a]
         total = int(cu[-1])
+        if total % (CHUNK * cp):
+            raise ValueError(f"MagiAttention's dispatch needs T = {total} divisible by cp * {CHUNK} = {CHUNK * cp}")
+        pairs = [[int(a), int(b)] for a, b in zip(cu[:-1], cu[1:]) if b > a]
         with _no_nvtx():
             meta_q, _ = make_dispatch_meta_from_qk_ranges(
                 AttnRanges.from_ranges(pairs), AttnRanges.from_ranges(pairs), [AttnMaskType.CAUSAL] * len(pairs),

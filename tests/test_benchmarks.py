@@ -112,6 +112,10 @@ def test_magi_dispatch_imports_a_checkout_without_its_extensions(tmp_path):
         assert "triton" not in sys.modules and "debugpy" not in sys.modules
         cu = np.array([0, 700, 1500, 4096], dtype=np.int64)
         rank, start, length = dispatch(cu, 2)
+        with pytest.raises(ValueError, match="divisible by cp"):
+            dispatch(np.array([0, 700, 1000], dtype=np.int64), 2)
+        with pytest.raises(ValueError, match="already imported"):  # the checkout given must be the one timed
+            magi_dispatch.load(str(tmp_path))
     finally:
         for name in set(sys.modules) - before:
             if name.startswith("magi_attention"):

@@ -446,3 +446,29 @@ def test_the_lean_chain_step_plans_no_worse_than_the_general_search(kind, cp, mo
         [np.zeros_like(r)] * 6 + [np.zeros(r.size)], np.zeros(r.size, dtype=bool)))
     general = figures(*local_plan_arrays(cu, cp, ((None, 1),)))
     assert lean[0] <= general[0] + 1e-6 and lean[1] <= general[1] + 1e-9, (lean, general)
+
+
+@pytest.mark.parametrize("weights", [((None, 1),), ((4, 1),), ((2, 1), (None, 1))], ids=["causal", "window",
+                                                                                        "mixed"])
+def test_tiny_maps_every_token_on_one_rank(weights):
+    """Maps of a few tokens per rank (1-7), one document, documents shorter than cp, a document per token: the
+    planner's searches (chains of boundaries in one document, windows clipped at every bound) still give every token
+    to exactly one rank and ``T / cp`` to each (found by fuzzing the chain step; the benchmark maps are all large)."""
+    rng = np.random.default_rng(7)
+    for cp in (2, 3, 4, 8):
+        for t in (1, 2, 3, 7):
+            total = cp * t
+            for n in sorted({1, min(cp - 1, total) or 1, total, int(rng.integers(1, total + 1))}):
+                cuts = np.sort(rng.choice(np.arange(1, total), size=n - 1, replace=False)) if n > 1 else []
+                cu = np.r_[0, cuts, total].astype(np.int64)
+                offsets, run_start, run_len = local_plan_arrays(cu, cp, weights)
+                assert offsets.size == cp + 1 and offsets[0] == 0 and offsets[-1] == run_start.size, (cp, cu)
+                assert np.all(run_len > 0)
+                covered = np.zeros(total, dtype=np.int64)
+                for start, length in zip(run_start.tolist(), run_len.tolist()):
+                    covered[start:start + length] += 1
+                assert np.all(covered == 1), (cp, cu.tolist())
+                per_rank = np.add.reduceat(run_len, offsets[:-1]) if run_len.size else np.zeros(cp)
+                assert np.all(per_rank == t), (cp, cu.tolist(), per_rank)
+                doc = np.searchsorted(cu, run_start, side="right") - 1  # every run inside one document
+                assert np.all(run_start + run_len <= cu[doc + 1]), (cp, cu.tolist())

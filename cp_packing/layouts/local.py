@@ -439,7 +439,8 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
             h = np.concatenate([h1, np.minimum(h1 + 1, c[i, None] + w[i, None] - u)], axis=1)
             a, u, pref, wanted = (np.concatenate([x, x], axis=1) for x in (a, u, pref, wanted))
             off = (wanted - range_cost(h, h + u, s.weights)).astype(np.float64)
-            key = np.where(np.abs(off) <= eps, np.abs(h - pref) * (2 * s.total + 2) + np.abs(a - near[i, None]), top)
+            dist = 2 * np.abs(a - near[i, None]) + (a > near[i, None])  # a tie to the lower split: blocks can't matter
+            key = np.where(np.abs(off) <= eps, np.abs(h - pref) * (4 * s.total + 4) + dist, top)
             pick = np.argmin(key, axis=1)
             sel = (np.arange(i.size), pick)
             better = key[sel] < best[0]
