@@ -345,16 +345,23 @@ def _block(s: _Stream) -> int:
     return max(1024, min(_BLOCK, s.total >> 6))
 
 
+def _in_row_blocks(block: int, solve, r: np.ndarray, target: np.ndarray, prev, *rest):
+    """``solve(r, target, prev, *rest) -> ((a, k, u, h, c, w, off), flags)`` on at most ``block`` boundaries at a
+    time (rows of ``r``, ``target``, ``prev`` and ``rest``), the results joined: the same per boundary, in memory
+    bounded by the block."""
+    if r.size <= block:
+        return solve(r, target, prev, *rest)
+    parts = [solve(r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
+                   *(x[i:i + block] for x in rest)) for i in range(0, r.size, block)]
+    return [np.concatenate([p[0][j] for p in parts]) for j in range(7)], np.concatenate([p[1] for p in parts])
+
+
 def _pick_rows(s: _Stream, fold: np.ndarray, cp: int, t: int, r, target, prev, lo, hi, a0, span: int):
     """``_pick`` in blocks of rows, so that the splits it prices with their two heads each (``[rows, 4 _WINDOW]``
     wide, ``[rows, 4 span + 2]`` else) hold at most ``min(_BLOCK, T / 64)`` elements per array (one row at least):
     the same picks, in memory within the map's size."""
     block = max(1, _block(s) // (4 * _WINDOW if _wide(s, span) else 4 * span + 2))  # x 2: a head and the next
-    if r.size <= block:
-        return _pick(s, fold, cp, t, r, target, prev, lo, hi, a0, span)
-    parts = [_pick(s, fold, cp, t, r[i:i + block], target[i:i + block], tuple(x[i:i + block] for x in prev),
-                   lo[i:i + block], hi[i:i + block], a0[i:i + block], span) for i in range(0, r.size, block)]
-    return [np.concatenate([p[0][j] for p in parts]) for j in range(7)], np.concatenate([p[1] for p in parts])
+    return _in_row_blocks(block, lambda *x: _pick(s, fold, cp, t, *x, span), r, target, prev, lo, hi, a0)
 
 
 def _solve(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev, lo: np.ndarray,
@@ -383,11 +390,12 @@ def _framed(s: _Stream, fold: np.ndarray, shift: np.ndarray, target: np.ndarray,
     bound stays short of it (``_with_heads``' free cut, per row ``k, c, w``): ``(u, pref, wanted)``: the S tokens
     left inside, the layout's head kept in the frame, and the inside's cost that would hit the target."""
     y = a + shift[:, None]
-    u, length = y - s.beg[k][:, None], s.length[k][:, None]
-    h_pre = np.where(fold[k][:, None], (length - u) // 2, 0)
+    kk = np.broadcast_to(k[:, None], y.shape)
+    u = y - s.beg[kk]
+    h_pre = _first(s, fold, kk, 0, s.length[kk], u)  # the layout's head (what the prefix costs assume)
     pref = np.clip(h_pre, c[:, None], c[:, None] + w[:, None] - u)
-    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold, np.broadcast_to(k[:, None], y.shape))
-    return u, pref, range_cost(h_pre, h_pre + u, s.weights) + cost - target[:, None]
+    cost = s.prefix(a, fold) + s.ideal - s.prefix(y, fold, kk)
+    return u, pref, _inner_cost(s, kk, u, h_pre) + cost - target[:, None]
 
 
 def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, target: np.ndarray, prev):
@@ -416,12 +424,12 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
     while np.any(x_hi - x_lo > 64):  # the last split whose cost (with the layout's head) is >= the target
         a = x_lo[:, None] + (x_hi - x_lo)[:, None] * grid // _GRID
         u, pref, wanted = _framed(s, fold, sh, tg, k, c, w, a)
-        up = wanted - range_cost(pref, pref + u, s.weights) >= 0
+        up = wanted - _inner_cost(s, k[:, None], u, pref) >= 0
         j = np.clip(up.sum(axis=1) - 1, 0, _GRID - 1)  # the cost falls as a grows: the crossing is in [a_j, a_j+1]
         x_lo, x_hi = np.take_along_axis(a, j[:, None], 1)[:, 0], np.take_along_axis(a, j[:, None] + 1, 1)[:, 0]
     a = np.minimum(x_lo[:, None] + np.arange(65), x_hi[:, None])  # the split nearest the target (smallest on a tie)
     u, pref, wanted = _framed(s, fold, sh, tg, k, c, w, a)
-    near = np.take_along_axis(a, np.argmin(np.abs(wanted - range_cost(pref, pref + u, s.weights)), axis=1)[:, None],
+    near = np.take_along_axis(a, np.argmin(np.abs(wanted - _inner_cost(s, k[:, None], u, pref)), axis=1)[:, None],
                               1)[:, 0]
     eps, top = _EXACT * s.ideal / cp, np.iinfo(np.int64).max
     pending = np.arange(rows.size)
@@ -434,11 +442,10 @@ def _chain_step(s: _Stream, fold: np.ndarray, cp: int, t: int, r: np.ndarray, ta
         for j in range(-span, span + 1, step):  # in blocks of columns: memory within the map's size
             a = np.clip(near[i, None] + np.arange(j, min(j + step, span + 1)), b_lo[i, None], b_hi[i, None])
             u, pref, wanted = _framed(s, fold, sh[i], tg[i], k[i], c[i], w[i], a)
-            hstar = np.floor_divide(wanted - u * (u + 1) // 2, u)  # the largest head whose inside costs <= wanted
-            h1 = np.clip(hstar, c[i, None], c[i, None] + w[i, None] - u)
+            h1 = c[i, None] + _heads(s, k[i, None], u, c[i, None], w[i, None] - u, wanted)  # in the frame
             h = np.concatenate([h1, np.minimum(h1 + 1, c[i, None] + w[i, None] - u)], axis=1)
             a, u, pref, wanted = (np.concatenate([x, x], axis=1) for x in (a, u, pref, wanted))
-            off = (wanted - range_cost(h, h + u, s.weights)).astype(np.float64)
+            off = (wanted - _inner_cost(s, k[i, None], u, h)).astype(np.float64)
             dist = 2 * np.abs(a - near[i, None]) + (a > near[i, None])  # a tie to the lower split: blocks can't matter
             key = np.where(np.abs(off) <= eps, np.abs(h - pref) * (4 * s.total + 4) + dist, top)
             pick = np.argmin(key, axis=1)
@@ -482,12 +489,10 @@ def _boundaries(s: _Stream, fold: np.ndarray, cp: int, t: int, target: np.ndarra
         prev = tuple(x[rows - 1] if d else none[rows] for x in out[:6])
         if d and s.weights == _FULL:  # a free head in the frame the boundary before left: the lean search, in
             # blocks of rows whose [rows, 2 (2 _WINDOW + 1)] arrays stay within _block elements
-            block, solved = max(1, _block(s) // (4 * _WINDOW + 2)), np.zeros(rows.size, dtype=bool)
-            for i in range(0, rows.size, block):
-                j = slice(i, i + block)
-                lean, solved[j] = _chain_step(s, fold, cp, t, r[rows[j]], target[rows[j]], tuple(x[j] for x in prev))
-                for o, x in zip(out, lean):
-                    o[rows[j][solved[j]]] = x[solved[j]]
+            lean, solved = _in_row_blocks(max(1, _block(s) // (4 * _WINDOW + 2)),
+                                          lambda *x: _chain_step(s, fold, cp, t, *x), r[rows], target[rows], prev)
+            for o, x in zip(out, lean):
+                o[rows[solved]] = x[solved]
             rows, prev = rows[~solved], tuple(x[~solved] for x in prev)
             if not rows.size:
                 continue
