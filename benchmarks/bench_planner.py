@@ -48,7 +48,9 @@ CHUNK = 512
 FULL = ((None, 1),)  # no window: the causal cost (layouts.work.WindowWeights)
 
 
-def _figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float]:
+def plan_figures(cu: np.ndarray, cp: int, rank, start, length) -> tuple[float, float]:
+    """A plan's runs ``(rank, start, length)``: busiest / mean causal cost and the busiest rank's remote keys over an
+    all-gather's."""
     cost = rank_cost(cu, rank, start, length, cp)
     need = exchange_need(cu, rank, start, length, cp)
     t_local = int(cu[-1]) // cp
@@ -71,11 +73,11 @@ def measure(doc_ids: torch.Tensor, cp: int, planner, repeats: int, magi=None) ->
     rank = np.repeat(np.arange(cp, dtype=np.int64), np.diff(offsets))
     heap_time = _median(lambda: minheap_dispatch(cu, cp, CHUNK), max(1, repeats // 2))
     out = {"segments": cu.size - 1, "meta": meta, "local": t_local, "min-heap": heap_time,
-           "peak / map": peak / (doc_ids.numel() * 4), "local fig": _figures(cu, cp, rank, start, length),
-           "heap fig": _figures(cu, cp, *minheap_dispatch(cu, cp, CHUNK))}
+           "peak / map": peak / (doc_ids.numel() * 4), "local fig": plan_figures(cu, cp, rank, start, length),
+           "heap fig": plan_figures(cu, cp, *minheap_dispatch(cu, cp, CHUNK))}
     if magi is not None:
         out["magi"] = _median(lambda: magi(cu, cp), max(1, repeats // 2))
-        out["magi fig"] = _figures(cu, cp, *magi(cu, cp))
+        out["magi fig"] = plan_figures(cu, cp, *magi(cu, cp))
     return out
 
 
@@ -88,12 +90,13 @@ def _row(name: str, cp: int, m: dict) -> str:
                                                              f"{m['magi fig'][1]:.3f} |"))
 
 
-def _load(path: str | None):
+def load_planner(path: str | None, name: str = "local_under_test"):
+    """The module at ``path`` (a version of ``cp_packing/layouts/local.py``) as ``name``; the package's for None."""
     if path is None:
         return local
-    spec = importlib.util.spec_from_file_location("local_under_test", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up while the class is made
+    sys.modules[name] = module  # its dataclass looks its module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
     sizes = (1 << 18, 1 << 20) if args.quick else (1 << 20, 1 << 24, 1 << 26)
     cps = args.cp or ((8, 32) if args.quick else (8, 32, 128))
     repeats = args.repeats or (3 if args.quick else 5)
-    planner = _load(args.planner)
+    planner = load_planner(args.planner)
     magi = None if args.magi is None else magi_dispatch.load(args.magi)
     torch.set_num_threads(1)
     header = ("| map | cp | segments | meta ms | local ms | local / meta | min-heap ms | peak / map | "

@@ -16,28 +16,19 @@ each version's total planning time (both run alternately in one process, one thr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-from bench_exchange_bytes import FAMILIES, exchange_need, family_map, rank_cost
+from bench_exchange_bytes import FAMILIES, family_map
+from bench_planner import load_planner, plan_figures
 
 import cp_packing
 from cp_packing.testing import synthetic_doc_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclass looks its module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cu(doc_ids: torch.Tensor) -> np.ndarray:
@@ -65,12 +56,9 @@ def maps(quick: bool):
 
 
 def figures(cu: np.ndarray, cp: int, plan) -> tuple[float, float]:
-    """Busiest / mean causal cost and the busiest rank's remote keys over an all-gather's."""
+    """``bench_planner.plan_figures`` of a plan ``(offsets, run_start, run_len)``."""
     offsets, start, length = plan
-    rank = np.repeat(np.arange(cp), np.diff(offsets))
-    cost = rank_cost(cu, rank, start, length, cp)
-    need = exchange_need(cu, rank, start, length, cp)
-    return float(cost.max() / (cost.sum() / cp)), float(need.max() / ((cp - 1) * (int(cu[-1]) // cp)))
+    return plan_figures(cu, cp, np.repeat(np.arange(cp), np.diff(offsets)), start, length)
 
 
 def main(argv=None) -> int:
@@ -81,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    old, new = _load(args.old, "planner_old"), _load(args.new, "planner_new")
+    old, new = load_planner(args.old, "planner_old"), load_planner(args.new, "planner_new")
     tol = new.TOLERANCE if args.tolerance is None else args.tolerance
     counts, seconds = {"identical": 0, "differ, no worse": 0, "worse": 0}, [0.0, 0.0]
     for name, cp, cu, weights in maps(args.quick):
