@@ -72,8 +72,8 @@ def trial_doc_ids(layout: str, cp_size: int, batch: int, seq_len: int, seed: int
     Lognormal lengths (median S/6, so some documents are longer than a shard), up to 20% row padding, row 0 opening
     with a document of 3/4 of the row, and at every contiguous shard edge inside a row the same document (or
     padding run) on both sides. ``balanced`` keeps heavy documents whole where it can: when it splits none of that
-    map (and ``local``, which keeps documents on their ranks where it can), the trial uses whole-row documents instead (``trial_shape`` makes the row count indivisible by cp, so equal
-    token counts force a split).
+    map (and ``local``, which keeps documents on their ranks where it can), the trial uses whole-row documents
+    instead (``trial_shape`` makes the row count indivisible by cp, so equal token counts force a split).
     """
     rows, S = trial_shape(cp_size, batch, seq_len)
     doc_ids = synthetic_doc_ids("huge", rows, S, seed=seed, median=max(S / 6, 1.0), sigma=1.0, pad=0.2)
